@@ -1,0 +1,162 @@
+"""Named tensors <-> flat byte buckets, and the weight digest.
+
+Rules: a bucket is one contiguous uint8 buffer with tensors back to back at 64-byte
+aligned offsets; its header lists `TensorMeta`s and an xxh3-64 checksum of the buffer.
+Packing copies each tensor once (that copy is the wire image); unpacking never copies:
+it returns views into the received buffer. `digest()` is the one definition of "the same
+weights" used by trainers and every engine.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from messages.dtypes import DTYPES, dtype_name
+from messages.schema import TensorMeta
+
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBucket:
+    seq: int
+    tensors: tuple[TensorMeta, ...]
+    data: torch.Tensor  # uint8, contiguous; `memoryview(data.numpy())` is the wire frame
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def frame(self) -> memoryview:
+        return memoryview(self.data.numpy())
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of `t`'s bytes (copied to contiguous CPU first if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def checksum(buf: Any) -> int:
+    """xxh3-64 of a buffer (bytes, memoryview, zmq.Frame buffer, uint8 tensor)."""
+    if isinstance(buf, torch.Tensor):
+        buf = buf.numpy()
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def _pack(seq: int, items: list[tuple[str, torch.Tensor]]) -> PackedBucket:
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    total = metas[-1].offset + metas[-1].nbytes if metas else 0
+    data = torch.empty(total, dtype=torch.uint8)
+    for meta, (_, t) in zip(metas, items):
+        if meta.nbytes:
+            data[meta.offset:meta.offset + meta.nbytes].copy_(as_bytes(t))
+    # Padding bytes are part of the checksummed frame, so make them deterministic.
+    for a, b in zip(metas, metas[1:]):
+        end = a.offset + a.nbytes
+        if b.offset > end:
+            data[end:b.offset].zero_()
+    return PackedBucket(seq, tuple(metas), data, checksum(data))
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[PackedBucket]:
+    """Stream (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor
+    goes alone). Holds one bucket's worth of references at a time."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be > 0")
+    seq = 0
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
+        nbytes = t.numel() * t.element_size()
+        if pending and _aligned(size) + nbytes > bucket_bytes:
+            yield _pack(seq, pending)
+            seq += 1
+            pending, size = [], 0
+        pending.append((name, t))
+        size = _aligned(size) + nbytes
+    if pending:
+        yield _pack(seq, pending)
+
+
+def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside `buf` (no copy). The codec has validated the metas."""
+    mv = memoryview(getattr(buf, "buffer", buf))
+    if mv.nbytes == 0:
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            # Received frames are read-only; the views are only ever read from.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mv, dtype=torch.uint8)
+    for m in metas:
+        raw = flat[m.offset:m.offset + m.nbytes]
+        dtype = DTYPES[m.dtype]
+        t = raw.view(dtype) if dtype != torch.uint8 else raw
+        yield m.name, t.view(m.shape) if m.shape else t.reshape(())
+
+
+class Digester:
+    """Order-independent digest over named tensors: sorted (name, per-tensor hash) pairs.
+
+    Per tensor: xxh3-128 of name, dtype, shape and bytes. Equal state dicts give equal
+    digests whatever order or bucketing they were streamed in.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, bytes] = {}
+
+    def update(self, name: str, t: torch.Tensor) -> None:
+        h = xxhash.xxh3_128()
+        h.update(name.encode())
+        h.update(b"\0" + dtype_name(t.dtype).encode() + b"\0")
+        h.update(repr(tuple(t.shape)).encode())
+        b = as_bytes(t)
+        if b.numel():
+            h.update(b.numpy())
+        self._parts[name] = h.digest()
+
+    def hexdigest(self) -> str:
+        h = xxhash.xxh3_128()
+        for name in sorted(self._parts):
+            h.update(name.encode() + b"\0")
+            h.update(self._parts[name])
+        return h.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
+def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    d = Digester()
+    for name, t in named_tensors:
+        d.update(name, t)
+    return d.hexdigest()

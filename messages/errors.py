@@ -1,0 +1,140 @@
+"""Error codes and the exception hierarchy shared by every side of the wire.
+
+Rules: every failure that crosses a process boundary carries an `ErrorCode`; the type of
+the exception says whose fault it was (peer: the request was bad; engine: an engine
+failed; ours: the daemon broke). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+
+class ErrorCode(str, Enum):
+    BAD_MESSAGE = "BAD_MESSAGE"
+    UNSUPPORTED_PROTOCOL = "UNSUPPORTED_PROTOCOL"
+    INVALID_STATE = "INVALID_STATE"
+    UNKNOWN_SYNC = "UNKNOWN_SYNC"
+    STALE_VERSION = "STALE_VERSION"
+    CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
+    UNKNOWN_TENSOR = "UNKNOWN_TENSOR"
+    SHAPE_MISMATCH = "SHAPE_MISMATCH"
+    INCOMPLETE_SYNC = "INCOMPLETE_SYNC"
+    NO_ENGINES = "NO_ENGINES"
+    ENGINE_FAILED = "ENGINE_FAILED"
+    CANARY_MISMATCH = "CANARY_MISMATCH"
+    TIMEOUT = "TIMEOUT"
+    TOO_LARGE = "TOO_LARGE"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    INTERNAL = "INTERNAL"
+
+
+class MessageError(Exception):
+    """A message could not be decoded or validated. Raised by the codec, never asserted."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(f"{code.value}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class WeightSyncError(Exception):
+    """Base of every typed failure a trainer or engine can see. `.code` is an ErrorCode."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode | None = None,
+        state: str | None = None,
+        version: int | None = None,
+        sync_id: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        if code is not None:
+            self.code = code
+        super().__init__(f"{self.code.value}: {message}")
+        self.message = message
+        self.state = state
+        self.version = version
+        self.sync_id = sync_id
+        self.details = details or {}
+
+    def to_fields(self) -> dict[str, Any]:
+        """The `error` reply fields for this failure."""
+        out: dict[str, Any] = {
+            "code": self.code.value,
+            "message": self.message,
+            "state": self.state,
+            "version": self.version,
+            "sync_id": self.sync_id,
+        }
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class PeerError(WeightSyncError):
+    """The request itself was wrong (malformed, oversized, unauthorized)."""
+
+    code = ErrorCode.BAD_MESSAGE
+
+
+class StateError(WeightSyncError):
+    """The request does not fit the daemon's current state; retry after fixing the order."""
+
+    code = ErrorCode.INVALID_STATE
+
+
+class DataError(WeightSyncError):
+    """Tensor data was refused before anything was applied (checksum, name, shape)."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+class EngineError(WeightSyncError):
+    """An engine failed, was lost, or produced the wrong result."""
+
+    code = ErrorCode.ENGINE_FAILED
+
+
+class SyncTimeout(WeightSyncError):
+    code = ErrorCode.TIMEOUT
+
+
+class InternalError(WeightSyncError):
+    """Our fault: a bug or an environment failure inside weightsync."""
+
+    code = ErrorCode.INTERNAL
+
+
+_CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
+    ErrorCode.BAD_MESSAGE: PeerError,
+    ErrorCode.UNSUPPORTED_PROTOCOL: PeerError,
+    ErrorCode.TOO_LARGE: PeerError,
+    ErrorCode.UNAUTHORIZED: PeerError,
+    ErrorCode.INVALID_STATE: StateError,
+    ErrorCode.UNKNOWN_SYNC: StateError,
+    ErrorCode.STALE_VERSION: StateError,
+    ErrorCode.INCOMPLETE_SYNC: StateError,
+    ErrorCode.CHECKSUM_MISMATCH: DataError,
+    ErrorCode.UNKNOWN_TENSOR: DataError,
+    ErrorCode.SHAPE_MISMATCH: DataError,
+    ErrorCode.NO_ENGINES: EngineError,
+    ErrorCode.ENGINE_FAILED: EngineError,
+    ErrorCode.CANARY_MISMATCH: EngineError,
+    ErrorCode.TIMEOUT: SyncTimeout,
+    ErrorCode.INTERNAL: InternalError,
+}
+
+
+def error_class(code: ErrorCode) -> type[WeightSyncError]:
+    return _CLASS_BY_CODE.get(code, WeightSyncError)
+
+
+def make_error(code: ErrorCode, message: str, **kw: Any) -> WeightSyncError:
+    """Build the right WeightSyncError subclass for `code`."""
+    return error_class(code)(message, code=code, **kw)

@@ -1,0 +1,86 @@
+"""Settings: flags, then WEIGHTSYNC_* environment variables, then defaults, resolved once
+into a frozen object. The only module that reads or writes the process environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+DEFAULT_ADDR = "tcp://127.0.0.1:5555"
+DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5556"
+ENV_PREFIX = "WEIGHTSYNC_"
+
+
+class ConfigError(ValueError):
+    """A setting could not be parsed (exit code 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    bind: str = DEFAULT_ADDR
+    engine_bind: str = DEFAULT_ENGINE_ADDR
+    state_db: str = "weightsync-state.db"
+    min_engines: int = 1
+    engine_timeout: float = 15.0
+    heartbeat_interval: float = 1.0
+    sync_timeout: float = 300.0
+    bucket_timeout: float = 300.0
+    finalize_timeout: float = 600.0
+    tick_interval: float = 0.2
+    max_header_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+    log_json: bool | None = None  # None: JSON when stderr is not a TTY
+
+
+def _parse(value: str, default: Any, name: str) -> Any:
+    kind = type(default)
+    try:
+        if isinstance(default, bool) or default is None and value.lower() in (
+                "1", "0", "true", "false", "yes", "no"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if kind is int:
+            return int(value)
+        if kind is float:
+            return float(value)
+        return value
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={value!r} is not a valid {kind.__name__}") from None
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Flags (non-None overrides) win over WEIGHTSYNC_* variables, which win over defaults."""
+    base = Settings()
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        if env is not None:
+            values[f.name] = _parse(env, getattr(base, f.name), f.name)
+    for k, v in overrides.items():
+        if v is not None:
+            if k not in {f.name for f in fields(Settings)}:
+                raise ConfigError(f"unknown setting {k!r}")
+            values[k] = v
+    settings = replace(base, **values)
+    if settings.min_engines < 0 or settings.engine_timeout <= 0 or settings.tick_interval <= 0:
+        raise ConfigError("min_engines must be >= 0 and timeouts > 0")
+    return settings
+
+
+def env_value(name: str, default: str | None = None) -> str | None:
+    """A WEIGHTSYNC_* variable that is not a daemon setting (engine and client options)."""
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def set_process_env(values: dict[str, str]) -> None:
+    """Set variables that a library reads at import (vLLM, HF) before importing it."""
+    for k, v in values.items():
+        os.environ[k] = v
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a subprocess we start (demo, tests): ours plus `extra`."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    return env

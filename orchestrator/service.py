@@ -1,0 +1,412 @@
+"""The daemon: the only code that owns orchestrator sockets. startup -> loop -> shutdown.
+
+Rules: one asyncio task owns both ROUTER sockets (pyzmq sockets are not thread-safe), reads
+them, feeds the pure FSM and executes the commands it returns. Tensor frames are received
+with copy=False and the same zmq.Frame is relayed to every engine with copy=False: ZeroMQ
+refcounts the message, so fan-out to N engines costs no copy, and its I/O thread moves the
+bytes to all engines at once while this task goes on (that is the concurrent fan-out;
+`asyncio.gather` over one socket would break the one-owner rule). Bad input is answered
+with a typed `error`; the FSM raised before changing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from messages import codec, schema
+from messages.buckets import checksum
+from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
+from orchestrator import fsm
+from orchestrator.config import Settings
+from orchestrator.journal import Journal
+
+log = structlog.get_logger()
+
+TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
+ENGINE_TYPES = ("register", "heartbeat", "loaded", "finalized", "failed")
+DAEMON_VERSION = "0.1.0"
+
+
+@dataclass(slots=True)
+class Waiter:
+    ident: bytes
+    req_id: int
+
+
+@dataclass(slots=True)
+class Pending:
+    """Frames of a bucket between its arrival and its forwarding."""
+
+    msg: schema.Bucket
+    frame: Any
+
+
+@dataclass(slots=True)
+class Stats:
+    buckets: int = 0
+    bytes_in: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class Service:
+    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.settings = settings
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.journal = Journal(settings.state_db)
+        rec = self.journal.recover()
+        limits = fsm.Limits(min_engines=settings.min_engines, engine_timeout=settings.engine_timeout,
+                            sync_timeout=settings.sync_timeout, bucket_timeout=settings.bucket_timeout,
+                            finalize_timeout=settings.finalize_timeout)
+        self.core = fsm.Orchestrator(limits, initial=fsm.State(rec.state),
+                                     served_version=rec.version, served_digest=rec.digest,
+                                     dirty=rec.dirty, now=time.monotonic())
+        self.core.history.extend(rec.history)
+        if rec.interrupted:
+            log.warning("sync_interrupted_recovered", sync_id=rec.interrupted, version=rec.version)
+        self.trainer_sock: zmq.asyncio.Socket | None = None
+        self.engine_sock: zmq.asyncio.Socket | None = None
+        self.engine_ident: dict[str, bytes] = {}
+        self.ident_engine: dict[bytes, str] = {}
+        self.pending: dict[tuple[str, tuple[int, int]], Pending] = {}
+        self.bucket_waiters: dict[tuple[str, tuple[int, int]], list[Waiter]] = defaultdict(list)
+        self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
+        self.stats = Stats()
+        self.started = time.time()
+        self._stop = asyncio.Event()
+        self.bound: dict[str, str] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def startup(self) -> None:
+        self.trainer_sock = self._router(self.settings.bind)
+        self.engine_sock = self._router(self.settings.engine_bind)
+        self.bound = {
+            "trainer": self.trainer_sock.getsockopt_string(zmq.LAST_ENDPOINT),
+            "engine": self.engine_sock.getsockopt_string(zmq.LAST_ENDPOINT),
+        }
+        log.info("daemon_started", trainer=self.bound["trainer"], engine=self.bound["engine"],
+                 state=self.core.state.value, version=self.core.served_version,
+                 dirty=self.core.dirty, state_db=self.settings.state_db)
+
+    def _router(self, addr: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the window, not by a silent drop
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(addr)
+        return sock
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.request_stop)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if self.trainer_sock is None:
+            self.startup()
+        try:
+            await self._loop()
+        finally:
+            self.shutdown()
+
+    async def _loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.trainer_sock, zmq.POLLIN)
+        poller.register(self.engine_sock, zmq.POLLIN)
+        tick_ms = int(self.settings.tick_interval * 1000)
+        last_tick = time.monotonic()
+        while not self._stop.is_set():
+            events = dict(await poller.poll(tick_ms))
+            # Engines first: their acks free window slots the trainer is waiting on.
+            if self.engine_sock in events:
+                await self._drain_socket(self.engine_sock, self._on_engine)
+            if self.trainer_sock in events:
+                await self._drain_socket(self.trainer_sock, self._on_trainer)
+            now = time.monotonic()
+            if now - last_tick >= self.settings.tick_interval:
+                last_tick = now
+                await self._execute(self.core.tick(now).commands)
+
+    async def _drain_socket(self, sock: zmq.asyncio.Socket, handler: Any, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            await handler(frames[0].bytes, frames[1:])
+
+    def shutdown(self) -> None:
+        try:
+            res = self.core.handle_shutdown(time.monotonic())
+            for cmd in res.commands:
+                if isinstance(cmd, fsm.Journal):
+                    self._journal(cmd)
+            # Best effort: tell waiting trainers and engines before the sockets close.
+            for cmd in res.commands:
+                if isinstance(cmd, fsm.CompleteSync):
+                    self._complete_sync_nowait(cmd)
+        finally:
+            for sock in (self.trainer_sock, self.engine_sock):
+                if sock is not None:
+                    sock.close(linger=500)
+            self.journal.close()
+            log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
+
+    # -- sending ------------------------------------------------------------------------
+    def _send_trainer(self, ident: bytes, msg: schema.Message) -> None:
+        try:
+            self.trainer_sock.send_multipart([ident, codec.encode_header(msg)], copy=False)
+        except zmq.ZMQError as exc:  # the trainer went away; its sync's deadline handles it
+            log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE)
+
+    def _reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
+        self._send_trainer(w.ident, schema.Ok(id=w.req_id, body=body))
+
+    def _reply_error(self, w: Waiter, err: WeightSyncError | MessageError) -> None:
+        if isinstance(err, MessageError):
+            err = make_error(err.code, err.reason, state=self.core.state.value,
+                             version=self.core.served_version,
+                             sync_id=self.core.sync.sync_id if self.core.sync else None)
+        self.stats.errors[err.code.value] += 1
+        f = err.to_fields()
+        self._send_trainer(w.ident, schema.Error(id=w.req_id, code=f["code"], message=f["message"],
+                                                 state=f["state"], version=f["version"],
+                                                 sync_id=f["sync_id"], details=f.get("details")))
+
+    def _send_engine(self, engine_id: str, frames: list[Any]) -> bool:
+        ident = self.engine_ident.get(engine_id)
+        if ident is None:
+            return False
+        try:
+            self.engine_sock.send_multipart([ident, *frames], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
+            return False
+
+    # -- trainer side -------------------------------------------------------------------
+    async def _on_trainer(self, ident: bytes, frames: list[Any]) -> None:
+        if not frames:
+            return
+        try:
+            decoded = codec.decode(frames, allowed=TRAINER_TYPES,
+                                   max_header_bytes=self.settings.max_header_bytes)
+        except MessageError as err:
+            log.warning("message_refused", code=err.code.value, reason=err.reason, src="trainer")
+            self._reply_error(Waiter(ident, codec.peek_id(frames[0])), err)
+            return
+        msg = decoded.msg
+        w = Waiter(ident, msg.id)
+        now = time.monotonic()
+        try:
+            if isinstance(msg, schema.Status):
+                self._reply_ok(w, self.status())
+            elif isinstance(msg, schema.Hello):
+                self._reply_ok(w, {"protocol": schema.PROTOCOL_VERSION, "daemon": DAEMON_VERSION,
+                                   "state": self.core.state.value,
+                                   "version": self.core.served_version})
+            elif isinstance(msg, schema.Begin):
+                res = self.core.handle_begin(msg, now)
+                self._reply_ok(w, res.reply or {})
+                await self._execute(res.commands)
+            elif isinstance(msg, schema.Bucket):
+                await self._on_bucket(w, msg, decoded.payload, now)
+            elif isinstance(msg, schema.Finish):
+                res = self.core.handle_finish(msg, now)
+                self.finish_waiters[msg.sync_id].append(w)
+                await self._execute(res.commands)
+            elif isinstance(msg, schema.Abort):
+                res = self.core.handle_abort(msg.sync_id, msg.reason, now)
+                await self._execute(res.commands)
+                self._reply_ok(w, res.reply or {})
+        except WeightSyncError as err:
+            log.info("request_refused", type=msg.TYPE, code=err.code.value, reason=err.message,
+                     sync_id=getattr(msg, "sync_id", None))
+            self._reply_error(w, err)
+        except Exception as exc:  # our bug: say so to the trainer and keep serving
+            log.exception("request_crashed", type=msg.TYPE)
+            self._reply_error(w, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                                            state=self.core.state.value,
+                                            version=self.core.served_version))
+
+    async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
+        if msg.shm is not None:
+            raise make_error(ErrorCode.BAD_MESSAGE, "shm transport is not enabled on this daemon",
+                             state=self.core.state.value)
+        frame = payload[0]
+        nbytes = len(frame)
+        if checksum(frame.buffer) != msg.checksum:
+            raise make_error(ErrorCode.CHECKSUM_MISMATCH,
+                             f"bucket seq {msg.seq}: checksum does not match the frame; nothing applied",
+                             state=self.core.state.value, version=self.core.served_version,
+                             sync_id=msg.sync_id)
+        key = (msg.sender, msg.seq)
+        pkey = (msg.sync_id, key)
+        self.pending[pkey] = Pending(msg, frame)
+        try:
+            res = self.core.handle_bucket(msg, nbytes, now)
+        except WeightSyncError:
+            self.pending.pop(pkey, None)
+            raise
+        if res.reply is not None:
+            self.pending.pop(pkey, None)
+            self._reply_ok(w, res.reply)
+        else:
+            self.bucket_waiters[pkey].append(w)
+        self.stats.buckets += 1
+        self.stats.bytes_in += nbytes
+        await self._execute(res.commands)
+        self.pending.pop(pkey, None)  # forwarded: ZeroMQ holds its own reference now
+
+    # -- engine side --------------------------------------------------------------------
+    async def _on_engine(self, ident: bytes, frames: list[Any]) -> None:
+        try:
+            decoded = codec.decode(frames, allowed=ENGINE_TYPES,
+                                   max_header_bytes=self.settings.max_header_bytes)
+        except MessageError as err:
+            log.warning("message_refused", code=err.code.value, reason=err.reason, src="engine")
+            self.engine_sock.send_multipart([ident, codec.encode_header(schema.Error(
+                id=codec.peek_id(frames[0]), code=err.code.value, message=err.reason,
+                state=self.core.state.value))])
+            return
+        msg = decoded.msg
+        now = time.monotonic()
+        if isinstance(msg, schema.Register):
+            old = self.engine_ident.get(msg.engine_id)
+            if old is not None and old != ident:
+                self.ident_engine.pop(old, None)
+            self.engine_ident[msg.engine_id] = ident
+            self.ident_engine[ident] = msg.engine_id
+            res = self.core.handle_register(msg, now)
+            log.info("engine_registered", engine_id=msg.engine_id, backend=msg.backend,
+                     version=msg.version, state=res.reply.get("state") if res.reply else None)
+            self.engine_sock.send_multipart([ident, codec.encode_header(
+                schema.Ok(id=msg.id, body=res.reply or {}))])
+            await self._execute(res.commands)
+            return
+        engine_id = self.ident_engine.get(ident)
+        if isinstance(msg, schema.Heartbeat):
+            known = engine_id == msg.engine_id
+            res = self.core.handle_heartbeat(msg.engine_id, now) if known else fsm.Result({"known": False})
+            self.engine_sock.send_multipart([ident, codec.encode_header(
+                schema.Ok(id=msg.id, body=res.reply or {}))])
+            await self._execute(res.commands)
+            return
+        if engine_id is None:
+            log.warning("unregistered_engine_message", type=msg.TYPE)
+            self.engine_sock.send_multipart([ident, codec.encode_header(schema.Error(
+                id=msg.id, code=ErrorCode.INVALID_STATE.value, message="register first",
+                state=self.core.state.value))])
+            return
+        if isinstance(msg, schema.Loaded):
+            res = self.core.handle_loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), now)
+        elif isinstance(msg, schema.Finalized):
+            log.info("engine_finalized", engine_id=engine_id, sync_id=msg.sync_id,
+                     version=msg.version, finalize_count=msg.finalize_count, seconds=msg.seconds)
+            res = self.core.handle_finalized(engine_id, msg, now)
+        elif isinstance(msg, schema.Failed):
+            log.warning("engine_reported_failure", engine_id=engine_id, sync_id=msg.sync_id,
+                        code=msg.code, reason=msg.message, duplicate=msg.duplicate)
+            res = self.core.handle_failed(engine_id, msg, now)
+        else:
+            return
+        await self._execute(res.commands)
+
+    # -- commands -----------------------------------------------------------------------
+    async def _execute(self, commands: list[fsm.Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, fsm.ForwardBucket):
+                self._forward(cmd)
+            elif isinstance(cmd, fsm.AckBucket):
+                for w in self.bucket_waiters.pop((cmd.sync_id, cmd.key), []):
+                    self._reply_ok(w, {"seq": cmd.key[1], "sender": cmd.key[0]})
+            elif isinstance(cmd, fsm.SendFinalize):
+                header = codec.encode_header(schema.Finalize(sync_id=cmd.sync_id, version=cmd.version,
+                                                             probes=cmd.probes))
+                if not self._send_engine(cmd.engine_id, [header]):
+                    await self._execute(self.core.tick(time.monotonic()).commands)
+            elif isinstance(cmd, fsm.SendAbort):
+                header = codec.encode_header(schema.Abort(sync_id=cmd.sync_id))
+                for eid in cmd.engine_ids:
+                    self._send_engine(eid, [header])
+            elif isinstance(cmd, fsm.CompleteSync):
+                self._complete_sync_nowait(cmd)
+            elif isinstance(cmd, fsm.Journal):
+                self._journal(cmd)
+
+    def _forward(self, cmd: fsm.ForwardBucket) -> None:
+        p = self.pending.get((cmd.sync_id, cmd.key))
+        if p is None:
+            raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {cmd.key}")
+        m = p.msg
+        sync = self.core.sync
+        header = codec.encode_header(schema.Load(
+            sync_id=m.sync_id, version=sync.version if sync else 0, seq=m.seq, tensors=m.tensors,
+            checksum=m.checksum, sender=m.sender))
+        for eid in cmd.engine_ids:
+            self._send_engine(eid, [header, p.frame])
+        log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq, nbytes=len(p.frame),
+                  engines=len(cmd.engine_ids))
+
+    def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
+        waiters = self.finish_waiters.pop(cmd.sync_id, [])
+        for key in [k for k in self.bucket_waiters if k[0] == cmd.sync_id]:
+            ws = self.bucket_waiters.pop(key)
+            if cmd.error is not None:
+                for w in ws:
+                    self._reply_error(w, cmd.error)
+        for key in [k for k in self.pending if k[0] == cmd.sync_id]:
+            self.pending.pop(key, None)
+        for w in waiters:
+            if cmd.error is not None:
+                self._reply_error(w, cmd.error)
+            else:
+                self._reply_ok(w, cmd.body or {})
+        if cmd.error is not None:
+            log.warning("sync_failed", sync_id=cmd.sync_id, code=cmd.error.code.value,
+                        reason=cmd.error.message, state=self.core.state.value,
+                        dirty=self.core.dirty)
+        else:
+            body = cmd.body or {}
+            log.info("sync_completed", sync_id=cmd.sync_id, version=body.get("version"),
+                     buckets=body.get("buckets"), nbytes=body.get("bytes"),
+                     seconds=body.get("seconds"), engines=len(body.get("engines", [])))
+
+    def _journal(self, cmd: fsm.Journal) -> None:
+        if cmd.kind == "transition":
+            self.journal.transition(cmd.data, self.core.dirty)
+            log.info("state_changed", src=cmd.data["from"], dst=cmd.data["to"],
+                     trigger=cmd.data["trigger"], version=cmd.data.get("version"),
+                     sync_id=cmd.data.get("sync_id"), code=cmd.data.get("code"))
+        else:
+            self.journal.sync(cmd.data)
+
+    def status(self) -> dict[str, Any]:
+        snap = self.core.snapshot()
+        now_mono = time.monotonic()
+        wall_offset = time.time() - now_mono
+        for h in snap["history"]:
+            if isinstance(h.get("at"), (int, float)) and h["at"] < 1e9:
+                h["at"] = round(h["at"] + wall_offset, 3)
+        snap["daemon"] = {"version": DAEMON_VERSION, "protocol": schema.PROTOCOL_VERSION,
+                          "uptime_s": round(time.time() - self.started, 3),
+                          "trainer_addr": self.bound.get("trainer"),
+                          "engine_addr": self.bound.get("engine"),
+                          "state_db": self.settings.state_db,
+                          "buckets_received": self.stats.buckets,
+                          "bytes_received": self.stats.bytes_in,
+                          "errors": dict(self.stats.errors)}
+        return snap
