@@ -1,0 +1,1 @@
+"""Engine processes: the `Engine` protocol, the worker loop, and the backends."""

@@ -1,0 +1,174 @@
+"""The embedded engine: a transformers causal LM on CPU with a real, non-idempotent
+post-load step.
+
+Post-load step (documented contract, like vLLM's `process_weights_after_loading`): every
+`nn.Linear` weight is repacked in place into the `[in, out]` kernel layout its forward
+then multiplies by, and the checkpoint-format `[out, in]` contents are released (the
+same storage now holds the kernel). `begin` restores the checkpoint layout so buckets can
+be copied in by checkpoint name. Running `finalize` twice transposes the kernel again and
+the model computes garbage, which is exactly the bug class this project exists to stop;
+the worker's guard and the orchestrator's FSM keep it to once per sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from torch import nn
+
+from engines.base import EngineInfo, validate_bucket
+from messages.buckets import Digester
+from messages.dtypes import dtype_name
+from messages.errors import ErrorCode, make_error
+from messages.schema import ParamSpec, Probe
+
+log = structlog.get_logger()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A transformers causal LM from a local directory, on CPU, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, prompt: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """Greedy decode without a KV cache (deterministic and model-agnostic)."""
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+        nxt = int(torch.argmax(logits))
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long)], dim=1)
+    return tuple(out)
+
+
+class _Kernel:
+    """Forward of a repacked Linear: x @ K (+ b), K = the weight storage viewed [in, out]."""
+
+    __slots__ = ("kernel", "bias")
+
+    def __init__(self, kernel: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.kernel, self.bias = kernel, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.kernel)
+        return y + self.bias if self.bias is not None else y
+
+
+class TorchEngine:
+    """`Engine` over a transformers model. Not thread-safe: the worker calls it from one thread."""
+
+    backend = "torch"
+
+    def __init__(self, model_dir: str | Path, *, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.model_dir = str(model_dir)
+        self.model = load_model(model_dir)
+        self.params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self.spec = {n: ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.params.items()}
+        self.linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+        self.packed = False
+        self.finalize_count = 0  # post-load steps run by syncs (the startup one is not counted)
+        self.version: int | None = None
+        self._digest: str | None = self._checkpoint_digest()
+        self._pack()  # the model as loaded from disk is served, so it is post-processed once
+
+    # -- Engine protocol ----------------------------------------------------------------
+    def describe(self) -> EngineInfo:
+        return EngineInfo(backend=self.backend, model=self.model_dir,
+                          spec=tuple(self.spec.values()),
+                          extra={"parameters": sum(t.numel() for t in self.params.values()),
+                                 "linears": len(self.linears)})
+
+    def begin(self, version: int) -> None:
+        if self.packed:
+            self._unpack()
+        self.version = None
+        self._digest = None
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.packed:
+            raise make_error(ErrorCode.INVALID_STATE, "load while weights are packed; begin first")
+        validate_bucket(self.spec, tensors)
+        with torch.no_grad():
+            for name, src in tensors:
+                self.params[name].copy_(src)
+
+    def finalize(self) -> str:
+        digest = self._checkpoint_digest()  # before the checkpoint layout is released
+        self._pack()
+        self.finalize_count += 1
+        self._digest = digest
+        return digest
+
+    def digest(self) -> str:
+        if self._digest is None:
+            if self.packed:
+                raise make_error(ErrorCode.INTERNAL, "packed weights without a recorded digest")
+            self._digest = self._checkpoint_digest()
+        return self._digest
+
+    def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
+        if not self.packed:
+            raise make_error(ErrorCode.INVALID_STATE, "probe before finalize: weights not served")
+        return tuple(greedy(self.model, p.prompt, p.max_tokens) for p in probes)
+
+    def abort(self) -> None:
+        """Drop the sync: weights may be mixed, so nothing is served until the next one."""
+        self.version = None
+        self._digest = None
+
+    def close(self) -> None:
+        self.params.clear()
+        self.linears.clear()
+
+    # -- the post-load step -------------------------------------------------------------
+    def _checkpoint_digest(self) -> str:
+        d = Digester()
+        for name, t in self.params.items():
+            d.update(name, t.detach())
+        return d.hexdigest()
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        t0 = time.perf_counter()
+        for m in self.linears:
+            w = m.weight.data
+            out_f, in_f = w.shape
+            kernel = w.t().contiguous()          # [in, out]
+            w.view(-1).copy_(kernel.view(-1))    # same storage, now the kernel layout
+            m.forward = _Kernel(w.view(in_f, out_f), m.bias)  # type: ignore[method-assign]
+        self.packed = True
+        log.debug("weights_packed", linears=len(self.linears), seconds=time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _unpack(self) -> None:
+        for m in self.linears:
+            w = m.weight.data
+            out_f, in_f = w.shape
+            restored = w.view(in_f, out_f).t().contiguous()  # back to [out, in]
+            w.view(-1).copy_(restored.view(-1))
+            if "forward" in m.__dict__:
+                del m.forward
+        self.packed = False
+
+    def weight_ptrs(self) -> dict[str, int]:
+        """data_ptr of every checkpoint tensor (tests check loads are in place)."""
+        return {n: t.data_ptr() for n, t in self.params.items()}
+
+
+def make_engine(options: dict[str, Any]) -> TorchEngine:
+    return TorchEngine(options["model"], threads=options.get("threads"))

@@ -1,0 +1,229 @@
+"""The `weightsync` command (DESIGN.md section 6).
+
+Exit codes: 0 ok, 2 usage or configuration error, 3 startup failure, 4 sync failed (or a
+request refused: the message carries the error code), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from messages.errors import WeightSyncError
+from orchestrator.config import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings
+
+EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Weight sync between RL trainers and inference engines.")
+err_console = Console(stderr=True)
+
+
+def _settings(**kw: Any):
+    try:
+        return load_settings(**kw)
+    except ConfigError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _fail(err: WeightSyncError, what: str) -> None:
+    where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
+    err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {err.message}{where}")
+    raise typer.Exit(EXIT_SYNC)
+
+
+@app.command()
+def serve(
+    bind: Optional[str] = typer.Option(None, help=f"trainer socket [default {DEFAULT_ADDR}]"),
+    engine_bind: Optional[str] = typer.Option(None, help=f"engine socket [default {DEFAULT_ENGINE_ADDR}]"),
+    state_db: Optional[str] = typer.Option(None, help="SQLite journal path"),
+    min_engines: Optional[int] = typer.Option(None, help="engines required to begin a sync"),
+    engine_timeout: Optional[float] = typer.Option(None, help="seconds without heartbeat before an engine is lost"),
+    sync_timeout: Optional[float] = typer.Option(None, help="seconds without trainer activity before a sync fails"),
+    bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
+    finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
+    log_level: Optional[str] = typer.Option(None),
+    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
+) -> None:
+    """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
+    import zmq
+
+    from orchestrator.logs import configure_logging
+    from orchestrator.service import Service
+
+    s = _settings(bind=bind, engine_bind=engine_bind, state_db=state_db, min_engines=min_engines,
+                  engine_timeout=engine_timeout, sync_timeout=sync_timeout,
+                  bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
+                  log_level=log_level, log_json=log_json)
+    configure_logging(s.log_level, s.log_json)
+    try:
+        service = Service(s)
+        service.startup()
+    except (zmq.ZMQError, OSError) as exc:
+        err_console.print(f"[red]startup failed:[/red] {exc}")
+        raise typer.Exit(EXIT_STARTUP) from None
+    asyncio.run(service.run())
+
+
+@app.command()
+def engine(
+    backend: str = typer.Option("torch", help="torch | vllm"),
+    model: Path = typer.Option(..., exists=True, file_okay=False, help="local model directory"),
+    connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
+    engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
+    threads: Optional[int] = typer.Option(None, help="torch intra-op threads"),
+    heartbeat_interval: Optional[float] = typer.Option(None),
+    log_level: Optional[str] = typer.Option(None),
+    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
+) -> None:
+    """Run an engine process that applies weights pushed through the orchestrator."""
+    import os
+    import signal
+
+    from engines.worker import Worker, make_engine
+    from orchestrator.logs import configure_logging
+
+    s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json)
+    configure_logging(s.log_level, s.log_json)
+    try:
+        eng = make_engine(backend, {"model": str(model), "threads": threads})
+    except (ValueError, OSError, ImportError) as exc:
+        err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
+        raise typer.Exit(EXIT_STARTUP) from None
+    worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
+                    heartbeat_interval=s.heartbeat_interval)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.request_stop())
+    worker.run()
+
+
+def status_table(st: dict[str, Any]) -> Table:
+    sync = st.get("sync")
+    title = (f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  "
+             f"dirty={st.get('dirty')}")
+    if sync:
+        title += f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets {sync['bytes']} B"
+    t = Table(title=title, title_justify="left")
+    for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
+        t.add_column(col)
+    for e in st.get("engines", []):
+        t.add_row(*[str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
+                    for c in ("engine_id", "backend", "state", "version", "finalize_count",
+                              "digest", "host", "pid")])
+    return t
+
+
+def history_table(st: dict[str, Any], n: int = 10) -> Table:
+    t = Table(title="recent transitions", title_justify="left")
+    for col in ("at", "from", "to", "trigger", "version", "code"):
+        t.add_column(col)
+    for h in st.get("history", [])[-n:]:
+        at = time.strftime("%H:%M:%S", time.localtime(h["at"])) if h.get("at") else ""
+        t.add_row(at, h["from"], h["to"], h["trigger"], str(h.get("version")), h.get("code") or "")
+    return t
+
+
+@app.command()
+def status(
+    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+    watch: Optional[float] = typer.Option(None, help="refresh every N seconds"),
+    timeout: float = typer.Option(5.0, help="seconds to wait for the daemon"),
+) -> None:
+    """Show the daemon's state, engines and recent transitions."""
+    from orchestrator.client import TrainerClient
+
+    console = Console()
+    with TrainerClient(addr, timeout=timeout, retries=0) as c:
+        try:
+            while True:
+                st = c.status()
+                if as_json:
+                    print(json.dumps(st, sort_keys=True), flush=True)
+                else:
+                    if watch:
+                        console.clear()
+                    console.print(status_table(st))
+                    console.print(history_table(st))
+                if not watch:
+                    return
+                time.sleep(watch)
+        except WeightSyncError as err:
+            _fail(err, "status")
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+
+@app.command()
+def push(
+    checkpoint: Path = typer.Argument(..., exists=True, file_okay=False,
+                                      help="directory of *.safetensors files"),
+    version: int = typer.Option(..., help="version number (must be newer than served)"),
+    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    bucket_bytes: int = typer.Option(64 * 1024 * 1024, help="bytes per bucket"),
+    window: int = typer.Option(2, help="unacknowledged buckets in flight"),
+    timeout: float = typer.Option(60.0, help="seconds per request before a resend"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Push a safetensors checkpoint to every engine as VERSION."""
+    from orchestrator.checkpoint import iter_safetensors
+    from orchestrator.client import TrainerClient
+
+    try:
+        named = iter_safetensors(checkpoint)
+    except (OSError, ValueError) as exc:
+        err_console.print(f"[red]cannot read checkpoint:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+    with TrainerClient(addr, timeout=timeout) as c:
+        try:
+            r = c.push(named, version, bucket_bytes=bucket_bytes, window=window)
+        except WeightSyncError as err:
+            _fail(err, "push")
+            return
+    out = {"sync_id": r.sync_id, "version": r.version, "state": r.state, "buckets": r.buckets,
+           "bytes": r.bytes, "seconds": round(r.seconds, 4), "digest": r.digest,
+           "throughput_mb_s": round(r.throughput / 1e6, 1),
+           "engines": [e["engine_id"] for e in r.engines]}
+    if as_json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        print(f"version {r.version} {r.state}: {r.buckets} buckets, {r.bytes} bytes in "
+              f"{r.seconds:.3f}s ({r.throughput / 1e6:.1f} MB/s) to {len(r.engines)} engine(s); "
+              f"digest {r.digest}")
+
+
+@app.command()
+def demo(
+    versions: int = typer.Option(3, help="versions to push"),
+    engines: int = typer.Option(2, help="torch engine processes"),
+    size: str = typer.Option("small", help="tiny | small"),
+    bucket_bytes: int = typer.Option(4 * 1024 * 1024),
+    workdir: Optional[Path] = typer.Option(None, help="keep files here [default: a temp dir]"),
+) -> None:
+    """Everything on this machine: daemon, engines, a trainer pushing VERSIONS versions."""
+    from orchestrator.demo import run_demo
+
+    try:
+        ok = run_demo(versions=versions, engines=engines, size=size, bucket_bytes=bucket_bytes,
+                      workdir=workdir)
+    except WeightSyncError as err:
+        _fail(err, "demo")
+        return
+    raise typer.Exit(EXIT_OK if ok else EXIT_SYNC)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

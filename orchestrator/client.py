@@ -1,0 +1,266 @@
+"""What trainers import: `TrainerClient(addr).push(named_tensors, version)`.
+
+Rules: one DEALER socket, used only by the thread that created the client. At most
+`window` buckets are unacknowledged at a time (the daemon acks a bucket only when every
+engine applied it), so memory stays at ~window buckets whatever the model size. A request
+that gets no reply in `timeout` is resent with the same sync_id and seq (the daemon acks
+duplicates without re-applying them). Every error reply raises the `WeightSyncError`
+subclass of its code, carrying the daemon's state and version.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+import zmq
+
+from messages import codec, schema
+from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
+from messages.errors import ErrorCode, WeightSyncError, make_error
+from orchestrator.config import DEFAULT_ADDR
+
+log = structlog.get_logger()
+
+REPLY_TYPES = ("ok", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    sync_id: str
+    version: int
+    buckets: int
+    bytes: int
+    seconds: float
+    engines: list[dict[str, Any]]
+    digest: str
+    state: str = "READY"
+    retries: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second, end to end (first begin to READY)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def error_from_reply(msg: schema.Error) -> WeightSyncError:
+    try:
+        code = ErrorCode(msg.code)
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return make_error(code, msg.message, state=msg.state, version=msg.version,
+                      sync_id=msg.sync_id, details=msg.details)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    bucket: PackedBucket
+    sent_at: float
+    attempts: int = 1
+
+
+class TrainerClient:
+    def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float = 30.0, retries: int = 3,
+                 finish_timeout: float = 900.0, ctx: zmq.Context | None = None,
+                 sender: int = 0) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self.retries = retries
+        self.finish_timeout = finish_timeout
+        self.sender = sender
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(addr)
+        self._next_id = 0
+        self._stray: dict[int, schema.Message] = {}
+
+    # -- plumbing -----------------------------------------------------------------------
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> TrainerClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _send(self, msg: schema.Message, payload: Sequence[Any] = ()) -> None:
+        self._sock.send_multipart(codec.encode(msg, payload), copy=False)
+
+    def _recv(self, timeout: float) -> schema.Message | None:
+        if not self._sock.poll(max(0, int(timeout * 1000))):
+            return None
+        frames = self._sock.recv_multipart()
+        return codec.decode(frames, allowed=REPLY_TYPES).msg
+
+    def _request(self, make: Any, timeout: float | None = None, payload: Sequence[Any] = (),
+                 retries: int | None = None) -> dict[str, Any]:
+        """Send `make(id)`; resend with a new id on timeout; return the ok body or raise."""
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        ids: set[int] = set()
+        for attempt in range(retries + 1):
+            rid = self._new_id()
+            ids.add(rid)
+            self._send(make(rid), payload)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                reply = self._recv(left)
+                if reply is None:
+                    break
+                if reply.id not in ids:
+                    self._stray[reply.id] = reply
+                    continue
+                if isinstance(reply, schema.Error):
+                    raise error_from_reply(reply)
+                return reply.body  # type: ignore[union-attr]
+            log.warning("request_timed_out", attempt=attempt + 1, timeout=timeout,
+                        type=make(0).TYPE)
+        raise make_error(ErrorCode.TIMEOUT, f"no reply from {self.addr} after "
+                         f"{retries + 1} attempt(s) of {timeout}s")
+
+    # -- requests -----------------------------------------------------------------------
+    def hello(self) -> dict[str, Any]:
+        return self._request(lambda i: schema.Hello(id=i, client="weightsync-client"))
+
+    def status(self, timeout: float | None = None) -> dict[str, Any]:
+        return self._request(lambda i: schema.Status(id=i), timeout)
+
+    def begin(self, version: int, sync_id: str | None = None, *, senders: int = 1,
+              expected_buckets: int | None = None,
+              probes: Sequence[schema.Probe] = ()) -> dict[str, Any]:
+        sync_id = sync_id or uuid.uuid4().hex
+        body = self._request(lambda i: schema.Begin(sync_id=sync_id, version=version, id=i,
+                                                    senders=senders,
+                                                    expected_buckets=expected_buckets,
+                                                    probes=tuple(probes)))
+        return {**body, "sync_id": sync_id}
+
+    def send_bucket(self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
+                    ) -> dict[str, Any]:
+        """Send one bucket and wait until every engine applied it."""
+        return self._request(lambda i: self._bucket_msg(sync_id, bucket, i, checksum),
+                             payload=[bucket.frame()])
+
+    def finish(self, sync_id: str, buckets: int, *, digest: str | None = None,
+               timeout: float | None = None) -> dict[str, Any]:
+        return self._request(lambda i: schema.Finish(sync_id=sync_id, buckets=buckets, id=i,
+                                                     sender=self.sender, digest=digest),
+                             self.finish_timeout if timeout is None else timeout)
+
+    def abort(self, sync_id: str, reason: str = "", *, timeout: float | None = None,
+              retries: int | None = None) -> dict[str, Any]:
+        return self._request(lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason),
+                             timeout, retries=retries)
+
+    def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
+                    checksum: int | None = None) -> schema.Bucket:
+        return schema.Bucket(sync_id=sync_id, seq=b.seq, tensors=b.tensors,
+                             checksum=b.checksum if checksum is None else checksum, id=rid,
+                             sender=self.sender)
+
+    # -- the whole sync -----------------------------------------------------------------
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
+             probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
+             abort_on_error: bool = True, progress: Any = None) -> SyncResult:
+        """Stream `named_tensors` to every engine as `version`; return when READY."""
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        t0 = time.perf_counter()
+        started = self.begin(version, sync_id, probes=probes)
+        sync_id = started["sync_id"]
+        digester = Digester()
+        try:
+            count, nbytes, retries = self._stream(sync_id, self._digesting(named_tensors, digester),
+                                                  bucket_bytes, window, progress)
+            body = self.finish(sync_id, count, digest=digester.hexdigest())
+        except WeightSyncError as err:
+            if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING"):
+                self._abort_quietly(sync_id, err)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, a broken iterator: do not wedge
+            if abort_on_error:
+                self._abort_quietly(sync_id, exc)
+            raise
+        seconds = time.perf_counter() - t0
+        return SyncResult(sync_id=sync_id, version=version, buckets=count, bytes=nbytes,
+                          seconds=seconds, engines=body.get("engines", []),
+                          digest=digester.hexdigest(), state=body.get("status", "READY"),
+                          retries=retries, detail=body)
+
+    def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
+        try:
+            self.abort(sync_id, reason=f"trainer error: {cause}"[:500],
+                       timeout=min(self.timeout, 5.0), retries=0)
+        except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
+            log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)
+
+    @staticmethod
+    def _digesting(named: Iterable[tuple[str, torch.Tensor]], d: Digester
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            d.update(name, t)
+            yield name, t
+
+    def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
+                bucket_bytes: int, window: int, progress: Any) -> tuple[int, int, int]:
+        inflight: dict[int, _InFlight] = {}  # seq -> bucket
+        by_id: dict[int, int] = {}  # request id -> seq
+        count = nbytes = retries = 0
+
+        def send(f: _InFlight) -> None:
+            rid = self._new_id()
+            by_id[rid] = f.bucket.seq
+            self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
+
+        def wait_one() -> None:
+            nonlocal retries
+            oldest = min(inflight.values(), key=lambda f: f.sent_at)
+            reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
+            if reply is None:  # the oldest timed out: resend it (same sync_id and seq)
+                if oldest.attempts > self.retries:
+                    raise make_error(ErrorCode.TIMEOUT,
+                                     f"bucket seq {oldest.bucket.seq} not acknowledged after "
+                                     f"{oldest.attempts} attempt(s) of {self.timeout}s",
+                                     sync_id=sync_id, state="LOADING_BUCKETS")
+                oldest.attempts += 1
+                oldest.sent_at = time.monotonic()
+                retries += 1
+                log.warning("bucket_resent", sync_id=sync_id, seq=oldest.bucket.seq,
+                            attempt=oldest.attempts)
+                send(oldest)
+                return
+            seq = by_id.pop(reply.id, None)
+            if seq is None:
+                return  # a reply to an earlier attempt already handled
+            if isinstance(reply, schema.Error):
+                raise error_from_reply(reply)
+            f = inflight.pop(seq, None)
+            if f is not None and progress is not None:
+                progress(f.bucket.nbytes)
+
+        for bucket in iter_buckets(named, bucket_bytes):
+            while len(inflight) >= window:
+                wait_one()
+            f = _InFlight(bucket, time.monotonic())
+            inflight[bucket.seq] = f
+            send(f)
+            count += 1
+            nbytes += bucket.nbytes
+        while inflight:
+            wait_one()
+        return count, nbytes, retries

@@ -1,0 +1,150 @@
+"""Start and stop a local daemon and engine processes (demo, tests, smoke checks).
+
+Rules: every process is a real `python -m orchestrator ...` subprocess in its own
+process group with its logs in a file; `Cluster` is a context manager that always
+terminates what it started (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from messages.errors import WeightSyncError
+from orchestrator.client import TrainerClient
+from orchestrator.config import child_env
+
+
+class LaunchError(RuntimeError):
+    """A process did not come up (exit code 3 in the CLI)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        return self.popen.returncode
+
+
+def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    fh = open(log_path, "ab")
+    popen = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=fh,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=child_env({"PYTHONUNBUFFERED": "1", **(env or {})}),
+                             start_new_session=True)
+    fh.close()
+    return Proc(name, popen, log_path)
+
+
+@dataclass
+class Cluster:
+    """A daemon plus engines on this machine, addressed over ipc:// in `workdir`."""
+
+    workdir: Path
+    model_dir: Path | None = None
+    engines: int = 2
+    backend: str = "torch"
+    min_engines: int | None = None
+    daemon_args: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[Proc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        self.addr = f"ipc://{self.workdir}/trainer.sock"
+        self.engine_addr = f"ipc://{self.workdir}/engine.sock"
+        self.state_db = self.workdir / "state.db"
+        self.log_dir = self.workdir / "logs"
+
+    @property
+    def daemon(self) -> Proc:
+        return self.procs[0]
+
+    def start_daemon(self) -> Proc:
+        min_engines = self.engines if self.min_engines is None else self.min_engines
+        p = spawn("daemon", ["serve", "--bind", self.addr, "--engine-bind", self.engine_addr,
+                             "--state-db", str(self.state_db), "--min-engines", str(min_engines),
+                             *self.daemon_args], self.log_dir, self.env)
+        if self.procs and self.procs[0].name == "daemon":
+            self.procs[0] = p  # a restart replaces the old daemon
+        else:
+            self.procs.insert(0, p)
+        return p
+
+    def start_engine(self, engine_id: str, extra: list[str] | None = None) -> Proc:
+        if self.model_dir is None:
+            raise LaunchError("no model directory for the engines")
+        p = spawn(engine_id, ["engine", "--backend", self.backend, "--model", str(self.model_dir),
+                              "--connect", self.engine_addr, "--engine-id", engine_id,
+                              *self.engine_args, *(extra or [])], self.log_dir, self.env)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start_daemon()
+            for i in range(self.engines):
+                self.start_engine(f"engine-{i}")
+            self.wait_engines(self.engines)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def client(self, **kw: Any) -> TrainerClient:
+        return TrainerClient(self.addr, **kw)
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        with TrainerClient(self.addr, timeout=timeout, retries=0) as c:
+            return c.status()
+
+    def wait_engines(self, n: int, timeout: float = 120.0) -> dict[str, Any]:
+        """Wait until `n` engines are registered and not lost."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise LaunchError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+            try:
+                last = self.status(timeout=2.0)
+            except WeightSyncError:
+                continue
+            live = [e for e in last.get("engines", []) if e["state"] != "LOST"]
+            if len(live) >= n:
+                return last
+            time.sleep(0.2)
+        raise LaunchError(f"{n} engine(s) not registered within {timeout}s; last status: {last}")
+
+    def stop(self) -> None:
+        # Engines first, so the daemon does not spend its shutdown on lost engines.
+        for p in reversed(self.procs):
+            p.stop()
