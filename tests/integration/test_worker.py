@@ -1,0 +1,133 @@
+"""The engine worker against a real ROUTER socket playing the orchestrator."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from engines.tiny import perturbed
+from engines.torch_engine import TorchEngine, greedy, load_model
+from engines.worker import Worker
+from messages import codec, schema
+from messages.buckets import digest, iter_buckets
+from messages.schema import Probe
+
+PROBE = Probe((1, 9, 33, 71), 6)
+
+
+class CountingEngine(TorchEngine):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.loads = 0
+        self.finalizes = 0
+
+    def load(self, tensors):
+        self.loads += 1
+        super().load(tensors)
+
+    def finalize(self):
+        self.finalizes += 1
+        return super().finalize()
+
+
+class FakeOrchestrator:
+    def __init__(self, addr):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(addr)
+        self.ident = None
+
+    def recv(self, timeout=20.0, want=None):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            self.ident = ident
+            msg = codec.decode(frames).msg
+            if want is None or msg.TYPE in want:
+                return msg
+        raise AssertionError(f"no {want} message within {timeout}s")
+
+    def send(self, msg, payload=()):
+        self.sock.send_multipart([self.ident, *codec.encode(msg, payload)])
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture()
+def harness(tmp_path, tiny_model_dir):
+    addr = f"ipc://{tmp_path}/engine.sock"
+    orch = FakeOrchestrator(addr)
+    eng = CountingEngine(tiny_model_dir, threads=1)
+    worker = Worker(eng, addr, "e0", heartbeat_interval=0.2, ctx=zmq.Context())
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    reg = orch.recv(want=("register",))
+    yield orch, worker, eng, reg
+    worker.request_stop()
+    t.join(10)
+    orch.close()
+    assert not t.is_alive()
+
+
+def test_worker_registers_with_its_spec_and_digest(harness, tiny_state):
+    _, _, _, reg = harness
+    assert reg.engine_id == "e0" and reg.backend == "torch"
+    assert {p.name for p in reg.spec} == set(tiny_state)
+    assert reg.digest == digest(tiny_state.items()) and reg.finalize_count == 0
+
+
+def test_duplicate_load_and_second_finalize_are_not_applied(harness, tiny_state, tiny_model_dir):
+    orch, worker, eng, _ = harness
+    new = dict(perturbed(tiny_state, 1))
+    (b,) = list(iter_buckets(new.items(), 64 << 20))
+    load = schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum)
+    for _ in range(2):  # the second is a duplicate: acked, not re-applied
+        orch.send(load, [b.frame()])
+        loaded = orch.recv(want=("loaded",))
+        assert (loaded.sync_id, loaded.seq) == ("s1", 0)
+    assert eng.loads == 1
+    orch.send(schema.Finalize(sync_id="s1", version=1, probes=(PROBE,)))
+    fin = orch.recv(want=("finalized",))
+    assert fin.finalize_count == 1 and fin.digest == digest(new.items())
+    orch.send(schema.Finalize(sync_id="s1", version=1, probes=(PROBE,)))
+    refused = orch.recv(want=("failed",))
+    assert refused.duplicate and refused.code == "INVALID_STATE"
+    assert eng.finalizes == 1 and worker.duplicates_refused == 1
+    ref = load_model(tiny_model_dir)
+    ref.load_state_dict(new)
+    assert fin.probes == (greedy(ref, PROBE.prompt, PROBE.max_tokens),)
+
+
+def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state):
+    orch, _, eng, _ = harness
+    (b,) = list(iter_buckets(dict(perturbed(tiny_state, 1)).items(), 64 << 20))
+    raw = bytearray(b.frame())
+    raw[10] ^= 0xFF
+    orch.send(schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum),
+              [bytes(raw)])
+    failed = orch.recv(want=("failed",))
+    assert failed.code == "CHECKSUM_MISMATCH" and failed.seq == 0 and eng.loads == 0
+
+
+def test_unknown_tensor_is_reported_with_code(harness):
+    import torch
+    orch, _, _, _ = harness
+    (b,) = list(iter_buckets([("model.bogus.weight", torch.zeros(4))]))
+    orch.send(schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum),
+              [b.frame()])
+    assert orch.recv(want=("failed",)).code == "UNKNOWN_TENSOR"
+
+
+def test_worker_heartbeats_and_reregisters_when_unknown(harness):
+    orch, _, _, _ = harness
+    hb = orch.recv(want=("heartbeat",))
+    orch.send(schema.Ok(id=hb.id, body={"known": False}))
+    again = orch.recv(want=("register",))
+    assert again.engine_id == "e0"

@@ -1,0 +1,105 @@
+"""Bucketing, zero-copy unpacking, checksums and the order-independent digest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from messages.buckets import ALIGN, checksum, digest, iter_buckets, unpack
+from messages.dtypes import DTYPES
+
+
+def _sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 4
+    if dtype == torch.bool:
+        return x > 0
+    if not dtype.is_floating_point:
+        return x.to(torch.int64).clamp(-100, 100).to(dtype) if dtype != torch.uint8 else x.abs().to(dtype)
+    return x.to(dtype)
+
+
+def _roundtrip(named, bucket_bytes=1 << 20):
+    out = {}
+    for b in iter_buckets(named, bucket_bytes):
+        assert checksum(b.frame()) == b.checksum
+        for name, t in unpack(b.tensors, bytes(b.frame())):
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_every_dtype_round_trips_bit_exact(name):
+    t = _sample(DTYPES[name])
+    got = _roundtrip([("t", t)])["t"]
+    assert got.dtype == t.dtype and got.shape == t.shape
+    assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_empty_scalar_and_non_contiguous_tensors_round_trip():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    named = [("empty", torch.empty(0, 3)), ("scalar", torch.tensor(2.5)),
+             ("transposed", base.t()), ("strided", base[:, ::2])]
+    got = _roundtrip(named)
+    for name, t in named:
+        assert got[name].shape == t.shape
+        assert torch.equal(got[name], t)
+
+
+def test_buckets_respect_size_and_a_big_tensor_goes_alone():
+    named = [(f"s{i}", torch.zeros(100)) for i in range(10)] + [("big", torch.zeros(10_000))]
+    buckets = list(iter_buckets(named, 1024))
+    assert [b.seq for b in buckets] == list(range(len(buckets)))
+    for b in buckets:
+        assert b.nbytes <= 1024 or len(b.tensors) == 1
+    assert [t.name for t in buckets[-1].tensors] == ["big"]
+    assert all(t.offset % ALIGN == 0 for b in buckets for t in b.tensors)
+
+
+def test_unpack_returns_views_into_the_received_buffer_without_copying():
+    (b,) = list(iter_buckets([("a", torch.ones(16)), ("b", torch.zeros(8, 2))]))
+    buf = bytearray(b.frame())
+    views = dict(unpack(b.tensors, buf))
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    for meta in b.tensors:
+        assert views[meta.name].data_ptr() == base + meta.offset
+    buf[b.tensors[0].offset:b.tensors[0].offset + 4] = torch.tensor([7.0]).numpy().tobytes()
+    assert views["a"][0].item() == 7.0  # a view: it sees the buffer change
+
+
+def test_checksum_detects_one_flipped_bit():
+    (b,) = list(iter_buckets([("a", torch.randn(256))]))
+    raw = bytearray(b.frame())
+    raw[100] ^= 0x01
+    assert checksum(bytes(raw)) != b.checksum
+
+
+def test_unsupported_dtype_is_refused_before_packing():
+    with pytest.raises(ValueError, match="not supported"):
+        list(iter_buckets([("c", torch.zeros(2, dtype=torch.complex64))]))
+
+
+def test_digest_changes_with_any_byte_name_or_shape():
+    a = {"x": torch.arange(6, dtype=torch.float32), "y": torch.ones(2)}
+    d0 = digest(a.items())
+    b = {**a, "x": a["x"].clone()}
+    b["x"][3] += 1
+    assert digest(b.items()) != d0
+    assert digest({"x2": a["x"], "y": a["y"]}.items()) != d0
+    assert digest({"x": a["x"].reshape(2, 3), "y": a["y"]}.items()) != d0
+    assert digest({"x": a["x"].to(torch.float64), "y": a["y"]}.items()) != d0
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+       bucket_bytes=st.integers(64, 4096), seed=st.integers(0, 2**16))
+def test_digest_is_independent_of_order_and_bucketing(sizes, bucket_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+    perm = torch.randperm(len(named), generator=g).tolist()
+    shuffled = [named[i] for i in perm]
+    got = _roundtrip(shuffled, bucket_bytes)
+    assert digest(named) == digest(shuffled) == digest(got.items())
+    assert set(got) == {n for n, _ in named}

@@ -1,0 +1,430 @@
+"""The pure FSM: a table over every (state, trigger) pair, scenarios, and random orders."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from messages.errors import ErrorCode, WeightSyncError
+from messages.schema import Begin, Bucket, Failed, Finalized, Finish, ParamSpec, Probe, Register, TensorMeta
+from orchestrator import fsm
+from orchestrator.fsm import Orchestrator, State
+
+S = State
+META = (TensorMeta("w", "float32", (4,), 0, 16),)
+ENGINES = ("e0", "e1")
+
+
+def new(engines=ENGINES, **kw) -> Orchestrator:
+    o = Orchestrator(fsm.Limits(min_engines=len(engines)), **kw)
+    for e in engines:
+        o.handle_register(Register(engine_id=e, backend="torch"), 0.0)
+    return o
+
+
+def cmds(res, kind):
+    return [c for c in res.commands if isinstance(c, kind)]
+
+
+def begin(o, version, sync_id=None):
+    return o.handle_begin(Begin(sync_id=sync_id or f"s{version}", version=version), 1.0)
+
+
+def bucket(o, seq, sync_id=None, nbytes=16):
+    sid = sync_id or o.sync.sync_id
+    return o.handle_bucket(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), nbytes, 1.0)
+
+
+def ack(o, seq, engines=ENGINES):
+    out = []
+    for e in engines:
+        out += o.handle_loaded(e, o.sync.sync_id, (0, seq), 1.0).commands
+    return out
+
+
+def finish(o, n):
+    return o.handle_finish(Finish(sync_id=o.sync.sync_id, buckets=n), 1.0)
+
+
+def finalized(o, engine, digest="d", version=None, count=1):
+    s = o.sync
+    return o.handle_finalized(engine, Finalized(sync_id=s.sync_id, version=version or s.version,
+                                                digest=digest, finalize_count=count), 1.0)
+
+
+def to_loading(o=None, version=1):
+    o = o or new()
+    begin(o, version)
+    bucket(o, 0)
+    ack(o, 0)
+    return o
+
+
+def to_finalizing(o=None, version=1):
+    o = to_loading(o, version)
+    finish(o, 1)
+    return o
+
+
+def to_ready(o=None, version=1):
+    o = to_finalizing(o, version)
+    for e in ENGINES:
+        finalized(o, e)
+    return o
+
+
+STATES = {S.IDLE: new, S.LOADING_BUCKETS: to_loading, S.FINALIZING: to_finalizing, S.READY: to_ready}
+
+
+def fire(o: Orchestrator, trigger: str):
+    sid = o.sync.sync_id if o.sync else "s-none"
+    version = (o.sync.version if o.sync else (o.last_ready_version or 0)) + 1
+    if trigger == "begin":
+        return o.handle_begin(Begin(sync_id=f"new{version}", version=version), 2.0)
+    if trigger == "bucket":
+        return o.handle_bucket(Bucket(sync_id=sid, seq=1, tensors=META, checksum=0), 16, 2.0)
+    if trigger == "finish":
+        return o.handle_finish(Finish(sync_id=sid, buckets=1), 2.0)
+    if trigger == "finalized":
+        res = None
+        for e in ENGINES:
+            res = o.handle_finalized(e, Finalized(sync_id=sid, version=o.sync.version if o.sync else 1,
+                                                  digest="d", finalize_count=1), 2.0)
+        return res
+    if trigger == "abort":
+        return o.handle_abort(sid, "test", 2.0)
+    if trigger == "fail":
+        return o.handle_failed("e0", Failed(sync_id=sid, code="SHAPE_MISMATCH", message="x"), 2.0)
+    raise ValueError(trigger)
+
+
+# (state, trigger) -> resulting state, or an ErrorCode if refused, or None if ignored
+TABLE = {
+    (S.IDLE, "begin"): S.LOADING_BUCKETS,
+    (S.IDLE, "bucket"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "finish"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "finalized"): None,
+    (S.IDLE, "abort"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "fail"): None,
+    (S.LOADING_BUCKETS, "begin"): ErrorCode.INVALID_STATE,
+    (S.LOADING_BUCKETS, "bucket"): S.LOADING_BUCKETS,
+    (S.LOADING_BUCKETS, "finish"): S.FINALIZING,
+    (S.LOADING_BUCKETS, "finalized"): None,
+    (S.LOADING_BUCKETS, "abort"): S.IDLE,
+    (S.LOADING_BUCKETS, "fail"): S.IDLE,
+    (S.FINALIZING, "begin"): ErrorCode.INVALID_STATE,
+    (S.FINALIZING, "bucket"): ErrorCode.INVALID_STATE,
+    (S.FINALIZING, "finish"): ErrorCode.INVALID_STATE,
+    (S.FINALIZING, "finalized"): S.READY,
+    (S.FINALIZING, "abort"): S.IDLE,
+    (S.FINALIZING, "fail"): S.IDLE,
+    (S.READY, "begin"): S.LOADING_BUCKETS,
+    (S.READY, "bucket"): ErrorCode.INVALID_STATE,
+    (S.READY, "finish"): ErrorCode.INVALID_STATE,
+    (S.READY, "finalized"): None,
+    (S.READY, "abort"): ErrorCode.INVALID_STATE,
+    (S.READY, "fail"): None,
+}
+
+
+def test_table_covers_every_state_and_trigger():
+    assert set(TABLE) == {(s, t) for s in State for t in fsm.TRIGGERS}
+
+
+def _snap(o):
+    return json.dumps(o.snapshot(), sort_keys=True, default=str)
+
+
+@pytest.mark.parametrize("state,trigger", sorted(TABLE, key=str), ids=lambda x: str(getattr(x, "value", x)))
+def test_every_state_and_trigger(state, trigger):
+    o = STATES[state]()
+    assert o.state == state
+    expected = TABLE[(state, trigger)]
+    before = _snap(o)
+    if isinstance(expected, ErrorCode):
+        with pytest.raises(WeightSyncError) as ei:
+            fire(o, trigger)
+        assert ei.value.code is expected
+        assert ei.value.state == state.value  # the error says where the daemon is
+        assert o.state == state and _snap(o) == before  # refused: nothing changed
+    elif expected is None:
+        fire(o, trigger)
+        assert o.state == state and _snap(o) == before
+    else:
+        fire(o, trigger)
+        assert o.state == expected
+
+
+def test_finalize_is_sent_once_per_engine_per_sync():
+    o = to_loading()
+    res = finish(o, 1)
+    assert sorted(c.engine_id for c in cmds(res, fsm.SendFinalize)) == list(ENGINES)
+    with pytest.raises(WeightSyncError) as ei:
+        finish(o, 1)
+    assert ei.value.code is ErrorCode.INVALID_STATE and ei.value.state == "FINALIZING"
+    for e in ENGINES:
+        assert not cmds(finalized(o, e), fsm.SendFinalize)
+    assert o.state == S.READY
+
+
+def test_second_finish_after_ready_says_state_and_version():
+    o = to_ready(version=4)
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle_finish(Finish(sync_id="s4", buckets=1), 3.0)
+    assert (ei.value.code, ei.value.state, ei.value.version) == (ErrorCode.INVALID_STATE, "READY", 4)
+
+
+def test_finish_with_missing_buckets_is_incomplete_and_retryable():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    ack(o, 0)
+    with pytest.raises(WeightSyncError) as ei:
+        finish(o, 2)
+    assert ei.value.code is ErrorCode.INCOMPLETE_SYNC and "missing bucket seq [1]" in ei.value.message
+    assert o.state == S.LOADING_BUCKETS
+    bucket(o, 1)
+    ack(o, 1)
+    finish(o, 2)
+    assert o.state == S.FINALIZING
+
+
+def test_finish_before_engines_applied_is_incomplete():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    o.handle_loaded("e0", "s1", (0, 0), 1.0)
+    with pytest.raises(WeightSyncError) as ei:
+        finish(o, 1)
+    assert ei.value.code is ErrorCode.INCOMPLETE_SYNC
+
+
+def test_bucket_is_acked_only_when_every_engine_applied_it():
+    o = new()
+    begin(o, 1)
+    res = bucket(o, 0)
+    assert res.reply is None and cmds(res, fsm.ForwardBucket)[0].engine_ids == ENGINES
+    assert not o.handle_loaded("e0", "s1", (0, 0), 1.0).commands
+    assert cmds(o.handle_loaded("e1", "s1", (0, 0), 1.0), fsm.AckBucket)
+
+
+def test_resent_bucket_is_acked_not_forwarded_again():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    again = bucket(o, 0)
+    assert again.reply is None and not cmds(again, fsm.ForwardBucket)  # acked when applied
+    ack(o, 0)
+    third = bucket(o, 0)
+    assert third.reply == {"seq": 0, "duplicate": True} and not third.commands
+
+
+def test_stale_version_is_refused_and_state_kept():
+    o = to_ready(version=3)
+    for v in (2, 3):
+        with pytest.raises(WeightSyncError) as ei:
+            begin(o, v, sync_id=f"x{v}")
+        assert ei.value.code is ErrorCode.STALE_VERSION
+    assert o.state == S.READY and o.served_version == 3
+
+
+def test_begin_without_enough_engines_is_no_engines():
+    o = new(engines=("e0",))
+    o.limits = fsm.Limits(min_engines=2)
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1)
+    assert ei.value.code is ErrorCode.NO_ENGINES and o.state == S.IDLE
+
+
+def test_repeated_begin_is_idempotent():
+    o = new()
+    begin(o, 1)
+    again = begin(o, 1)
+    assert again.reply["repeated"] is True and not again.commands and o.state == S.LOADING_BUCKETS
+
+
+def test_lost_engine_fails_the_sync_dirty():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    o.handle_heartbeat("e0", 10.0)
+    res = o.tick(1.0 + o.limits.engine_timeout + 1)
+    assert o.state == S.IDLE and o.dirty and o.served_version is None
+    (done,) = cmds(res, fsm.CompleteSync)
+    assert done.error.code is ErrorCode.ENGINE_FAILED and "e1" in done.error.message
+
+
+def test_untouched_sync_rolls_back_to_ready():
+    o = to_ready(version=1)
+    begin(o, 2)
+    o.handle_abort("s2", "changed my mind", 2.0)
+    assert o.state == S.READY and o.served_version == 1 and not o.dirty
+
+
+def test_touched_sync_abort_leaves_idle_dirty_and_tells_engines():
+    o = to_ready(version=1)
+    begin(o, 2)
+    bucket(o, 0)
+    res = o.handle_abort("s2", "x", 2.0)
+    assert o.state == S.IDLE and o.dirty and o.served_version is None
+    assert cmds(res, fsm.SendAbort)[0].engine_ids == ENGINES
+
+
+def test_trainer_vanishing_mid_sync_times_out():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    ack(o, 0)
+    o.handle_heartbeat("e0", 1.0 + o.limits.sync_timeout + 1)
+    o.handle_heartbeat("e1", 1.0 + o.limits.sync_timeout + 1)
+    res = o.tick(1.0 + o.limits.sync_timeout + 2)
+    assert o.state == S.IDLE and cmds(res, fsm.CompleteSync)[0].error.code is ErrorCode.TIMEOUT
+
+
+def test_digest_mismatch_between_engines_fails_not_ready():
+    o = to_finalizing()
+    finalized(o, "e0", digest="aaa")
+    res = finalized(o, "e1", digest="bbb")
+    assert o.state == S.IDLE and o.dirty
+    assert cmds(res, fsm.CompleteSync)[0].error.code is ErrorCode.ENGINE_FAILED
+
+
+def test_digest_must_match_trainer_digest():
+    o = to_loading()
+    o.handle_finish(Finish(sync_id="s1", buckets=1, digest="trainer"), 1.0)
+    finalized(o, "e0", digest="engine")
+    assert o.state == S.IDLE
+
+
+def test_canary_mismatch_fails_with_position():
+    o = new()
+    o.handle_begin(Begin(sync_id="s1", version=1, probes=(Probe((1, 2), 3, (5, 6, 7)),)), 1.0)
+    bucket(o, 0)
+    ack(o, 0)
+    finish(o, 1)
+    res = o.handle_finalized("e0", Finalized(sync_id="s1", version=1, digest="d",
+                                             probes=((5, 9, 7),)), 1.0)
+    err = cmds(res, fsm.CompleteSync)[0].error
+    assert err.code is ErrorCode.CANARY_MISMATCH and err.details["position"] == 1
+
+
+def test_spec_check_refuses_unknown_tensor_before_forwarding():
+    o = Orchestrator(fsm.Limits(min_engines=1))
+    o.handle_register(Register(engine_id="e0", backend="torch",
+                               spec=(ParamSpec("w", "float32", (4,)),)), 0.0)
+    begin(o, 1)
+    bad = (TensorMeta("nope", "float32", (4,), 0, 16),)
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle_bucket(Bucket(sync_id="s1", seq=0, tensors=bad, checksum=0), 16, 1.0)
+    assert ei.value.code is ErrorCode.UNKNOWN_TENSOR and not o.sync.buckets
+    wrong = (TensorMeta("w", "float32", (2, 2), 0, 16),)
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle_bucket(Bucket(sync_id="s1", seq=0, tensors=wrong, checksum=0), 16, 1.0)
+    assert ei.value.code is ErrorCode.SHAPE_MISMATCH
+    assert cmds(bucket(o, 0), fsm.ForwardBucket)  # the good one still goes through
+
+
+def test_every_transition_is_journaled_once():
+    o = new()
+    journaled = []
+    for step in (lambda: begin(o, 1), lambda: bucket(o, 0), lambda: ack(o, 0)):
+        r = step()
+        journaled += [c for c in (r.commands if hasattr(r, "commands") else r)
+                      if isinstance(c, fsm.Journal) and c.kind == "transition"]
+    r = finish(o, 1)
+    journaled += [c for c in r.commands if isinstance(c, fsm.Journal) and c.kind == "transition"]
+    for e in ENGINES:
+        journaled += [c for c in finalized(o, e).commands
+                      if isinstance(c, fsm.Journal) and c.kind == "transition"]
+    assert [(j.data["from"], j.data["to"]) for j in journaled] == [
+        ("IDLE", "LOADING_BUCKETS"), ("LOADING_BUCKETS", "FINALIZING"), ("FINALIZING", "READY")]
+    assert [(h["from"], h["to"]) for h in o.history] == [(j.data["from"], j.data["to"]) for j in journaled]
+
+
+class RandomOrders(RuleBasedStateMachine):
+    """Random message orders never break the invariants."""
+
+    def __init__(self):
+        super().__init__()
+        self.o = new()
+        self.finalize_sent: dict[str, list[str]] = {}
+        self.version = 0
+        self.now = 1.0
+
+    def _run(self, f):
+        before = copy.deepcopy(self.o.snapshot())
+        state = self.o.state
+        try:
+            res = f()
+        except WeightSyncError:
+            assert self.o.state == state and self.o.snapshot() == before
+            return
+        for c in res.commands:
+            if isinstance(c, fsm.SendFinalize):
+                self.finalize_sent.setdefault(c.sync_id, []).append(c.engine_id)
+
+    @rule(bump=st.integers(-1, 2))
+    def do_begin(self, bump):
+        v = max(0, self.version + bump)
+        self._run(lambda: self.o.handle_begin(Begin(sync_id=f"s{v}", version=v), self.now))
+        if self.o.sync is not None:
+            self.version = max(self.version, self.o.sync.version)
+
+    @rule(seq=st.integers(0, 3))
+    def do_bucket(self, seq):
+        sid = self.o.sync.sync_id if self.o.sync else "none"
+        self._run(lambda: self.o.handle_bucket(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), 16, self.now))
+
+    @rule(seq=st.integers(0, 3), engine=st.sampled_from(ENGINES))
+    def do_loaded(self, seq, engine):
+        sid = self.o.sync.sync_id if self.o.sync else "none"
+        self._run(lambda: self.o.handle_loaded(engine, sid, (0, seq), self.now))
+
+    @rule(n=st.integers(0, 4))
+    def do_finish(self, n):
+        sid = self.o.sync.sync_id if self.o.sync else "none"
+        self._run(lambda: self.o.handle_finish(Finish(sync_id=sid, buckets=n), self.now))
+
+    @rule(engine=st.sampled_from(ENGINES), good=st.booleans())
+    def do_finalized(self, engine, good):
+        s = self.o.sync
+        sid, v = (s.sync_id, s.version) if s else ("none", 1)
+        self._run(lambda: self.o.handle_finalized(engine, Finalized(
+            sync_id=sid, version=v, digest="d" if good else "other"), self.now))
+
+    @rule()
+    def do_abort(self):
+        sid = self.o.sync.sync_id if self.o.sync else "none"
+        self._run(lambda: self.o.handle_abort(sid, "r", self.now))
+
+    @precondition(lambda self: self.o.sync is not None)
+    @rule(engine=st.sampled_from(ENGINES))
+    def do_failed(self, engine):
+        self._run(lambda: self.o.handle_failed(engine, Failed(sync_id=self.o.sync.sync_id,
+                                                              code="ENGINE_FAILED", message="x"), self.now))
+
+    @rule()
+    def do_heartbeats(self):
+        self.now += 1.0
+        for e in ENGINES:
+            self.o.handle_heartbeat(e, self.now)
+
+    @invariant()
+    def finalize_at_most_once_per_engine_per_sync(self):
+        for sid, engines in self.finalize_sent.items():
+            assert len(engines) == len(set(engines)), (sid, engines)
+
+    @invariant()
+    def state_matches_sync(self):
+        assert (self.o.sync is not None) == (self.o.state in fsm.ACTIVE)
+        if self.o.state == S.READY:
+            assert not self.o.dirty and self.o.served_version is not None
+
+
+RandomOrders.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_random_message_orders = RandomOrders.TestCase
