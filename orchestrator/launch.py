@@ -102,6 +102,8 @@ class Cluster:
         p = spawn(engine_id, ["engine", "--backend", self.backend, "--model", str(self.model_dir),
                               "--connect", self.engine_addr, "--engine-id", engine_id,
                               *self.engine_args, *(extra or [])], self.log_dir, self.env)
+        # a restart under the same id replaces the dead process
+        self.procs = [q for q in self.procs if q.name != engine_id or q.popen.poll() is None]
         self.procs.append(p)
         return p
 

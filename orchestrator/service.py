@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket as pysocket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -57,6 +58,24 @@ class Stats:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
+def refuse_live_ipc(addr: str) -> None:
+    """ZeroMQ silently takes over an ipc:// path another process is bound to (it unlinks
+    the file), which would split engines between two daemons. Refuse if someone answers."""
+    if not addr.startswith("ipc://"):
+        return
+    path = addr[len("ipc://"):]
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return  # nobody there (or a stale file ZeroMQ will replace)
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise OSError(f"{addr} is in use by another process")
+
+
 class Service:
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context | None = None) -> None:
         self.settings = settings
@@ -97,6 +116,7 @@ class Service:
                  dirty=self.core.dirty, state_db=self.settings.state_db)
 
     def _router(self, addr: str) -> zmq.asyncio.Socket:
+        refuse_live_ipc(addr)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
         sock.setsockopt(zmq.LINGER, 500)
@@ -166,11 +186,33 @@ class Service:
             log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
 
     # -- sending ------------------------------------------------------------------------
+    @staticmethod
+    def _send_now(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+        """Send without awaiting and raise a send error here, not in an orphan future.
+
+        HWMs are 0 and messages are bounded by the client's window, so zmq.asyncio
+        completes the send immediately; ROUTER_MANDATORY makes an unknown peer an error.
+        """
+        fut = sock.send_multipart(frames, copy=False)
+        if fut.done():
+            exc = fut.exception()
+            if exc is not None:
+                raise exc
+        else:  # defensive: log a late failure instead of losing it
+            fut.add_done_callback(lambda f: f.exception() and log.warning(
+                "send_failed_late", error=str(f.exception())))
+
     def _send_trainer(self, ident: bytes, msg: schema.Message) -> None:
         try:
-            self.trainer_sock.send_multipart([ident, codec.encode_header(msg)], copy=False)
+            self._send_now(self.trainer_sock, [ident, codec.encode_header(msg)])
         except zmq.ZMQError as exc:  # the trainer went away; its sync's deadline handles it
             log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE)
+
+    def _reply_engine(self, ident: bytes, msg: schema.Message) -> None:
+        try:
+            self._send_now(self.engine_sock, [ident, codec.encode_header(msg)])
+        except zmq.ZMQError as exc:  # the engine went away; its heartbeat deadline handles it
+            log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE, src="engine")
 
     def _reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
         self._send_trainer(w.ident, schema.Ok(id=w.req_id, body=body))
@@ -191,7 +233,7 @@ class Service:
         if ident is None:
             return False
         try:
-            self.engine_sock.send_multipart([ident, *frames], copy=False)
+            self._send_now(self.engine_sock, [ident, *frames])
             return True
         except zmq.ZMQError as exc:
             log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
@@ -278,9 +320,9 @@ class Service:
                                    max_header_bytes=self.settings.max_header_bytes)
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="engine")
-            self.engine_sock.send_multipart([ident, codec.encode_header(schema.Error(
+            self._reply_engine(ident, schema.Error(
                 id=codec.peek_id(frames[0]), code=err.code.value, message=err.reason,
-                state=self.core.state.value))])
+                state=self.core.state.value))
             return
         msg = decoded.msg
         now = time.monotonic()
@@ -293,23 +335,21 @@ class Service:
             res = self.core.handle_register(msg, now)
             log.info("engine_registered", engine_id=msg.engine_id, backend=msg.backend,
                      version=msg.version, state=res.reply.get("state") if res.reply else None)
-            self.engine_sock.send_multipart([ident, codec.encode_header(
-                schema.Ok(id=msg.id, body=res.reply or {}))])
+            self._reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
             await self._execute(res.commands)
             return
         engine_id = self.ident_engine.get(ident)
         if isinstance(msg, schema.Heartbeat):
             known = engine_id == msg.engine_id
             res = self.core.handle_heartbeat(msg.engine_id, now) if known else fsm.Result({"known": False})
-            self.engine_sock.send_multipart([ident, codec.encode_header(
-                schema.Ok(id=msg.id, body=res.reply or {}))])
+            self._reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
             await self._execute(res.commands)
             return
         if engine_id is None:
             log.warning("unregistered_engine_message", type=msg.TYPE)
-            self.engine_sock.send_multipart([ident, codec.encode_header(schema.Error(
+            self._reply_engine(ident, schema.Error(
                 id=msg.id, code=ErrorCode.INVALID_STATE.value, message="register first",
-                state=self.core.state.value))])
+                state=self.core.state.value))
             return
         if isinstance(msg, schema.Loaded):
             res = self.core.handle_loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), now)
