@@ -6,6 +6,8 @@ raises a `DataError` (UNKNOWN_TENSOR / SHAPE_MISMATCH) with nothing applied. `fi
 is the backend's post-load step and is NOT idempotent, exactly like vLLM's
 `process_weights_after_loading`; the worker guarantees it runs once per sync. `begin`
 prepares a new sync (undoes what finalize did to the checkpoint-format weights).
+An engine may also offer `load_bucket(metas, buf)`, taking the received bucket frame
+as is (the vLLM engine hands it to its workers through shared memory without unpacking).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ class Engine(Protocol):
 
     def describe(self) -> EngineInfo: ...
 
-    def begin(self, version: int) -> None: ...
+    def begin(self, sync_id: str, version: int) -> None: ...
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
-    def finalize(self) -> str:
+    def finalize(self, sync_id: str) -> str:
         """Run the post-load step once; return the digest of the weights now held."""
         ...
 

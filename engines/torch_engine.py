@@ -93,7 +93,7 @@ class TorchEngine:
                           extra={"parameters": sum(t.numel() for t in self.params.values()),
                                  "linears": len(self.linears)})
 
-    def begin(self, version: int) -> None:
+    def begin(self, sync_id: str = "", version: int = 0) -> None:
         if self.packed:
             self._unpack()
         self.version = None
@@ -107,7 +107,7 @@ class TorchEngine:
             for name, src in tensors:
                 self.params[name].copy_(src)
 
-    def finalize(self) -> str:
+    def finalize(self, sync_id: str = "") -> str:
         digest = self._checkpoint_digest()  # before the checkpoint layout is released
         self._pack()
         self.finalize_count += 1

@@ -94,7 +94,7 @@ class Applier(threading.Thread):
                                  sender=getattr(msg, "sender", None)))
 
     def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
-        self.engine.begin(msg.version)
+        self.engine.begin(msg.sync_id, msg.version)
         self.current = msg.sync_id
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
 
@@ -106,9 +106,13 @@ class Applier(threading.Thread):
         buf = frame.buffer if hasattr(frame, "buffer") else frame
         if checksum(buf) != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        tensors = list(unpack(msg.tensors, buf))
-        self.engine.load(tensors)
-        del tensors  # drop the views before acknowledging (the frame can be freed)
+        load_bucket = getattr(self.engine, "load_bucket", None)
+        if load_bucket is not None:
+            load_bucket(msg.tensors, buf)
+        else:
+            tensors = list(unpack(msg.tensors, buf))
+            self.engine.load(tensors)
+            del tensors  # drop the views before acknowledging (the frame can be freed)
         seconds = time.perf_counter() - t0
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
                                  seconds=seconds))
@@ -117,7 +121,7 @@ class Applier(threading.Thread):
         if msg.sync_id in self.failed:
             return
         t0 = time.perf_counter()
-        digest = self.engine.finalize()
+        digest = self.engine.finalize(msg.sync_id)
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0
         self._emit(("finalized", (msg.version, digest)))

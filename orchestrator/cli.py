@@ -82,6 +82,12 @@ def engine(
     connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
     engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads"),
+    vllm_mp: bool = typer.Option(False, "--vllm-mp/--no-vllm-mp",
+                                 help="vLLM V1 multiprocessing (workers in their own processes)"),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg",
+                                       help="KEY=VALUE passed to vllm.LLM (VALUE parsed as JSON if it can be)"),
+    url: Optional[str] = typer.Option(None, help="vllm-server backend: the server's base URL"),
+    pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
     heartbeat_interval: Optional[float] = typer.Option(None),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
@@ -96,8 +102,10 @@ def engine(
     s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
     try:
-        eng = make_engine(backend, {"model": str(model), "threads": threads})
-    except (ValueError, OSError, ImportError) as exc:
+        llm_args = _parse_kv(vllm_arg)
+        eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
+                                    "llm_args": llm_args, "url": url, "pause_mode": pause_mode})
+    except Exception as exc:  # any backend failing to start is exit 3, with its reason
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
     worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
@@ -105,6 +113,19 @@ def engine(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
 
 
 def status_table(st: dict[str, Any]) -> Table:
@@ -176,7 +197,7 @@ def push(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Push a safetensors checkpoint to every engine as VERSION."""
-    from orchestrator.checkpoint import iter_safetensors
+    from messages.checkpoint import iter_safetensors
     from orchestrator.client import TrainerClient
 
     try:

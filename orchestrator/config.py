@@ -79,6 +79,23 @@ def set_process_env(values: dict[str, str]) -> None:
         os.environ[k] = v
 
 
+def vllm_process_env(multiprocessing: bool, kv_cache_gib: int | None = None) -> dict[str, str]:
+    """What vLLM reads at import, with our defaults for a CPU host (set before importing it).
+
+    A value the user already exported wins, except the multiprocessing switch, which
+    is the engine's explicit `--vllm-mp/--no-vllm-mp` choice.
+    """
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib or 1), "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+    for k, v in defaults.items():
+        env[k] = os.environ.get(k, v)
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a subprocess we start (demo, tests): ours plus `extra`."""
     env = dict(os.environ)

@@ -627,9 +627,9 @@ class Orchestrator:
         return {"state": self.state.value, "version": self.served_version,
                 "last_ready_version": self.last_ready_version, "digest": self.served_digest,
                 "dirty": self.dirty, "sync": self.sync.view() if self.sync else None,
-                "last_sync": self.last_sync,
+                "last_sync": dict(self.last_sync) if self.last_sync else None,
                 "engines": [e.view() for e in sorted(self.engines.values(), key=lambda e: e.engine_id)],
-                "history": list(self.history), "min_engines": self.limits.min_engines}
+                "history": [dict(h) for h in self.history], "min_engines": self.limits.min_engines}
 
 
 def canary_mismatch(probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]

@@ -438,7 +438,8 @@ class Service:
         snap = self.core.snapshot()
         now_mono = time.monotonic()
         wall_offset = time.time() - now_mono
-        for h in snap["history"]:
+        # The FSM keeps monotonic time; users read wall-clock Unix seconds.
+        for h in [*snap["history"], *([snap["last_sync"]] if snap.get("last_sync") else [])]:
             if isinstance(h.get("at"), (int, float)) and h["at"] < 1e9:
                 h["at"] = round(h["at"] + wall_offset, 3)
         snap["daemon"] = {"version": DAEMON_VERSION, "protocol": schema.PROTOCOL_VERSION,

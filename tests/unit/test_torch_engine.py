@@ -37,7 +37,7 @@ def test_engine_satisfies_protocol(engine):
 def test_sync_loads_in_place_and_matches_trainer(engine, tiny_model_dir, tiny_state):
     ptrs = engine.weight_ptrs()
     new = dict(perturbed(tiny_state, 1))
-    engine.begin(1)
+    engine.begin("s1", 1)
     engine.load(list(new.items()))
     got = engine.finalize()
     assert got == digest(new.items()) == engine.digest()
@@ -47,7 +47,7 @@ def test_sync_loads_in_place_and_matches_trainer(engine, tiny_model_dir, tiny_st
 
 
 def test_unknown_tensor_fails_before_any_parameter_changes(engine, tiny_state):
-    engine.begin(1)
+    engine.begin("s1", 1)
     before = {k: v.detach().clone() for k, v in engine.params.items()}
     name = "model.layers.0.mlp.up_proj.weight"
     bucket = [(name, tiny_state[name] + 1), ("model.not_a_layer.weight", torch.zeros(3))]
@@ -59,7 +59,7 @@ def test_unknown_tensor_fails_before_any_parameter_changes(engine, tiny_state):
 
 @pytest.mark.parametrize("bad", [torch.zeros(3, 3), torch.zeros(512, 128, dtype=torch.bfloat16)])
 def test_wrong_shape_or_dtype_fails_before_any_parameter_changes(engine, tiny_state, bad):
-    engine.begin(1)
+    engine.begin("s1", 1)
     before = {k: v.detach().clone() for k, v in engine.params.items()}
     name = "model.norm.weight"
     with pytest.raises(DataError) as ei:
@@ -71,7 +71,7 @@ def test_wrong_shape_or_dtype_fails_before_any_parameter_changes(engine, tiny_st
 def test_second_finalize_corrupts_outputs(engine, tiny_model_dir, tiny_state):
     """The post-load step is not idempotent (why the guards exist): run twice, outputs change."""
     new = dict(perturbed(tiny_state, 2))
-    engine.begin(2)
+    engine.begin("s2", 2)
     engine.load(list(new.items()))
     engine.finalize()
     good = engine.probe([PROBE])
@@ -81,7 +81,7 @@ def test_second_finalize_corrupts_outputs(engine, tiny_model_dir, tiny_state):
 
 
 def test_begin_restores_checkpoint_layout(engine, tiny_state):
-    engine.begin(1)
+    engine.begin("s1", 1)
     for name, t in engine.params.items():
         assert torch.equal(t.detach(), tiny_state[name]), name
 

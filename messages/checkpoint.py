@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from messages.schema import ParamSpec
+
 
 def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
@@ -36,3 +38,24 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, st.get_tensor(name)
 
     return gen()
+
+
+def checkpoint_spec(path: str | Path) -> dict[str, ParamSpec]:
+    """Name -> ParamSpec of every tensor in the checkpoint, from the headers only."""
+    from safetensors import safe_open
+
+    spec: dict[str, ParamSpec] = {}
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                dtype = _ST_DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{f.name}: {name} has unsupported dtype {sl.get_dtype()}")
+                spec[name] = ParamSpec(name, dtype, tuple(sl.get_shape()))
+    return spec
+
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "I32": "int32",
+              "I64": "int64", "BOOL": "bool"}

@@ -1,0 +1,140 @@
+"""The vLLM engine: `vllm.LLM` hosted in the engine process, driven through
+`collective_rpc` into `engines.vllm_extension.WeightSyncExtension` on every worker.
+
+Rules: a received bucket frame is copied once into a shared-memory staging segment and
+every vLLM worker (in this process or in vLLM's worker processes) views it from there, so
+the same path works with V1 multiprocessing on and off. Names and shapes are validated
+against the checkpoint's own tensor list before any worker sees the bucket (vLLM casts
+dtypes, so a dtype difference is allowed). After the single finalize the prefix cache is
+reset before `finalized` is reported: cached KV blocks were computed with old weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from engines.base import EngineInfo, validate_bucket
+from engines.shm import Segment
+from messages.buckets import checksum, iter_buckets
+from messages.checkpoint import checkpoint_spec, iter_safetensors
+from messages.buckets import digest as weights_digest
+from messages.errors import ErrorCode, make_error
+from messages.schema import Probe, TensorMeta
+
+log = structlog.get_logger()
+
+EXTENSION = "engines.vllm_extension.WeightSyncExtension"
+
+
+def _arg(**kw: Any) -> str:
+    return json.dumps(kw, separators=(",", ":"))
+
+
+class VllmEngine:
+    backend = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
+                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20) -> None:
+        from orchestrator.config import set_process_env, vllm_process_env
+
+        set_process_env(vllm_process_env(multiprocessing))
+        from vllm import LLM
+
+        self.model_dir = str(model_dir)
+        self.spec = checkpoint_spec(model_dir)
+        args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
+                "enable_prefix_caching": True, **(llm_args or {})}
+        t0 = time.perf_counter()
+        self.llm = LLM(model=self.model_dir, worker_extension_cls=EXTENSION, **args)
+        self.startup_seconds = time.perf_counter() - t0
+        self.llm_args = args
+        self.multiprocessing = multiprocessing
+        self.staging = Segment(staging_bytes, prefix="weightsync-vllm")
+        self.finalize_count = 0
+        self.sync_id: str | None = None
+        self._digest: str | None = weights_digest(iter_safetensors(model_dir))
+        log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
+                 multiprocessing=multiprocessing, args=args)
+
+    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+        return self.llm.collective_rpc(method, args=(arg,))
+
+    # -- Engine protocol ----------------------------------------------------------------
+    def describe(self) -> EngineInfo:
+        return EngineInfo(backend=self.backend, model=self.model_dir, spec=tuple(self.spec.values()),
+                          cast_ok=True, extra={"llm_args": self.llm_args,
+                                               "multiprocessing": self.multiprocessing})
+
+    def begin(self, sync_id: str, version: int) -> None:
+        self.rpc("ws_begin", _arg(sync_id=sync_id, version=version))
+        self.sync_id = sync_id
+        self._digest = None
+
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
+        from messages.buckets import unpack
+        validate_bucket(self.spec, list(unpack(metas, buf)), cast_ok=True)
+        n = self.staging.write(buf)
+        self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=checksum(self.staging.view(0, n)),
+                                 shm={"name": self.staging.name, "offset": 0, "size": n},
+                                 tensors=[m.to_wire() for m in metas]))
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        validate_bucket(self.spec, tensors, cast_ok=True)
+        for b in iter_buckets(tensors, 1 << 62):
+            self.load_bucket(b.tensors, b.frame())
+
+    def finalize(self, sync_id: str) -> str:
+        results = self.rpc("ws_finalize", _arg(sync_id=sync_id))
+        if any(r.get("duplicate") for r in results):
+            raise make_error(ErrorCode.INVALID_STATE, f"vLLM workers refused a second finalize of {sync_id}")
+        digests = {r["digest"] for r in results}
+        if len(digests) != 1:
+            raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
+        self.llm.reset_prefix_cache()
+        self.finalize_count = min(r["finalize_count"] for r in results)
+        self._digest = digests.pop()
+        return self._digest
+
+    def digest(self) -> str:
+        if self._digest is None:
+            raise make_error(ErrorCode.INVALID_STATE, "no digest: a sync is in progress or was aborted")
+        return self._digest
+
+    def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
+        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
+                  for p in probes]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return tuple(tuple(o.outputs[0].token_ids) for o in outs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[int, ...]]:
+        return list(self.probe([Probe(tuple(p), max_tokens) for p in prompts]))
+
+    def abort(self) -> None:
+        if self.sync_id is not None:
+            self.rpc("ws_abort", _arg(sync_id=self.sync_id))
+        self._digest = None
+
+    def close(self) -> None:
+        self.staging.close()
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None) if hasattr(llm, "llm_engine") else None
+            if callable(shutdown):
+                shutdown()
+            del self.llm
+
+
+def make_engine(options: dict[str, Any]) -> VllmEngine:
+    return VllmEngine(options["model"], multiprocessing=bool(options.get("vllm_mp", False)),
+                      llm_args=options.get("llm_args") or {})

@@ -1,0 +1,154 @@
+"""The vLLM worker extension (`worker_extension_cls`): runs inside every vLLM worker, on
+every TP rank, via `collective_rpc`.
+
+Rules:
+- Every argument is a JSON string (so the same methods serve `LLM.collective_rpc`,
+  multiprocessing workers, and the OpenAI server's `/collective_rpc`, which only passes
+  strings). Tensor bytes never travel as arguments: a bucket lies in shared memory and
+  the descriptor names the segment; each worker views it itself (no copy until
+  `load_weights` copies into parameters).
+- One reload per sync: `ws_begin` starts vLLM's layerwise reload, `ws_load` feeds buckets
+  to `model.load_weights`, `ws_finalize` finalizes once (layerwise finalize where vLLM has
+  it, `process_weights_after_loading` otherwise). A second `ws_finalize` for the same
+  sync is refused here too, independently of the engine worker and the orchestrator.
+- The digest is over the checkpoint-format tensors received and applied (vLLM repacks
+  into its own layout); the canary probes prove the internal state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from messages.buckets import Digester, checksum
+from messages.dtypes import DTYPES
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
+
+    def _ws(self) -> dict[str, Any]:
+        st = getattr(self, "_ws_state", None)
+        if st is None:
+            from engines.shm import Reader
+            st = {"sync_id": None, "version": None, "reloading": False, "finalized": set(),
+                  "finalize_count": 0, "digester": None, "digest": None, "reader": Reader(),
+                  "loaded": 0, "mode": None}
+            self._ws_state = st
+        return st
+
+    def _ws_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def ws_info(self) -> dict[str, Any]:
+        st = self._ws()
+        return {"sync_id": st["sync_id"], "version": st["version"], "reloading": st["reloading"],
+                "finalize_count": st["finalize_count"], "digest": st["digest"],
+                "rank": getattr(self, "rank", 0), "mode": st["mode"]}
+
+    def ws_begin(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if st["reloading"]:
+            if st["sync_id"] == a["sync_id"]:
+                return self.ws_info()  # repeated begin of the same sync
+            self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
+        model = self._ws_model()
+        try:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            initialize_layerwise_reload(model)
+            st["mode"] = "layerwise"
+        except ImportError:
+            st["mode"] = "process_weights_after_loading"
+        st.update(sync_id=a["sync_id"], version=a["version"], reloading=True,
+                  digester=Digester(), digest=None, loaded=0)
+        return self.ws_info()
+
+    def ws_load(self, arg: str) -> dict[str, Any]:
+        """arg: {sync_id, shm: {name, offset, size}, checksum, tensors: [{name, dtype,
+        shape, offset, nbytes}]}; returns {loaded, seconds}."""
+        t0 = time.perf_counter()
+        a = json.loads(arg)
+        st = self._ws()
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"ws_load for sync {a['sync_id']!r} but the running reload is "
+                               f"{st['sync_id']!r} (reloading={st['reloading']})")
+        from engines.shm import frombuffer
+        ref = a["shm"]
+        mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
+        if a.get("checksum") is not None and checksum(mv) != a["checksum"]:
+            raise ValueError(f"CHECKSUM_MISMATCH: shared-memory bucket {ref['name']} is corrupted")
+        flat = frombuffer(mv)
+        tensors = []
+        for m in a["tensors"]:
+            t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
+            t = t.view(m["shape"]) if m["shape"] else t.reshape(())
+            # Layerwise reload keeps references to the tensors of a layer until all of
+            # that layer's weights have arrived, possibly buckets later; the staging
+            # segment is reused for the next bucket, so hand vLLM its own copy.
+            tensors.append((m["name"], t.clone()))
+        model = self._ws_model()
+        with torch.no_grad():
+            model.load_weights(iter(tensors))
+        for name, t in tensors:
+            st["digester"].update(name, t)
+        st["loaded"] += len(tensors)
+        del tensors, flat
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
+
+    def ws_finalize(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if a["sync_id"] in st["finalized"]:
+            return {**self.ws_info(), "duplicate": True}
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"ws_finalize for sync {a['sync_id']!r} without its begin")
+        t0 = time.perf_counter()
+        self._ws_end_reload()
+        st["finalized"].add(a["sync_id"])
+        st["finalize_count"] += 1
+        st["digest"] = st["digester"].hexdigest()
+        return {**self.ws_info(), "duplicate": False, "seconds": time.perf_counter() - t0}
+
+    def ws_abort(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if st["reloading"] and st["sync_id"] == a["sync_id"]:
+            self._ws_end_reload()  # mixed weights, but the model is runnable again
+            st.update(digest=None, version=None)
+        return self.ws_info()
+
+    def _ws_end_reload(self) -> None:
+        st = self._ws()
+        model = self._ws_model()
+        model_config = self.vllm_config.model_config
+        if st["mode"] == "layerwise":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            finalize_layerwise_reload(model, model_config)
+        else:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+            process_weights_after_loading(model, model_config, self.device)
+        st["reloading"] = False
+
+    # -- for tests: the hazard this project exists for ----------------------------------
+    def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
+        """Run vLLM's post-load step again, as the buggy per-bucket pattern did."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        process_weights_after_loading(self._ws_model(), self.vllm_config.model_config, self.device)
+        return "ok"
+
+    def ws_unsafe_load_weights(self, arg: str) -> str:
+        """Plain `load_weights` from a shared-memory descriptor, outside any reload."""
+        a = json.loads(arg)
+        from engines.shm import frombuffer
+        st = self._ws()
+        ref = a["shm"]
+        flat = frombuffer(st["reader"].view(ref["name"], ref["offset"], ref["size"]))
+        tensors = [(m["name"], flat[m["offset"]:m["offset"] + m["nbytes"]].view(
+            DTYPES[m["dtype"]]).view(m["shape"])) for m in a["tensors"]]
+        with torch.no_grad():
+            self._ws_model().load_weights(iter(tensors))
+        return "ok"
