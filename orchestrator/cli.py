@@ -230,13 +230,14 @@ def demo(
     size: str = typer.Option("small", help="tiny | small"),
     bucket_bytes: int = typer.Option(4 * 1024 * 1024),
     workdir: Optional[Path] = typer.Option(None, help="keep files here [default: a temp dir]"),
+    backend: str = typer.Option("torch", help="torch | vllm"),
 ) -> None:
     """Everything on this machine: daemon, engines, a trainer pushing VERSIONS versions."""
     from orchestrator.demo import run_demo
 
     try:
         ok = run_demo(versions=versions, engines=engines, size=size, bucket_bytes=bucket_bytes,
-                      workdir=workdir)
+                      workdir=workdir, backend=backend)
     except WeightSyncError as err:
         _fail(err, "demo")
         return

@@ -20,7 +20,8 @@ PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
 
 def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
-             bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None) -> bool:
+             bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None,
+             backend: str = "torch") -> bool:
     from engines.tiny import build_tiny_llama, perturbed
     from engines.torch_engine import greedy, load_model
     from orchestrator.cli import history_table, status_table
@@ -40,10 +41,13 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
         nparams = sum(v.numel() for v in base.values())
         console.print(f"model: random Llama '{size}', {nparams / 1e6:.1f}M parameters, "
                       f"{len(base)} tensors, saved to {model_dir} ({time.perf_counter() - t0:.1f}s)")
-        cluster = Cluster(workdir, model_dir, engines=engines, engine_args=["--threads", "1"])
+        engine_args = ["--threads", "1"] if backend == "torch" else []
+        cluster = Cluster(workdir, model_dir, engines=engines, backend=backend,
+                          engine_args=engine_args)
         all_ok = True
+        console.print(f"starting the daemon and {engines} {backend} engine(s)...")
         with cluster:
-            console.print(f"daemon {cluster.addr} with {engines} torch engine(s) registered; "
+            console.print(f"daemon {cluster.addr} with {engines} {backend} engine(s) registered; "
                           f"logs in {cluster.log_dir}")
             table = Table(title="pushes", title_justify="left")
             for col in ("version", "buckets", "MB", "sync s", "MB/s", "digest", "probes match",

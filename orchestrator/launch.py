@@ -112,7 +112,7 @@ class Cluster:
             self.start_daemon()
             for i in range(self.engines):
                 self.start_engine(f"engine-{i}")
-            self.wait_engines(self.engines)
+            self.wait_engines(self.engines, timeout=120.0 if self.backend == "torch" else 600.0)
         except BaseException:
             self.stop()
             raise

@@ -1,0 +1,76 @@
+"""Orchestrator + two real vLLM engine processes (multiprocessing on for one, off for the
+other) + TrainerClient: fan-out, READY with equal digests, canary gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engines.tiny import perturbed
+from engines.torch_engine import greedy, load_model
+from messages.buckets import digest
+from messages.errors import EngineError, ErrorCode
+from messages.schema import Probe
+from orchestrator.launch import Cluster
+
+PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
+
+
+def probes_for(model_dir, weights, n=6):
+    m = load_model(model_dir)
+    m.load_state_dict(weights)
+    return [Probe(p, n, greedy(m, p, n)) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(tmp_path_factory, tiny_model_dir):
+    workdir = Path(tmp_path_factory.mktemp("vllm-cluster"))
+    cluster = Cluster(workdir, tiny_model_dir, engines=0, min_engines=2, backend="vllm",
+                      daemon_args=["--engine-timeout", "30"])
+    try:
+        cluster.start_daemon()
+        cluster.start_engine("vllm-mp", ["--vllm-mp"])
+        cluster.start_engine("vllm-inproc", ["--no-vllm-mp"])
+        cluster.wait_engines(2, timeout=300)
+        yield cluster
+    except BaseException:
+        for p in cluster.procs:
+            print(f"----- {p.name} -----\n{p.log_tail(80)}")
+        raise
+    finally:
+        cluster.stop()
+
+
+def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_model_dir, tiny_state):
+    with vllm_cluster.client(timeout=120.0) as client:
+        for v in (1, 2, 3):
+            weights = dict(perturbed(tiny_state, v))
+            r = client.push(weights.items(), v, bucket_bytes=256 * 1024,
+                            probes=probes_for(tiny_model_dir, weights))
+            assert r.state == "READY" and r.buckets >= 4
+            assert {e["digest"] for e in r.engines} == {digest(weights.items())}
+            assert sorted(e["engine_id"] for e in r.engines) == ["vllm-inproc", "vllm-mp"]
+        st = client.status()
+    assert [(e["engine_id"], e["backend"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
+        ("vllm-inproc", "vllm", 3, 3), ("vllm-mp", "vllm", 3, 3)]
+
+
+def test_wrong_canary_expectation_fails_with_canary_mismatch(vllm_cluster, tiny_model_dir, tiny_state):
+    with vllm_cluster.client(timeout=120.0) as client:
+        v = client.status()["last_ready_version"] + 1
+        weights = dict(perturbed(tiny_state, v))
+        good = probes_for(tiny_model_dir, weights)
+        wrong = list(good[0].expected)
+        wrong[2] = (wrong[2] + 1) % 512
+        probes = [good[0].__class__(good[0].prompt, good[0].max_tokens, tuple(wrong)), good[1]]
+        with pytest.raises(EngineError) as ei:
+            client.push(weights.items(), v, bucket_bytes=256 * 1024, probes=probes)
+        err = ei.value
+        assert err.code is ErrorCode.CANARY_MISMATCH
+        assert err.details["position"] == 2 and err.details["engine_id"] in ("vllm-mp", "vllm-inproc")
+        st = client.status()
+        assert st["state"] == "IDLE" and st["dirty"] is True  # never READY on a wrong canary
+        # the right expectation on the next version goes through
+        w2 = dict(perturbed(tiny_state, v + 1))
+        assert client.push(w2.items(), v + 1, probes=probes_for(tiny_model_dir, w2)).state == "READY"
