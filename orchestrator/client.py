@@ -127,8 +127,9 @@ class TrainerClient:
                 if isinstance(reply, schema.Error):
                     raise error_from_reply(reply)
                 return reply.body  # type: ignore[union-attr]
-            log.warning("request_timed_out", attempt=attempt + 1, timeout=timeout,
-                        type=make(0).TYPE)
+            if attempt < retries:
+                log.warning("request_resent", attempt=attempt + 2, timeout=timeout,
+                            type=make(0).TYPE)
         raise make_error(ErrorCode.TIMEOUT, f"no reply from {self.addr} after "
                          f"{retries + 1} attempt(s) of {timeout}s")
 
