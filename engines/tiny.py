@@ -74,3 +74,54 @@ def perturbed(state: dict[str, torch.Tensor], version: int, scale: float = 0.02
     for name, t in state.items():
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
         yield name, (t + scale * noise).contiguous()
+
+
+def build_tiny_moe(path: str | Path, *, kind: str = "qwen3_moe", seed: int = 0) -> Path:
+    """A random MoE (Qwen3-MoE or Mixtral config, head_dim 32, 4 experts, top-2)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    common = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "vocab_size": 512, "max_position_embeddings": 512, "tie_word_embeddings": False,
+              "num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        cfg = Qwen3MoeConfig(**common, moe_intermediate_size=64, num_experts=4,
+                             decoder_sparse_step=1, mlp_only_layers=[])
+        cls = Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        cfg = MixtralConfig(**common, num_local_experts=4)
+        cls = MixtralForCausalLM
+    else:
+        raise ValueError(f"unknown MoE kind {kind!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    build_tokenizer(cfg.vocab_size).save_pretrained(path)
+    return path
+
+
+def save_checkpoint_like(src: str | Path, dst: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of model directory `src` whose weights are `tensors` (checkpoint names)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst

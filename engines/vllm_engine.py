@@ -22,7 +22,7 @@ import torch
 
 from engines.base import EngineInfo, validate_bucket
 from engines.shm import Segment
-from messages.buckets import checksum, iter_buckets
+from messages.buckets import checksum, iter_buckets, unpack
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.buckets import digest as weights_digest
 from messages.errors import ErrorCode, make_error
@@ -37,40 +37,30 @@ def _arg(**kw: Any) -> str:
     return json.dumps(kw, separators=(",", ":"))
 
 
-class VllmEngine:
+class _VllmBase:
+    """What both vLLM backends share: validation, shared-memory staging, the rpc protocol
+    of the extension, and the finalize bookkeeping. Subclasses provide `rpc`,
+    `_after_finalize` and `probe`."""
+
     backend = "vllm"
 
-    def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
-                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20) -> None:
-        from orchestrator.config import set_process_env, vllm_process_env
-
-        set_process_env(vllm_process_env(multiprocessing))
-        from vllm import LLM
-
+    def _setup(self, model_dir: str | Path, staging_bytes: int) -> None:
         self.model_dir = str(model_dir)
         self.spec = checkpoint_spec(model_dir)
-        args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
-                "enable_prefix_caching": True, **(llm_args or {})}
-        t0 = time.perf_counter()
-        self.llm = LLM(model=self.model_dir, worker_extension_cls=EXTENSION, **args)
-        self.startup_seconds = time.perf_counter() - t0
-        self.llm_args = args
-        self.multiprocessing = multiprocessing
         self.staging = Segment(staging_bytes, prefix="weightsync-vllm")
         self.finalize_count = 0
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
-        log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
-                 multiprocessing=multiprocessing, args=args)
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
-        return self.llm.collective_rpc(method, args=(arg,))
+        raise NotImplementedError
 
-    # -- Engine protocol ----------------------------------------------------------------
+    def _extra(self) -> dict[str, Any]:
+        return {}
+
     def describe(self) -> EngineInfo:
         return EngineInfo(backend=self.backend, model=self.model_dir, spec=tuple(self.spec.values()),
-                          cast_ok=True, extra={"llm_args": self.llm_args,
-                                               "multiprocessing": self.multiprocessing})
+                          cast_ok=True, extra=self._extra())
 
     def begin(self, sync_id: str, version: int) -> None:
         self.rpc("ws_begin", _arg(sync_id=sync_id, version=version))
@@ -78,7 +68,6 @@ class VllmEngine:
         self._digest = None
 
     def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
-        from messages.buckets import unpack
         validate_bucket(self.spec, list(unpack(metas, buf)), cast_ok=True)
         n = self.staging.write(buf)
         self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=checksum(self.staging.view(0, n)),
@@ -97,10 +86,13 @@ class VllmEngine:
         digests = {r["digest"] for r in results}
         if len(digests) != 1:
             raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
-        self.llm.reset_prefix_cache()
+        self._after_finalize()
         self.finalize_count = min(r["finalize_count"] for r in results)
         self._digest = digests.pop()
         return self._digest
+
+    def _after_finalize(self) -> None:
+        raise NotImplementedError
 
     def digest(self) -> str:
         if self._digest is None:
@@ -108,14 +100,7 @@ class VllmEngine:
         return self._digest
 
     def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
-        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
-                  for p in probes]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return tuple(tuple(o.outputs[0].token_ids) for o in outs)
+        raise NotImplementedError
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[int, ...]]:
         return list(self.probe([Probe(tuple(p), max_tokens) for p in prompts]))
@@ -127,14 +112,66 @@ class VllmEngine:
 
     def close(self) -> None:
         self.staging.close()
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            shutdown = getattr(llm.llm_engine, "shutdown", None) if hasattr(llm, "llm_engine") else None
-            if callable(shutdown):
-                shutdown()
-            del self.llm
+
+
+class VllmEngine(_VllmBase):
+    """`vllm.LLM` in this process (its workers in-process or in vLLM's own processes)."""
+
+    def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
+                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20) -> None:
+        from orchestrator.config import set_process_env, vllm_process_env
+
+        set_process_env(vllm_process_env(multiprocessing))
+        from vllm import LLM
+
+        args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
+                "enable_prefix_caching": True, **(llm_args or {})}
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, **args)
+        self.startup_seconds = time.perf_counter() - t0
+        self.llm_args = args
+        self.multiprocessing = multiprocessing
+        self._setup(model_dir, staging_bytes)
+        log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
+                 multiprocessing=multiprocessing, args=args)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"llm_args": self.llm_args, "multiprocessing": self.multiprocessing}
+
+    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+        return self.llm.collective_rpc(method, args=(arg,))
+
+    def _after_finalize(self) -> None:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
+        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
+                  for p in probes]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return tuple(tuple(o.outputs[0].token_ids) for o in outs)
+
+    def close(self) -> None:
+        super().close()
+        llm = self.__dict__.pop("llm", None)
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:
     return VllmEngine(options["model"], multiprocessing=bool(options.get("vllm_mp", False)),
                       llm_args=options.get("llm_args") or {})
+
+
+def make_server_engine(options: dict[str, Any]) -> _VllmBase:
+    from engines.vllm_server import VllmServerEngine
+
+    if not options.get("url"):
+        raise ValueError("--backend vllm-server needs --url http://HOST:PORT")
+    return VllmServerEngine(options["model"], options["url"],
+                            pause_mode=options.get("pause_mode") or "keep")

@@ -43,7 +43,7 @@ class WeightSyncExtension:
     def _ws_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
-    def ws_info(self) -> dict[str, Any]:
+    def ws_info(self, arg: str = "{}") -> dict[str, Any]:
         st = self._ws()
         return {"sync_id": st["sync_id"], "version": st["version"], "reloading": st["reloading"],
                 "finalize_count": st["finalize_count"], "digest": st["digest"],

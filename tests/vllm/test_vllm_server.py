@@ -1,0 +1,123 @@
+"""`--backend vllm-server`: a real vLLM OpenAI server (dev mode + our extension), attached
+over HTTP, driven through the orchestrator; generation is paused while weights change."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engines.tiny import perturbed
+from engines.torch_engine import greedy, load_model
+from messages.buckets import digest, iter_buckets
+from messages.schema import Probe
+from orchestrator.config import child_env, vllm_process_env
+from orchestrator.launch import Cluster
+
+PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    port = _free_port()
+    log = Path(tmp_path_factory.mktemp("vllm-server")) / "server.log"
+    env = child_env({**vllm_process_env(True), "VLLM_SERVER_DEV_MODE": "1"})
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+             "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--worker-extension-cls", "engines.vllm_extension.WeightSyncExtension"],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited:\n{log.read_text()[-4000:]}")
+            try:
+                _get(url + "/v1/models")
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise RuntimeError(f"vLLM server not up in 300s:\n{log.read_text()[-4000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir, server):
+    c = Cluster(Path(tmp_path_factory.mktemp("server-cluster")), tiny_model_dir, engines=0,
+                min_engines=1, backend="vllm-server", daemon_args=["--engine-timeout", "30"])
+    try:
+        c.start_daemon()
+        c.start_engine("server-0", ["--url", server, "--pause-mode", "keep"])
+        c.wait_engines(1, timeout=120)
+        yield c
+    except BaseException:
+        for p in c.procs:
+            print(f"----- {p.name} -----\n{p.log_tail(60)}")
+        raise
+    finally:
+        c.stop()
+
+
+def hf(model_dir, weights, prompts, n=6):
+    m = load_model(model_dir)
+    m.load_state_dict(weights)
+    return [greedy(m, p, n) for p in prompts]
+
+
+def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(cluster, server, tiny_model_dir, tiny_state):
+    with cluster.client(timeout=120.0) as client:
+        for v in (1, 2):
+            weights = dict(perturbed(tiny_state, v))
+            buckets = list(iter_buckets(weights.items(), 256 * 1024))
+            expected = hf(tiny_model_dir, weights, PROMPTS)
+            sid = client.begin(v, probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)])["sync_id"]
+            client.send_bucket(sid, buckets[0])
+            assert _get(server + "/is_paused")["is_paused"] is True
+            for b in buckets[1:]:
+                client.send_bucket(sid, b)
+            body = client.finish(sid, len(buckets), digest=digest(weights.items()))
+            assert body["status"] == "READY" and len(buckets) >= 4
+            assert _get(server + "/is_paused")["is_paused"] is False
+            served = _get(server + "/v1/models")["data"][0]["id"]
+            for p, e in zip(PROMPTS, expected):
+                r = _post(server + "/v1/completions", {"model": served, "prompt": list(p),
+                                                       "max_tokens": 6, "temperature": 0,
+                                                       "ignore_eos": True, "return_token_ids": True})
+                assert tuple(r["choices"][0]["token_ids"]) == e
+        st = client.status()
+    (e,) = st["engines"]
+    assert (e["backend"], e["finalize_count"], e["version"]) == ("vllm-server", 2, 2)
