@@ -23,6 +23,7 @@ from torch import nn
 
 from engines.base import EngineInfo, validate_bucket
 from messages.buckets import Digester
+from messages.canary import greedy
 from messages.dtypes import dtype_name
 from messages.errors import ErrorCode, make_error
 from messages.schema import ParamSpec, Probe
@@ -39,19 +40,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Modul
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.eval()
-
-
-@torch.no_grad()
-def greedy(model: nn.Module, prompt: Sequence[int], max_tokens: int) -> tuple[int, ...]:
-    """Greedy decode without a KV cache (deterministic and model-agnostic)."""
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
-    out: list[int] = []
-    for _ in range(max_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits[0, -1]
-        nxt = int(torch.argmax(logits))
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long)], dim=1)
-    return tuple(out)
 
 
 class _Kernel:

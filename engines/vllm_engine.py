@@ -157,10 +157,15 @@ class VllmEngine(_VllmBase):
     def close(self) -> None:
         super().close()
         llm = self.__dict__.pop("llm", None)
+        if not self.multiprocessing:
+            # In-process workers: vLLM's shutdown tears down the process-global
+            # torch.distributed groups, which would break any other in-process LLM
+            # (measured). Dropping the reference is enough; the process owns the rest.
+            return
         engine = getattr(llm, "llm_engine", None)
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
-            shutdown()
+            shutdown()  # stops vLLM's worker processes
 
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:

@@ -141,8 +141,10 @@ class Applier(threading.Thread):
 
 class Worker:
     def __init__(self, engine: Engine, connect: str, engine_id: str, *,
-                 heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None) -> None:
+                 heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None,
+                 close_engine: bool = True) -> None:
         self.engine = engine
+        self.close_engine = close_engine
         self.connect = connect
         self.engine_id = engine_id
         self.heartbeat_interval = heartbeat_interval
@@ -217,7 +219,8 @@ class Worker:
             sock.close(linger=1000)
             os.close(rfd)
             os.close(wfd)
-            self.engine.close()
+            if self.close_engine:
+                self.engine.close()
             log.info("engine_stopped", engine_id=self.engine_id, version=self.version,
                      finalize_count=self.engine.finalize_count)
 

@@ -14,8 +14,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from messages.schema import Probe
-
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
 
@@ -23,7 +21,8 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
              bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None,
              backend: str = "torch") -> bool:
     from engines.tiny import build_tiny_llama, perturbed
-    from engines.torch_engine import greedy, load_model
+    from engines.torch_engine import load_model
+    from messages.canary import make_probes
     from orchestrator.cli import history_table, status_table
     from orchestrator.launch import Cluster
 
@@ -57,8 +56,8 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
                 for v in range(1, versions + 1):
                     weights = dict(perturbed(base, v))
                     trainer.load_state_dict(weights)
-                    expected = [greedy(trainer, p, 8) for p in PROMPTS]
-                    probes = [Probe(p, 8, e) for p, e in zip(PROMPTS, expected)]
+                    probes = make_probes(trainer, PROMPTS, 8)
+                    expected = [p.expected for p in probes]
                     r = client.push(weights.items(), v, bucket_bytes=bucket_bytes, probes=probes)
                     engine_probes = {e["engine_id"]: [tuple(x) for x in e["probes"]] for e in r.engines}
                     match = all(ps == expected for ps in engine_probes.values()) and \

@@ -20,3 +20,22 @@ def vllm_engine(tiny_model_dir):
     engine = VllmEngine(tiny_model_dir, multiprocessing=False)
     yield engine
     engine.close()
+
+
+def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
+    """Run `script` in a fresh Python process and return the JSON it prints after RESULT.
+
+    vLLM keeps torch.distributed state per process; a second in-process LLM (another
+    model, or one torn down) would break the session's engine, so such tests go here.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from orchestrator.config import child_env
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=timeout, env=child_env())
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        raise AssertionError(f"isolated script failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

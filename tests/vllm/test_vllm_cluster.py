@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from engines.tiny import perturbed
-from engines.torch_engine import greedy, load_model
+from engines.torch_engine import load_model
+from messages.canary import make_probes
 from messages.buckets import digest
 from messages.errors import EngineError, ErrorCode
 from messages.schema import Probe
@@ -20,7 +21,7 @@ PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 def probes_for(model_dir, weights, n=6):
     m = load_model(model_dir)
     m.load_state_dict(weights)
-    return [Probe(p, n, greedy(m, p, n)) for p in PROMPTS]
+    return make_probes(m, PROMPTS, n)
 
 
 @pytest.fixture(scope="module")

