@@ -28,7 +28,7 @@ class EngineInfo:
     backend: str
     model: str
     spec: tuple[ParamSpec, ...]
-    transports: tuple[str, ...] = ("inline",)
+    transports: tuple[str, ...] = ("inline", "shm")
     cast_ok: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from engines.base import EngineInfo, validate_bucket
-from engines.shm import Segment
+from messages.shm import Segment
 from messages.buckets import checksum, iter_buckets, unpack
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.buckets import digest as weights_digest
@@ -37,6 +37,12 @@ def _arg(**kw: Any) -> str:
     return json.dumps(kw, separators=(",", ":"))
 
 
+def _meta_tensor(m: TensorMeta) -> torch.Tensor:
+    """A storage-free stand-in with the meta's dtype and shape, for validation only."""
+    from messages.dtypes import DTYPES
+    return torch.empty(m.shape, dtype=DTYPES[m.dtype], device="meta")
+
+
 class _VllmBase:
     """What both vLLM backends share: validation, shared-memory staging, the rpc protocol
     of the extension, and the finalize bookkeeping. Subclasses provide `rpc`,
@@ -47,7 +53,7 @@ class _VllmBase:
     def _setup(self, model_dir: str | Path, staging_bytes: int) -> None:
         self.model_dir = str(model_dir)
         self.spec = checkpoint_spec(model_dir)
-        self.staging = Segment(staging_bytes, prefix="weightsync-vllm")
+        self.staging = Segment(staging_bytes, kind="vllm")
         self.finalize_count = 0
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
@@ -73,6 +79,13 @@ class _VllmBase:
         self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=checksum(self.staging.view(0, n)),
                                  shm={"name": self.staging.name, "offset": 0, "size": n},
                                  tensors=[m.to_wire() for m in metas]))
+
+    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
+        """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
+        copy); they verify the checksum and copy into parameters."""
+        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=bucket_checksum,
+                                 shm=ref.to_wire(), tensors=[m.to_wire() for m in metas]))
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         validate_bucket(self.spec, tensors, cast_ok=True)

@@ -33,7 +33,7 @@ class WeightSyncExtension:
     def _ws(self) -> dict[str, Any]:
         st = getattr(self, "_ws_state", None)
         if st is None:
-            from engines.shm import Reader
+            from messages.shm import Reader
             st = {"sync_id": None, "version": None, "reloading": False, "finalized": set(),
                   "finalize_count": 0, "digester": None, "digest": None, "reader": Reader(),
                   "loaded": 0, "mode": None}
@@ -76,7 +76,7 @@ class WeightSyncExtension:
         if not st["reloading"] or st["sync_id"] != a["sync_id"]:
             raise RuntimeError(f"ws_load for sync {a['sync_id']!r} but the running reload is "
                                f"{st['sync_id']!r} (reloading={st['reloading']})")
-        from engines.shm import frombuffer
+        from messages.shm import frombuffer
         ref = a["shm"]
         mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
         if a.get("checksum") is not None and checksum(mv) != a["checksum"]:
@@ -132,6 +132,7 @@ class WeightSyncExtension:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
             process_weights_after_loading(model, model_config, self.device)
         st["reloading"] = False
+        st["reader"].close()  # drop mappings of trainer slots and staging (remapped on demand)
 
     # -- for tests: the hazard this project exists for ----------------------------------
     def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
@@ -143,7 +144,7 @@ class WeightSyncExtension:
     def ws_unsafe_load_weights(self, arg: str) -> str:
         """Plain `load_weights` from a shared-memory descriptor, outside any reload."""
         a = json.loads(arg)
-        from engines.shm import frombuffer
+        from messages.shm import frombuffer
         st = self._ws()
         ref = a["shm"]
         flat = frombuffer(st["reader"].view(ref["name"], ref["offset"], ref["size"]))

@@ -30,6 +30,7 @@ from engines.base import Engine
 from messages import codec, schema
 from messages.buckets import checksum, unpack
 from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.shm import Reader, shm_available
 
 log = structlog.get_logger()
 
@@ -59,6 +60,7 @@ class Applier(threading.Thread):
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
+        self.reader = Reader()  # the trainer's shared-memory slots (shm transport)
 
     def submit(self, kind: str, arg: Any) -> None:
         self.jobs.put((kind, arg))
@@ -103,7 +105,20 @@ class Applier(threading.Thread):
         if msg.sync_id in self.failed:
             return  # already reported; the orchestrator is aborting this sync
         t0 = time.perf_counter()
-        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        if msg.shm is not None:
+            load_shm = getattr(self.engine, "load_shm", None)
+            if load_shm is not None:  # the engine's workers read the slot themselves
+                load_shm(msg.tensors, msg.shm, msg.checksum)
+                self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
+                                         seconds=time.perf_counter() - t0))
+                return
+            try:
+                buf = self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+            except (OSError, ValueError) as exc:
+                raise WeightSyncError(f"bucket seq {msg.seq}: shared memory unreadable: {exc}",
+                                      code=ErrorCode.BAD_MESSAGE) from None
+        else:
+            buf = frame.buffer if hasattr(frame, "buffer") else frame
         if checksum(buf) != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         load_bucket = getattr(self.engine, "load_bucket", None)
@@ -113,11 +128,13 @@ class Applier(threading.Thread):
             tensors = list(unpack(msg.tensors, buf))
             self.engine.load(tensors)
             del tensors  # drop the views before acknowledging (the frame can be freed)
+        del buf
         seconds = time.perf_counter() - t0
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
                                  seconds=seconds))
 
     def _do_finalize(self, msg: schema.Finalize) -> None:
+        self.reader.close()  # every bucket is in; the trainer may unlink its slots
         if msg.sync_id in self.failed:
             return
         t0 = time.perf_counter()
@@ -132,6 +149,7 @@ class Applier(threading.Thread):
                  finalize_count=self.engine.finalize_count, seconds=round(seconds, 4))
 
     def _do_abort(self, msg: schema.Abort) -> None:
+        self.reader.close()
         if self.current == msg.sync_id:
             self.engine.abort()
             self.current = None
@@ -142,8 +160,9 @@ class Applier(threading.Thread):
 class Worker:
     def __init__(self, engine: Engine, connect: str, engine_id: str, *,
                  heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None,
-                 close_engine: bool = True) -> None:
+                 close_engine: bool = True, allow_shm: bool = True) -> None:
         self.engine = engine
+        self.allow_shm = allow_shm
         self.close_engine = close_engine
         self.connect = connect
         self.engine_id = engine_id
@@ -169,7 +188,9 @@ class Worker:
 
     def _register_msg(self) -> schema.Register:
         return schema.Register(engine_id=self.engine_id, backend=self.info.backend, id=self._id(),
-                               model=self.info.model, transports=self.info.transports,
+                               model=self.info.model,
+                               transports=tuple(t for t in self.info.transports
+                                                if t != "shm" or (self.allow_shm and shm_available())),
                                version=self.version, digest=self.digest,
                                finalize_count=self.engine.finalize_count, pid=os.getpid(),
                                host=pysocket.gethostname(), spec=self.info.spec,
@@ -277,7 +298,7 @@ class Worker:
             if key in t.queued or t.failed:
                 return
             t.queued.add(key)
-            applier.submit("load", (msg, decoded.payload[0]))
+            applier.submit("load", (msg, decoded.payload[0] if decoded.payload else None))
         elif isinstance(msg, schema.Finalize):
             if msg.sync_id in self.finalized_syncs:
                 self.duplicates_refused += 1

@@ -10,7 +10,7 @@ weights" used by trainers and every engine.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,10 @@ def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-def _pack(seq: int, items: list[tuple[str, torch.Tensor]]) -> PackedBucket:
+Alloc = Callable[[int, int], torch.Tensor]  # (seq, nbytes) -> writable uint8 tensor
+
+
+def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None = None) -> PackedBucket:
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in items:
@@ -71,7 +74,7 @@ def _pack(seq: int, items: list[tuple[str, torch.Tensor]]) -> PackedBucket:
         metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
-    data = torch.empty(total, dtype=torch.uint8)
+    data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
     for meta, (_, t) in zip(metas, items):
         if meta.nbytes:
             data[meta.offset:meta.offset + meta.nbytes].copy_(as_bytes(t))
@@ -84,9 +87,11 @@ def _pack(seq: int, items: list[tuple[str, torch.Tensor]]) -> PackedBucket:
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[PackedBucket]:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, alloc: Alloc | None = None
+                 ) -> Iterator[PackedBucket]:
     """Stream (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor
-    goes alone). Holds one bucket's worth of references at a time."""
+    goes alone). Holds one bucket's worth of references at a time. `alloc(seq, nbytes)`
+    provides the bucket's buffer (e.g. a shared-memory slot); default: a new tensor."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
     seq = 0
@@ -98,13 +103,13 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
         nbytes = t.numel() * t.element_size()
         if pending and _aligned(size) + nbytes > bucket_bytes:
-            yield _pack(seq, pending)
+            yield _pack(seq, pending, alloc)
             seq += 1
             pending, size = [], 0
         pending.append((name, t))
         size = _aligned(size) + nbytes
     if pending:
-        yield _pack(seq, pending)
+        yield _pack(seq, pending, alloc)
 
 
 def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -202,6 +202,8 @@ def _validate(msg: Message, payload: list[Any]) -> None:
         if hasattr(msg, name):
             _check_nonneg(getattr(msg, name), name)
     if isinstance(msg, schema.Begin):
+        if msg.transport not in ("inline", "shm", "auto"):
+            raise _bad(f"transport: must be inline, shm or auto, got {msg.transport!r}")
         if msg.senders < 1:
             raise _bad("senders: must be >= 1")
         _check_nonneg(msg.expected_buckets, "expected_buckets")

@@ -87,6 +87,8 @@ class Begin(Message):
     senders: int = 1
     expected_buckets: int | None = None
     probes: tuple[Probe, ...] = ()
+    host: str = ""  # the trainer's host: engines on it may read buckets from shared memory
+    transport: str = "inline"  # "inline" | "shm" | "auto" (shm where every engine can)
 
 
 @dataclass(frozen=True, slots=True)

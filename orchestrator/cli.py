@@ -89,6 +89,7 @@ def engine(
     url: Optional[str] = typer.Option(None, help="vllm-server backend: the server's base URL"),
     pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
     heartbeat_interval: Optional[float] = typer.Option(None),
+    shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
@@ -109,7 +110,7 @@ def engine(
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
     worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
-                    heartbeat_interval=s.heartbeat_interval)
+                    heartbeat_interval=s.heartbeat_interval, allow_shm=shm)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()

@@ -10,6 +10,7 @@ subclass of its code, carrying the daemon's state and version.
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,6 +24,7 @@ import zmq
 from messages import codec, schema
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.shm import Segment, frombuffer, sweep_stale
 from orchestrator.config import DEFAULT_ADDR
 
 log = structlog.get_logger()
@@ -63,6 +65,25 @@ class _InFlight:
     bucket: PackedBucket
     sent_at: float
     attempts: int = 1
+
+
+class ShmRing:
+    """`window` shared-memory slots; bucket `seq` is packed straight into slot seq % window."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.segments = [Segment(max(slot_bytes, 4096), kind="trainer") for _ in range(slots)]
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        seg = self.segments[seq % len(self.segments)]
+        seg.resize(nbytes)
+        return frombuffer(seg.view(0, nbytes))
+
+    def ref(self, seq: int, nbytes: int) -> schema.ShmRef:
+        return schema.ShmRef(self.segments[seq % len(self.segments)].name, 0, nbytes)
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
 
 
 class TrainerClient:
@@ -141,13 +162,17 @@ class TrainerClient:
         return self._request(lambda i: schema.Status(id=i), timeout)
 
     def begin(self, version: int, sync_id: str | None = None, *, senders: int = 1,
-              expected_buckets: int | None = None,
-              probes: Sequence[schema.Probe] = ()) -> dict[str, Any]:
+              expected_buckets: int | None = None, probes: Sequence[schema.Probe] = (),
+              transport: str = "inline") -> dict[str, Any]:
+        """Start a sync. `transport` "shm"/"auto" offers shared memory; the reply's
+        `transport` says what the daemon chose ("inline", "shm" or "mixed")."""
         sync_id = sync_id or uuid.uuid4().hex
+        host = socket.gethostname() if transport != "inline" else ""
         body = self._request(lambda i: schema.Begin(sync_id=sync_id, version=version, id=i,
                                                     senders=senders,
                                                     expected_buckets=expected_buckets,
-                                                    probes=tuple(probes)))
+                                                    probes=tuple(probes), host=host,
+                                                    transport=transport))
         return {**body, "sync_id": sync_id}
 
     def send_bucket(self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
@@ -168,26 +193,37 @@ class TrainerClient:
                              timeout, retries=retries)
 
     def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
-                    checksum: int | None = None) -> schema.Bucket:
+                    checksum: int | None = None, shm: schema.ShmRef | None = None) -> schema.Bucket:
         return schema.Bucket(sync_id=sync_id, seq=b.seq, tensors=b.tensors,
                              checksum=b.checksum if checksum is None else checksum, id=rid,
-                             sender=self.sender)
+                             sender=self.sender, shm=shm)
 
     # -- the whole sync -----------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
              probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
-             abort_on_error: bool = True, progress: Any = None) -> SyncResult:
-        """Stream `named_tensors` to every engine as `version`; return when READY."""
+             abort_on_error: bool = True, progress: Any = None,
+             transport: str = "auto") -> SyncResult:
+        """Stream `named_tensors` to every engine as `version`; return when READY.
+
+        transport: "auto" uses shared memory for the engines on this host that can read it
+        (one write here, one read per engine) and inline frames otherwise; "inline" and
+        "shm" force a choice ("shm" still falls back where the daemon says so)."""
         if window < 1:
             raise ValueError("window must be >= 1")
+        if transport not in ("inline", "shm", "auto"):
+            raise ValueError("transport must be inline, shm or auto")
         t0 = time.perf_counter()
-        started = self.begin(version, sync_id, probes=probes)
+        started = self.begin(version, sync_id, probes=probes, transport=transport)
         sync_id = started["sync_id"]
+        ring = None
+        if started.get("transport") in ("shm", "mixed"):
+            sweep_stale()  # segments of trainers that crashed earlier on this host
+            ring = ShmRing(window, bucket_bytes)
         digester = Digester()
         try:
             count, nbytes, retries = self._stream(sync_id, self._digesting(named_tensors, digester),
-                                                  bucket_bytes, window, progress)
+                                                  bucket_bytes, window, progress, ring)
             body = self.finish(sync_id, count, digest=digester.hexdigest())
         except WeightSyncError as err:
             if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING"):
@@ -197,11 +233,14 @@ class TrainerClient:
             if abort_on_error:
                 self._abort_quietly(sync_id, exc)
             raise
+        finally:
+            if ring is not None:
+                ring.close()
         seconds = time.perf_counter() - t0
         return SyncResult(sync_id=sync_id, version=version, buckets=count, bytes=nbytes,
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
-                          retries=retries, detail=body)
+                          retries=retries, detail={**body, "transport": started.get("transport", "inline")})
 
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
         try:
@@ -218,7 +257,8 @@ class TrainerClient:
             yield name, t
 
     def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
-                bucket_bytes: int, window: int, progress: Any) -> tuple[int, int, int]:
+                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None
+                ) -> tuple[int, int, int]:
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
@@ -226,7 +266,11 @@ class TrainerClient:
         def send(f: _InFlight) -> None:
             rid = self._new_id()
             by_id[rid] = f.bucket.seq
-            self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
+            if ring is not None:
+                ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
+                self._send(self._bucket_msg(sync_id, f.bucket, rid, shm=ref))
+            else:
+                self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
         def wait_one() -> None:
             nonlocal retries
@@ -254,9 +298,14 @@ class TrainerClient:
             if f is not None and progress is not None:
                 progress(f.bucket.nbytes)
 
-        for bucket in iter_buckets(named, bucket_bytes):
+        def alloc(seq: int, n: int) -> torch.Tensor:
+            # Room first: with shm, slot seq % window belongs to bucket seq - window until
+            # that bucket is acknowledged (every engine has copied it out).
             while len(inflight) >= window:
                 wait_one()
+            return ring.slot(seq, n) if ring is not None else torch.empty(n, dtype=torch.uint8)
+
+        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc):
             f = _InFlight(bucket, time.monotonic())
             inflight[bucket.seq] = f
             send(f)

@@ -149,12 +149,15 @@ class SyncRecord:
     finalize_started: float | None = None
     nbytes: int = 0
     error: WeightSyncError | None = None
+    shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
+    transport: str = "inline"
 
     def view(self) -> dict[str, Any]:
         return {"sync_id": self.sync_id, "version": self.version,
                 "buckets": len(self.buckets), "bytes": self.nbytes,
                 "acked": sum(1 for b in self.buckets.values() if b.done),
-                "engines": list(self.participants)}
+                "engines": list(self.participants), "transport": self.transport,
+                "shm_engines": list(self.shm_engines)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +168,7 @@ class Limits:
     bucket_timeout: float = 300.0
     finalize_timeout: float = 600.0
     history: int = 50
+    host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
 
 
 class Orchestrator:
@@ -234,6 +238,7 @@ class Orchestrator:
         participants = tuple(sorted(e.engine_id for e in self.live_engines()))
         self.sync = SyncRecord(msg.sync_id, msg.version, msg.senders, msg.expected_buckets,
                                msg.probes, participants, self.now, self.now)
+        self.sync.shm_engines, self.sync.transport = self.plan_transport(msg, participants)
         for eid in participants:
             self.engines[eid].state = "LOADING"
         self.outbox.append(Journal("sync", {"sync_id": msg.sync_id, "version": msg.version,
@@ -321,6 +326,21 @@ class Orchestrator:
         self.sync, self._closed = None, s
 
     # -- helpers ------------------------------------------------------------------------
+    def plan_transport(self, msg: Begin, participants: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+        """Which engines read this sync's buckets from the trainer's shared memory.
+
+        shm needs the engine on the trainer's host and advertising "shm". Engines that
+        cannot get inline frames, which the daemon cuts from the segment, so it must be on
+        the trainer's host too unless every engine reads shm itself. Otherwise: inline.
+        """
+        if msg.transport not in ("shm", "auto") or not msg.host:
+            return (), "inline"
+        able = tuple(e for e in participants
+                     if self.engines[e].host == msg.host and "shm" in self.engines[e].transports)
+        if not able or (len(able) < len(participants) and self.limits.host != msg.host):
+            return (), "inline"
+        return able, "shm" if len(able) == len(participants) else "mixed"
+
     @property
     def served_version(self) -> int | None:
         return None if self.dirty else self.last_ready_version

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from messages import codec, schema
 from messages.buckets import checksum
+from messages.shm import Reader, sweep_stale
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from orchestrator import fsm
 from orchestrator.config import Settings
@@ -84,7 +85,8 @@ class Service:
         rec = self.journal.recover()
         limits = fsm.Limits(min_engines=settings.min_engines, engine_timeout=settings.engine_timeout,
                             sync_timeout=settings.sync_timeout, bucket_timeout=settings.bucket_timeout,
-                            finalize_timeout=settings.finalize_timeout)
+                            finalize_timeout=settings.finalize_timeout, host=pysocket.gethostname())
+        self.shm_reader = Reader()
         self.core = fsm.Orchestrator(limits, initial=fsm.State(rec.state),
                                      served_version=rec.version, served_digest=rec.digest,
                                      dirty=rec.dirty, now=time.monotonic())
@@ -105,6 +107,7 @@ class Service:
 
     # -- lifecycle ----------------------------------------------------------------------
     def startup(self) -> None:
+        sweep_stale()  # shared-memory segments left by crashed trainers or engines
         self.trainer_sock = self._router(self.settings.bind)
         self.engine_sock = self._router(self.settings.engine_bind)
         self.bound = {
@@ -285,16 +288,34 @@ class Service:
                                             version=self.core.served_version))
 
     async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
+        sync = self.core.sync
         if msg.shm is not None:
-            raise make_error(ErrorCode.BAD_MESSAGE, "shm transport is not enabled on this daemon",
-                             state=self.core.state.value)
-        frame = payload[0]
-        nbytes = len(frame)
-        if checksum(frame.buffer) != msg.checksum:
-            raise make_error(ErrorCode.CHECKSUM_MISMATCH,
-                             f"bucket seq {msg.seq}: checksum does not match the frame; nothing applied",
-                             state=self.core.state.value, version=self.core.served_version,
-                             sync_id=msg.sync_id)
+            if sync is None or sync.sync_id != msg.sync_id or sync.transport == "inline":
+                raise make_error(ErrorCode.BAD_MESSAGE,
+                                 "shm bucket, but this sync did not negotiate shared memory "
+                                 "(begin with transport=shm|auto from the engines' host)",
+                                 state=self.core.state.value, sync_id=msg.sync_id)
+            nbytes = msg.shm.size
+            frame = None
+            if sync.transport == "mixed":  # cut an inline frame for the engines without shm
+                try:
+                    frame = bytes(self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size))
+                except (OSError, ValueError) as exc:
+                    raise make_error(ErrorCode.BAD_MESSAGE, f"shm bucket unreadable: {exc}",
+                                     state=self.core.state.value, sync_id=msg.sync_id) from None
+                if checksum(frame) != msg.checksum:
+                    raise make_error(ErrorCode.CHECKSUM_MISMATCH,
+                                     f"bucket seq {msg.seq}: shm checksum mismatch; nothing applied",
+                                     state=self.core.state.value, sync_id=msg.sync_id)
+            # pure shm: the daemon never touches the bytes; every engine verifies the checksum
+        else:
+            frame = payload[0]
+            nbytes = len(frame)
+            if checksum(frame.buffer) != msg.checksum:
+                raise make_error(ErrorCode.CHECKSUM_MISMATCH,
+                                 f"bucket seq {msg.seq}: checksum does not match the frame; nothing applied",
+                                 state=self.core.state.value, version=self.core.served_version,
+                                 sync_id=msg.sync_id)
         key = (msg.sender, msg.seq)
         pkey = (msg.sync_id, key)
         self.pending[pkey] = Pending(msg, frame)
@@ -393,15 +414,28 @@ class Service:
             raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {cmd.key}")
         m = p.msg
         sync = self.core.sync
-        header = codec.encode_header(schema.Load(
-            sync_id=m.sync_id, version=sync.version if sync else 0, seq=m.seq, tensors=m.tensors,
+        version = sync.version if sync else 0
+        shm_engines = set(sync.shm_engines) if sync and m.shm is not None else set()
+        inline = codec.encode_header(schema.Load(
+            sync_id=m.sync_id, version=version, seq=m.seq, tensors=m.tensors,
             checksum=m.checksum, sender=m.sender))
+        by_ref = codec.encode_header(schema.Load(
+            sync_id=m.sync_id, version=version, seq=m.seq, tensors=m.tensors,
+            checksum=m.checksum, sender=m.sender, shm=m.shm)) if shm_engines else b""
         for eid in cmd.engine_ids:
-            self._send_engine(eid, [header, p.frame])
-        log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq, nbytes=len(p.frame),
-                  engines=len(cmd.engine_ids))
+            if eid in shm_engines:
+                self._send_engine(eid, [by_ref])
+            else:
+                self._send_engine(eid, [inline, p.frame])
+        log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq,
+                  nbytes=m.shm.size if m.shm else len(p.frame), engines=len(cmd.engine_ids),
+                  shm_engines=len(shm_engines))
 
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
+        self.shm_reader.close()  # drop mappings of the trainer's segments (they may be unlinked)
+        swept = sweep_stale()
+        if swept:
+            log.info("shm_segments_swept", segments=len(swept))
         waiters = self.finish_waiters.pop(cmd.sync_id, [])
         for key in [k for k in self.bucket_waiters if k[0] == cmd.sync_id]:
             ws = self.bucket_waiters.pop(key)

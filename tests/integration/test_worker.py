@@ -28,9 +28,9 @@ class CountingEngine(TorchEngine):
         self.loads += 1
         super().load(tensors)
 
-    def finalize(self):
+    def finalize(self, sync_id=""):
         self.finalizes += 1
-        return super().finalize()
+        return super().finalize(sync_id)
 
 
 class FakeOrchestrator:

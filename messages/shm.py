@@ -21,11 +21,54 @@ import torch
 SHM_DIR = Path("/dev/shm")
 
 
+PREFIX = "weightsync"
+
+
+def segment_name(kind: str) -> str:
+    """`weightsync.KIND.PID.RANDOM`: the pid lets `sweep_stale` find a dead owner's segments."""
+    return f"{PREFIX}.{kind}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
+def shm_available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Unlink segments whose owner process is gone (a trainer or engine that crashed)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}.*.*.*"):
+        try:
+            pid = int(path.name.split(".")[2])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def list_segments() -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}.*"))
+
+
 class Segment:
     """A writable segment owned by this process (grows on demand)."""
 
-    def __init__(self, size: int, prefix: str = "weightsync") -> None:
-        self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    def __init__(self, size: int, kind: str = "bucket") -> None:
+        self.name = segment_name(kind)
         self.path = SHM_DIR / self.name
         self.size = 0
         self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -36,7 +79,10 @@ class Segment:
         if size <= self.size:
             return
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a view of the old mapping is alive; it goes with the view
+                pass
         os.ftruncate(self._fd, size)
         self._mm = mmap.mmap(self._fd, size)
         self.size = size
@@ -55,7 +101,10 @@ class Segment:
 
     def close(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
             self._mm = None
         os.close(self._fd)
         try:
@@ -82,7 +131,10 @@ class Reader:
         cached = self._maps.get(name)
         if cached is None or cached[0] < offset + size:
             if cached is not None:
-                cached[1].close()
+                try:
+                    cached[1].close()
+                except BufferError:  # a view of the old mapping is alive; GC closes it
+                    pass
             fd = os.open(SHM_DIR / name, os.O_RDONLY)
             try:
                 total = os.fstat(fd).st_size
@@ -93,6 +145,14 @@ class Reader:
                 os.close(fd)
             self._maps[name] = cached = (total, mm)
         return memoryview(cached[1])[offset:offset + size]
+
+    def forget(self, name: str) -> None:
+        cached = self._maps.pop(name, None)
+        if cached is not None:
+            try:
+                cached[1].close()
+            except BufferError:
+                pass
 
     def close(self) -> None:
         for _, mm in self._maps.values():

@@ -1,0 +1,120 @@
+"""Inline and shared-memory transports: same weights either way, mixed engines, no leaks."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engines.tiny import perturbed
+from messages import schema
+from messages.buckets import digest, iter_buckets
+from messages.errors import ErrorCode, PeerError, WeightSyncError
+from messages.shm import list_segments
+
+from .helpers import running_daemon
+
+
+def trainer_segments():
+    return [s for s in list_segments() if s.startswith("weightsync.trainer.")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    with running_daemon(tmp_path_factory.mktemp("transports"), tiny_model_dir) as c:
+        yield c
+
+
+def test_inline_and_shm_deliver_the_same_weights_and_leave_no_segments(cluster, tiny_state):
+    with cluster.client() as client:
+        base = client.status()["last_ready_version"] or 0
+        for i, transport in enumerate(("inline", "shm", "auto")):
+            v = base + 1 + i
+            w = dict(perturbed(tiny_state, v))
+            r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport=transport)
+            want = "inline" if transport == "inline" else "shm"
+            assert r.detail["transport"] == want
+            assert {e["digest"] for e in r.engines} == {digest(w.items())}
+            assert not trainer_segments()
+
+
+def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
+    with cluster.client() as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        sid = client.begin(v, transport="inline")["sync_id"]
+        (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
+        with pytest.raises(PeerError) as ei:
+            client._request(lambda i: client._bucket_msg(sid, b, i, shm=schema.ShmRef("x", 0, b.nbytes)))
+        assert ei.value.code is ErrorCode.BAD_MESSAGE and "negotiate" in ei.value.message
+        client.abort(sid)
+
+
+def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_state):
+    from messages.shm import Segment
+    with cluster.client(timeout=20.0) as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        started = client.begin(v, transport="shm")
+        assert started["transport"] == "shm"
+        (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
+        with Segment(b.nbytes, kind="trainer") as seg:
+            raw = bytearray(b.frame())
+            raw[5] ^= 0x10
+            seg.write(bytes(raw))
+            with pytest.raises(WeightSyncError) as ei:
+                client._request(lambda i: client._bucket_msg(
+                    started["sync_id"], b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)))
+        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
+        st = client.status()
+        assert st["state"] == "IDLE" and st["dirty"] is True
+        w = dict(perturbed(tiny_state, v + 1))
+        assert client.push(w.items(), v + 1).state == "READY"
+
+
+def test_engine_without_shm_gets_inline_frames_in_a_mixed_sync(tmp_path, tiny_model_dir, tiny_state):
+    with running_daemon(tmp_path, tiny_model_dir, engines=1, min_engines=2) as cluster:
+        cluster.start_engine("engine-inline", ["--no-shm"])
+        cluster.wait_engines(2)
+        with cluster.client() as client:
+            w = dict(perturbed(tiny_state, 1))
+            r = client.push(w.items(), 1, bucket_bytes=128 * 1024, transport="auto")
+            assert r.detail["transport"] == "mixed"
+            assert {e["digest"] for e in r.engines} == {digest(w.items())} and len(r.engines) == 2
+            engines = {e["engine_id"]: e["transports"] for e in client.status()["engines"]}
+            assert engines["engine-inline"] == ["inline"] and "shm" in engines["engine-0"]
+        assert not trainer_segments()
+
+
+TRAINER = r"""
+import sys, time
+from engines.tiny import perturbed
+from engines.torch_engine import load_model
+from orchestrator.client import TrainerClient
+state = load_model(sys.argv[2]).state_dict()
+c = TrainerClient(sys.argv[1], timeout=60)
+def slow():
+    for i, item in enumerate(perturbed(state, 1)):
+        if i == 6:
+            print("STREAMING", flush=True)
+            time.sleep(60)
+        yield item
+c.push(slow(), 1, bucket_bytes=64 * 1024, transport="shm")
+"""
+
+
+def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_dir):
+    args = ["--engine-timeout", "5", "--sync-timeout", "2"]
+    with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as cluster:
+        p = subprocess.Popen([sys.executable, "-c", TRAINER, cluster.addr, str(tiny_model_dir)],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "STREAMING"
+        assert any(f".{p.pid}." in s for s in trainer_segments())
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and cluster.status()["state"] != "IDLE":
+            time.sleep(0.2)
+        assert cluster.status()["last_sync"]["code"] == "TIMEOUT"
+        assert not [s for s in trainer_segments() if f".{p.pid}." in s]  # swept by the daemon
