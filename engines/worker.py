@@ -331,6 +331,7 @@ ENGINE_FACTORIES: dict[str, str] = {
     "torch": "engines.torch_engine:make_engine",
     "vllm": "engines.vllm_engine:make_engine",
     "vllm-server": "engines.vllm_engine:make_server_engine",
+    "sink": "engines.sink:make_engine",
 }
 
 

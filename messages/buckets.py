@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
+from messages.checksums import checksum  # noqa: F401  (re-exported: one definition)
 from messages.dtypes import DTYPES, dtype_name
 from messages.schema import TensorMeta
 
@@ -54,13 +55,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     return t.view(torch.uint8)
-
-
-def checksum(buf: Any) -> int:
-    """xxh3-64 of a buffer (bytes, memoryview, zmq.Frame buffer, uint8 tensor)."""
-    if isinstance(buf, torch.Tensor):
-        buf = buf.numpy()
-    return xxhash.xxh3_64_intdigest(buf)
 
 
 Alloc = Callable[[int, int], torch.Tensor]  # (seq, nbytes) -> writable uint8 tensor

@@ -1,33 +1,43 @@
-"""dtype names on the wire. Strings, never pickled torch objects."""
+"""dtype names on the wire. Strings, never pickled torch objects.
+
+Rules: the names and item sizes are plain data, so the daemon (which never touches a
+tensor) validates headers without importing torch; the torch mapping is built on first
+use by the code that has tensors.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
+ITEMSIZE: dict[str, int] = {
+    "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
-NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[str, int] = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
+_TORCH: dict[str, Any] = {}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def _torch_tables() -> dict[str, Any]:
+    if not _TORCH:
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in ITEMSIZE}
+        _TORCH["DTYPES"] = dtypes
+        _TORCH["NAMES"] = {v: k for k, v in dtypes.items()}
+    return _TORCH
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DTYPES", "NAMES"):  # name -> torch.dtype and back, on first use
+        return _torch_tables()[name]
+    raise AttributeError(name)
+
+
+def dtype_name(dtype: Any) -> str:
     try:
-        return NAMES[dtype]
+        return _torch_tables()["NAMES"][dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} is not supported on the wire") from None
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
+def torch_dtype(name: str) -> Any:
+    return _torch_tables()["DTYPES"][name]

@@ -16,8 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 SHM_DIR = Path("/dev/shm")
 
 
@@ -163,8 +161,10 @@ class Reader:
         self._maps.clear()
 
 
-def frombuffer(mv: memoryview) -> torch.Tensor:
+def frombuffer(mv: memoryview) -> Any:
     """uint8 tensor over a (possibly read-only) buffer, without copying."""
+    import torch  # here, not at the top: the daemon reads segments without torch
+
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():

@@ -77,7 +77,7 @@ def serve(
 
 @app.command()
 def engine(
-    backend: str = typer.Option("torch", help="torch | vllm"),
+    backend: str = typer.Option("torch", help="torch | vllm | vllm-server | sink (benchmarks)"),
     model: Path = typer.Option(..., exists=True, file_okay=False, help="local model directory"),
     connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
     engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
@@ -243,6 +243,14 @@ def demo(
         _fail(err, "demo")
         return
     raise typer.Exit(EXIT_OK if ok else EXIT_SYNC)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Data-plane benchmark against raw ZeroMQ and memcpy (`python -m bench --help`)."""
+    from bench.throughput import main as bench_main
+
+    bench_main(list(ctx.args))
 
 
 def main() -> None:

@@ -1,7 +1,11 @@
 """The daemon: the only code that owns orchestrator sockets. startup -> loop -> shutdown.
 
 Rules: one asyncio task owns both ROUTER sockets (pyzmq sockets are not thread-safe), reads
-them, feeds the pure FSM and executes the commands it returns. Tensor frames are received
+them, feeds the pure FSM and executes the commands it returns. The task awaits readiness
+through asyncio shadows of the sockets but receives and sends synchronously (NOBLOCK):
+zmq.asyncio's per-call futures end up in reference cycles that keep received bucket
+frames alive until the cyclic GC runs, which let the daemon's memory climb to several
+buckets past the window. Tensor frames are received
 with copy=False and the same zmq.Frame is relayed to every engine with copy=False: ZeroMQ
 refcounts the message, so fan-out to N engines costs no copy, and its I/O thread moves the
 bytes to all engines at once while this task goes on (that is the concurrent fan-out;
@@ -24,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from messages import codec, schema
-from messages.buckets import checksum
+from messages.checksums import checksum
 from messages.shm import Reader, sweep_stale
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from orchestrator import fsm
@@ -78,9 +82,9 @@ def refuse_live_ipc(addr: str) -> None:
 
 
 class Service:
-    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, settings: Settings, ctx: zmq.Context | None = None) -> None:
         self.settings = settings
-        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.ctx = ctx or zmq.Context.instance()
         self.journal = Journal(settings.state_db)
         rec = self.journal.recover()
         limits = fsm.Limits(min_engines=settings.min_engines, engine_timeout=settings.engine_timeout,
@@ -93,8 +97,8 @@ class Service:
         self.core.history.extend(rec.history)
         if rec.interrupted:
             log.warning("sync_interrupted_recovered", sync_id=rec.interrupted, version=rec.version)
-        self.trainer_sock: zmq.asyncio.Socket | None = None
-        self.engine_sock: zmq.asyncio.Socket | None = None
+        self.trainer_sock: zmq.Socket | None = None
+        self.engine_sock: zmq.Socket | None = None
         self.engine_ident: dict[str, bytes] = {}
         self.ident_engine: dict[bytes, str] = {}
         self.pending: dict[tuple[str, tuple[int, int]], Pending] = {}
@@ -118,7 +122,7 @@ class Service:
                  state=self.core.state.value, version=self.core.served_version,
                  dirty=self.core.dirty, state_db=self.settings.state_db)
 
-    def _router(self, addr: str) -> zmq.asyncio.Socket:
+    def _router(self, addr: str) -> zmq.Socket:
         refuse_live_ipc(addr)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
@@ -147,26 +151,28 @@ class Service:
 
     async def _loop(self) -> None:
         poller = zmq.asyncio.Poller()
-        poller.register(self.trainer_sock, zmq.POLLIN)
-        poller.register(self.engine_sock, zmq.POLLIN)
+        trainer_wait = zmq.asyncio.Socket.from_socket(self.trainer_sock)
+        engine_wait = zmq.asyncio.Socket.from_socket(self.engine_sock)
+        poller.register(trainer_wait, zmq.POLLIN)
+        poller.register(engine_wait, zmq.POLLIN)
         tick_ms = int(self.settings.tick_interval * 1000)
         last_tick = time.monotonic()
         while not self._stop.is_set():
             events = dict(await poller.poll(tick_ms))
             # Engines first: their acks free window slots the trainer is waiting on.
-            if self.engine_sock in events:
+            if engine_wait in events:
                 await self._drain_socket(self.engine_sock, self._on_engine)
-            if self.trainer_sock in events:
+            if trainer_wait in events:
                 await self._drain_socket(self.trainer_sock, self._on_trainer)
             now = time.monotonic()
             if now - last_tick >= self.settings.tick_interval:
                 last_tick = now
                 await self._execute(self.core.tick(now).commands)
 
-    async def _drain_socket(self, sock: zmq.asyncio.Socket, handler: Any, budget: int = 256) -> None:
+    async def _drain_socket(self, sock: zmq.Socket, handler: Any, budget: int = 256) -> None:
         for _ in range(budget):
             try:
-                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             await handler(frames[0].bytes, frames[1:])
@@ -190,20 +196,13 @@ class Service:
 
     # -- sending ------------------------------------------------------------------------
     @staticmethod
-    def _send_now(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-        """Send without awaiting and raise a send error here, not in an orphan future.
+    def _send_now(sock: zmq.Socket, frames: list[Any]) -> None:
+        """Send without blocking; a send error is raised here, to the caller.
 
-        HWMs are 0 and messages are bounded by the client's window, so zmq.asyncio
-        completes the send immediately; ROUTER_MANDATORY makes an unknown peer an error.
+        HWMs are 0 and messages are bounded by the client's window, so a send completes
+        at once; ROUTER_MANDATORY makes an unknown peer an error (EHOSTUNREACH).
         """
-        fut = sock.send_multipart(frames, copy=False)
-        if fut.done():
-            exc = fut.exception()
-            if exc is not None:
-                raise exc
-        else:  # defensive: log a late failure instead of losing it
-            fut.add_done_callback(lambda f: f.exception() and log.warning(
-                "send_failed_late", error=str(f.exception())))
+        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
 
     def _send_trainer(self, ident: bytes, msg: schema.Message) -> None:
         try:

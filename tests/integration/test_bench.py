@@ -1,0 +1,53 @@
+"""The benchmark runs end to end on a small model: baselines, every point, JSON, plot.
+
+Speed is what the benchmark reports, never what a test asserts; these tests check that
+it measures what it says (shape of the output, ratios against its own baselines,
+transports really used, memory figures present) and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from messages.shm import list_segments
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = subprocess.run([sys.executable, "-m", "bench", "--model-bytes", "8MiB", "--tensor-bytes",
+                        "1MiB", "--engines", "1,2", "--bucket-bytes", "2MiB", "--repeats", "1",
+                        "--control-buckets", "300", "--json", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    base = data["baselines"]
+    assert base["zmq_gbps"] > 0 and base["memcpy_gbps"] > 0
+    points = {(run["transport"], run["engines"]) for run in data["runs"]}
+    assert points == {("inline", 1), ("shm", 1), ("inline", 2), ("shm", 2)}
+    for run in data["runs"]:
+        assert run["model_bytes"] == 8 << 20 and run["bucket_bytes"] == 2 << 20
+        assert run["gbps"] == pytest.approx(run["model_bytes"] / run["seconds"] / 1e9)
+        assert run["ratio_zmq"] == pytest.approx(run["gbps"] / base["zmq_gbps"])
+        assert run["ratio_memcpy"] == pytest.approx(run["gbps"] / base["memcpy_gbps"])
+        assert run["chosen_transport"] == run["transport"]  # shm was negotiated, not inline
+        assert run["buckets"] == 4
+        assert 10 < run["orchestrator_rss_mib"] < 1024
+    assert data["control"]["buckets"] == 300 and data["control"]["buckets_per_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "x zmq" in r.stdout and "control overhead" in r.stdout
+    assert not [s for s in list_segments() if s.startswith("weightsync.trainer.")]
+
+
+def test_daemon_never_imports_torch():
+    """The daemon relays bytes; importing torch would cost it ~300 MiB of RSS for nothing."""
+    code = ("import sys; import orchestrator.cli, orchestrator.service; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
