@@ -52,6 +52,7 @@ def serve(
     sync_timeout: Optional[float] = typer.Option(None, help="seconds without trainer activity before a sync fails"),
     bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
     finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
+    spool: Optional[str] = typer.Option(None, help="keep the last READY version here: rollback and rejoin"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
@@ -64,7 +65,7 @@ def serve(
     s = _settings(bind=bind, engine_bind=engine_bind, state_db=state_db, min_engines=min_engines,
                   engine_timeout=engine_timeout, sync_timeout=sync_timeout,
                   bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
-                  log_level=log_level, log_json=log_json)
+                  spool=spool, log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
     try:
         service = Service(s)

@@ -30,6 +30,7 @@ class Settings:
     finalize_timeout: float = 600.0
     tick_interval: float = 0.2
     max_header_bytes: int = 16 * 1024 * 1024
+    spool: str = ""  # directory for the last READY version's buckets ("" = no rollback)
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON when stderr is not a TTY
 

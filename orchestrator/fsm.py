@@ -88,7 +88,63 @@ class Journal:
     data: dict[str, Any]
 
 
-Command = ForwardBucket | AckBucket | SendFinalize | SendAbort | CompleteSync | Journal
+@dataclass(frozen=True, slots=True)
+class SpoolBegin:
+    """Start writing this sync's buckets to the spool as they are forwarded."""
+
+    sync_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolCommit:
+    """Make the sync's spooled buckets durable and current, before READY is answered."""
+
+    sync_id: str
+    version: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolDiscard:
+    sync_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartRollback:
+    """Feed the spooled version to every engine as the (already begun) sync `sync_id`."""
+
+    sync_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartCatchUp:
+    """Feed the spooled version to one engine only, as its private sync `sync_id`."""
+
+    engine_id: str
+    sync_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpAck:
+    engine_id: str
+    sync_id: str
+    key: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpDone:
+    engine_id: str
+    sync_id: str
+    ok: bool
+    reason: str = ""
+
+
+Command = (ForwardBucket | AckBucket | SendFinalize | SendAbort | CompleteSync | Journal
+           | SpoolBegin | SpoolCommit | SpoolDiscard | StartRollback | StartCatchUp | CatchUpAck
+           | CatchUpDone)
 
 
 @dataclass(slots=True)
@@ -151,13 +207,36 @@ class SyncRecord:
     error: WeightSyncError | None = None
     shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
     transport: str = "inline"
+    kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
+    rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
 
     def view(self) -> dict[str, Any]:
-        return {"sync_id": self.sync_id, "version": self.version,
+        return {"sync_id": self.sync_id, "version": self.version, "kind": self.kind,
                 "buckets": len(self.buckets), "bytes": self.nbytes,
                 "acked": sum(1 for b in self.buckets.values() if b.done),
                 "engines": list(self.participants), "transport": self.transport,
                 "shm_engines": list(self.shm_engines)}
+
+
+@dataclass(frozen=True, slots=True)
+class Spooled:
+    """What the daemon's spool holds (set by the service; None without a spool)."""
+
+    version: int
+    digest: str
+    buckets: int
+
+
+@dataclass(slots=True)
+class CatchUp:
+    """One engine being brought to the served version from the spool."""
+
+    sync_id: str
+    version: int
+    total: int
+    last_progress: float
+    acked: set[tuple[int, int]] = field(default_factory=set)
+    finalize_sent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +248,7 @@ class Limits:
     finalize_timeout: float = 600.0
     history: int = 50
     host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
+    spool: bool = False  # the service keeps the last READY version on disk
 
 
 class Orchestrator:
@@ -190,6 +270,10 @@ class Orchestrator:
         self.history: deque[dict[str, Any]] = deque(maxlen=self.limits.history)
         self.outbox: list[Command] = []
         self.now = now
+        self.spooled: Spooled | None = None
+        self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be
+        self.catchups: dict[str, CatchUp] = {}
+        self._catchup_n = 0
         self.machine = Machine(model=self, states=State, transitions=TRANSITIONS,
                                initial=initial, auto_transitions=False, send_event=True,
                                after_state_change="record_transition")
@@ -197,6 +281,8 @@ class Orchestrator:
     # -- predicates (pure) --------------------------------------------------------------
     def newer_version(self, event: EventData) -> bool:
         v = event.kwargs["msg"].version
+        if event.kwargs.get("rollback"):  # the daemon re-applies the version it served
+            return v == self.last_ready_version
         return self.last_ready_version is None or v > self.last_ready_version
 
     def enough_engines(self, event: EventData) -> bool:
@@ -239,10 +325,21 @@ class Orchestrator:
         self.sync = SyncRecord(msg.sync_id, msg.version, msg.senders, msg.expected_buckets,
                                msg.probes, participants, self.now, self.now)
         self.sync.shm_engines, self.sync.transport = self.plan_transport(msg, participants)
+        for eid, c in sorted(self.catchups.items()):  # a full sync supersedes any catch-up
+            self.outbox.append(SendAbort((eid,), c.sync_id))
+            self.outbox.append(CatchUpDone(eid, c.sync_id, False, f"superseded by sync {msg.sync_id}"))
+        self.catchups.clear()
         for eid in participants:
             self.engines[eid].state = "LOADING"
+        if event.kwargs.get("rollback"):
+            self.sync.kind = "rollback"
+            self.sync.rollback_of = self.last_sync
+            self.sync.expected_digest = self.served_digest
+        elif self.limits.spool:
+            self.outbox.append(SpoolBegin(msg.sync_id, msg.version))
         self.outbox.append(Journal("sync", {"sync_id": msg.sync_id, "version": msg.version,
-                                            "status": "LOADING_BUCKETS", "at": self.now}))
+                                            "status": "LOADING_BUCKETS", "kind": self.sync.kind,
+                                            "at": self.now}))
 
     def on_bucket(self, event: EventData) -> None:
         s = self.sync
@@ -271,6 +368,8 @@ class Orchestrator:
         if s is None:
             raise make_error(ErrorCode.INTERNAL, "ready without a sync")
         digest = next(iter(s.finalized.values())).digest
+        if s.kind == "sync" and self.limits.spool:
+            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest))
         self.last_ready_version = s.version
         self.served_digest = digest
         self.dirty = False
@@ -279,8 +378,10 @@ class Orchestrator:
             e.state, e.version, e.digest = "READY", s.version, fin.digest
             e.finalize_count = fin.finalize_count
             e.probes = fin.probes
-        body = self._sync_summary(s, "READY")
+        body = self._sync_summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK")
         body["digest"] = digest
+        if s.rollback_of is not None:
+            body["rolled_back_from"] = s.rollback_of
         body["engines"] = [{"engine_id": eid, "digest": f.digest, "probes": [list(p) for p in f.probes],
                             "finalize_count": f.finalize_count, "seconds": f.seconds}
                            for eid, f in sorted(s.finalized.items())]
@@ -291,6 +392,8 @@ class Orchestrator:
                                             "at": self.now}))
         self.outbox.append(CompleteSync(s.sync_id, body))
         self.sync, self._closed = None, s
+        self.want_rollback = False
+        self._catch_up_stale()  # engines that registered during the sync join now
 
     def on_fail(self, event: EventData) -> None:
         s = self.sync
@@ -312,9 +415,18 @@ class Orchestrator:
         touched = tuple(e for e in s.participants if self.engines[e].state != "LOST")
         if s.buckets or s.finalize_sent:
             self.outbox.append(SendAbort(touched, s.sync_id))
+        if s.kind == "sync":
+            if self.limits.spool:
+                self.outbox.append(SpoolDiscard(s.sync_id))
+            # A rollback that fails is not retried by itself (no loop); the next sync repairs.
+            self.want_rollback = not rolled_back and self.can_roll_back()
         status = "ABORTED" if event.event.name == "abort" else "FAILED"
         self.last_sync = {**self._sync_summary(s, status), "code": err.code.value,
-                          "reason": err.message, "dirty": self.dirty, "at": self.now}
+                          "reason": err.message, "dirty": self.dirty, "at": self.now,
+                          "rollback": "pending" if self.want_rollback else (
+                              "failed" if s.kind == "rollback" else "none")}
+        if self.want_rollback:
+            err.details = {**(err.details or {}), "rollback_to": self.last_ready_version}
         self.outbox.append(Journal("sync", {"sync_id": s.sync_id, "version": s.version,
                                             "status": status, "code": err.code.value,
                                             "reason": err.message, "buckets": len(s.buckets),
@@ -340,6 +452,71 @@ class Orchestrator:
         if not able or (len(able) < len(participants) and self.limits.host != msg.host):
             return (), "inline"
         return able, "shm" if len(able) == len(participants) else "mixed"
+
+    def can_roll_back(self) -> bool:
+        """The spool holds exactly the version last served (same digest)."""
+        sp = self.spooled
+        return (sp is not None and self.last_ready_version is not None
+                and sp.version == self.last_ready_version and sp.digest == self.served_digest)
+
+    def set_spooled(self, spooled: Spooled | None) -> Result:
+        """The spool now holds `spooled`; stale engines can catch up from it."""
+        self.spooled = spooled
+        self._catch_up_stale()
+        return self._drain(None)
+
+    def _catch_up_stale(self) -> None:
+        for e in sorted(self.engines.values(), key=lambda e: e.engine_id):
+            if e.state == "STALE" and e.engine_id not in self.catchups:
+                self._start_catchup(e.engine_id)
+
+    def maybe_rollback(self, sync_id: str, now: float) -> Result:
+        """Begin replaying the spool if a failed sync left the engines dirty and enough
+        engines are here; the service feeds the buckets (`StartRollback`)."""
+        self.now = now
+        if not (self.want_rollback and self.state == S.IDLE and self.dirty and self.can_roll_back()
+                and len(self.live_engines()) >= max(1, self.limits.min_engines)):
+            return self._drain(None)
+        sp = self.spooled
+        msg = Begin(sync_id=sync_id, version=sp.version, expected_buckets=sp.buckets)
+        if self._fire("begin", msg=msg, rollback=True):
+            self.want_rollback = False
+            self.outbox.append(StartRollback(sync_id, sp.version))
+        return self._drain(None)
+
+    def _start_catchup(self, engine_id: str) -> None:
+        """Bring a stale engine to the served version from the spool, privately."""
+        e = self.engines[engine_id]
+        if self.state != S.READY or not self.can_roll_back() or e.state == "LOST":
+            return
+        old = self.catchups.pop(engine_id, None)
+        if old is not None:
+            self.outbox.append(SendAbort((engine_id,), old.sync_id))
+        self._catchup_n += 1
+        sync_id = f"catchup-{engine_id}-{self._catchup_n}"
+        self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, self.spooled.buckets,
+                                           self.now)
+        e.state = "JOINING"
+        self.outbox.append(StartCatchUp(engine_id, sync_id, self.last_ready_version))
+
+    def _end_catchup(self, engine_id: str, ok: bool, reason: str = "") -> None:
+        c = self.catchups.pop(engine_id, None)
+        if c is None:
+            return
+        e = self.engines.get(engine_id)
+        if not ok:
+            if e is not None and e.state != "LOST":
+                e.state, e.version, e.digest = "STALE", None, None
+            self.outbox.append(SendAbort((engine_id,), c.sync_id))
+        self.outbox.append(CatchUpDone(engine_id, c.sync_id, ok, reason))
+
+    def _catchup_of(self, engine_id: str, sync_id: str) -> CatchUp | None:
+        c = self.catchups.get(engine_id)
+        if c is None or c.sync_id != sync_id:
+            return None
+        c.last_progress = self.now
+        self.engines[engine_id].last_seen = self.now
+        return c
 
     @property
     def served_version(self) -> int | None:
@@ -369,7 +546,7 @@ class Orchestrator:
         return None
 
     def _sync_summary(self, s: SyncRecord, status: str) -> dict[str, Any]:
-        return {"sync_id": s.sync_id, "version": s.version, "status": status,
+        return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
                 "buckets": len(s.buckets), "bytes": s.nbytes,
                 "seconds": round(self.now - s.started_at, 6),
                 "engine_ids": list(s.participants)}
@@ -408,6 +585,10 @@ class Orchestrator:
     def handle_begin(self, msg: Begin, now: float) -> Result:
         self.now = now
         s = self.sync
+        if s is not None and s.kind == "rollback":
+            raise self._error(ErrorCode.INVALID_STATE,
+                              f"the daemon is rolling the engines back to version {s.version} "
+                              f"after a failed sync; retry when it is READY")
         if s is not None and s.sync_id == msg.sync_id:
             if s.version != msg.version:
                 raise self._error(ErrorCode.BAD_MESSAGE,
@@ -524,6 +705,9 @@ class Orchestrator:
                            msg.version, msg.digest, msg.finalize_count, now,
                            {p.name: p for p in msg.spec}, msg.cast_ok)
         self.engines[msg.engine_id] = rec
+        self.catchups.pop(msg.engine_id, None)  # a restarted engine starts over
+        if rec.state == "STALE":
+            self._start_catchup(msg.engine_id)
         return self._drain({"engine_id": msg.engine_id, "state": rec.state,
                             "daemon_state": self.state.value, "version": self.served_version})
 
@@ -547,6 +731,15 @@ class Orchestrator:
 
     def handle_loaded(self, engine_id: str, sync_id: str, key: tuple[int, int], now: float) -> Result:
         self.now = now
+        c = self._catchup_of(engine_id, sync_id)
+        if c is not None:
+            if key not in c.acked:
+                c.acked.add(key)
+                self.outbox.append(CatchUpAck(engine_id, sync_id, key))
+            if len(c.acked) >= c.total and not c.finalize_sent:
+                c.finalize_sent = True
+                self.outbox.append(SendFinalize(engine_id, sync_id, c.version, ()))
+            return self._drain(None)
         s = self._participant(engine_id, sync_id)
         rec = s.buckets.get(key) if s else None
         if s is None or rec is None or rec.done:
@@ -563,6 +756,17 @@ class Orchestrator:
 
     def handle_finalized(self, engine_id: str, msg: Finalized, now: float) -> Result:
         self.now = now
+        c = self._catchup_of(engine_id, msg.sync_id)
+        if c is not None:
+            if msg.version == c.version and msg.digest == self.served_digest and c.finalize_sent:
+                e = self.engines[engine_id]
+                e.state, e.version, e.digest = "READY", msg.version, msg.digest
+                e.finalize_count = msg.finalize_count
+                self._end_catchup(engine_id, True)
+            else:
+                self._end_catchup(engine_id, False, f"finalized version {msg.version} digest "
+                                                    f"{msg.digest}, expected {c.version} {self.served_digest}")
+            return self._drain(None)
         s = self._participant(engine_id, msg.sync_id)
         if s is None or self.state != S.FINALIZING or engine_id in s.finalized:
             return self._drain(None)
@@ -592,6 +796,10 @@ class Orchestrator:
 
     def handle_failed(self, engine_id: str, msg: Failed, now: float) -> Result:
         self.now = now
+        if self._catchup_of(engine_id, msg.sync_id) is not None:
+            if not msg.duplicate:
+                self._end_catchup(engine_id, False, f"{msg.code}: {msg.message}")
+            return self._drain(None)
         s = self._participant(engine_id, msg.sync_id)
         if s is None or msg.duplicate:
             return self._drain(None)  # e.g. a refused duplicate finalize: the guard worked
@@ -612,6 +820,11 @@ class Orchestrator:
             if e.state != "LOST" and now - e.last_seen > lim.engine_timeout:
                 e.state = "LOST"
                 lost.append(e.engine_id)
+        for eid, c in sorted(self.catchups.items()):
+            if self.engines[eid].state == "LOST":
+                self._end_catchup(eid, False, "engine lost")
+            elif now - c.last_progress > (lim.finalize_timeout if c.finalize_sent else lim.bucket_timeout):
+                self._end_catchup(eid, False, "no progress before the deadline")
         s = self.sync
         if s is not None:
             gone = [e for e in lost if e in s.participants]
@@ -649,7 +862,8 @@ class Orchestrator:
                 "dirty": self.dirty, "sync": self.sync.view() if self.sync else None,
                 "last_sync": dict(self.last_sync) if self.last_sync else None,
                 "engines": [e.view() for e in sorted(self.engines.values(), key=lambda e: e.engine_id)],
-                "history": [dict(h) for h in self.history], "min_engines": self.limits.min_engines}
+                "history": [dict(h) for h in self.history], "min_engines": self.limits.min_engines,
+                "rollback_pending": self.want_rollback and self.can_roll_back()}
 
 
 def canary_mismatch(probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]

@@ -19,7 +19,9 @@ import asyncio
 import signal
 import socket as pysocket
 import time
+import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,8 @@ from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from orchestrator import fsm
 from orchestrator.config import Settings
 from orchestrator.journal import Journal
+from orchestrator.recovery import Recovery
+from orchestrator.spool import Spool
 
 log = structlog.get_logger()
 
@@ -46,6 +50,8 @@ DAEMON_VERSION = "0.1.0"
 class Waiter:
     ident: bytes
     req_id: int
+    # Set for the daemon's own requests (rollback): the reply goes here, not to a socket.
+    on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None] | None = None
 
 
 @dataclass(slots=True)
@@ -89,12 +95,16 @@ class Service:
         rec = self.journal.recover()
         limits = fsm.Limits(min_engines=settings.min_engines, engine_timeout=settings.engine_timeout,
                             sync_timeout=settings.sync_timeout, bucket_timeout=settings.bucket_timeout,
-                            finalize_timeout=settings.finalize_timeout, host=pysocket.gethostname())
+                            finalize_timeout=settings.finalize_timeout, host=pysocket.gethostname(),
+                            spool=bool(settings.spool))
         self.shm_reader = Reader()
         self.core = fsm.Orchestrator(limits, initial=fsm.State(rec.state),
                                      served_version=rec.version, served_digest=rec.digest,
                                      dirty=rec.dirty, now=time.monotonic())
         self.core.history.extend(rec.history)
+        self.spool = Spool(settings.spool) if settings.spool else None
+        self.recovery = Recovery(self, self.spool) if self.spool else None
+        self._set_spooled()
         if rec.interrupted:
             log.warning("sync_interrupted_recovered", sync_id=rec.interrupted, version=rec.version)
         self.trainer_sock: zmq.Socket | None = None
@@ -168,6 +178,10 @@ class Service:
             if now - last_tick >= self.settings.tick_interval:
                 last_tick = now
                 await self._execute(self.core.tick(now).commands)
+                await self._execute(self.core.maybe_rollback(f"rollback-{uuid.uuid4().hex[:12]}",
+                                                             now).commands)
+            if self.recovery is not None:
+                await self.recovery.pump()
 
     async def _drain_socket(self, sock: zmq.Socket, handler: Any, budget: int = 256) -> None:
         for _ in range(budget):
@@ -217,6 +231,9 @@ class Service:
             log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE, src="engine")
 
     def _reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
+        if w.on_reply is not None:
+            w.on_reply(body, None)
+            return
         self._send_trainer(w.ident, schema.Ok(id=w.req_id, body=body))
 
     def _reply_error(self, w: Waiter, err: WeightSyncError | MessageError) -> None:
@@ -224,6 +241,9 @@ class Service:
             err = make_error(err.code, err.reason, state=self.core.state.value,
                              version=self.core.served_version,
                              sync_id=self.core.sync.sync_id if self.core.sync else None)
+        if w.on_reply is not None:
+            w.on_reply(None, err)
+            return
         self.stats.errors[err.code.value] += 1
         f = err.to_fields()
         self._send_trainer(w.ident, schema.Error(id=w.req_id, code=f["code"], message=f["message"],
@@ -385,6 +405,31 @@ class Service:
             return
         await self._execute(res.commands)
 
+    # -- the daemon's own requests (rollback), answered through Waiter.on_reply -----------
+    async def local_request(self, msg: schema.Bucket | schema.Finish, payload: list[Any],
+                            on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None]
+                            ) -> None:
+        w = Waiter(b"", 0, on_reply)
+        try:
+            if isinstance(msg, schema.Bucket):
+                await self._on_bucket(w, msg, payload, time.monotonic())
+            else:
+                res = self.core.handle_finish(msg, time.monotonic())
+                self.finish_waiters[msg.sync_id].append(w)
+                await self._execute(res.commands)
+        except WeightSyncError as err:
+            on_reply(None, err)
+
+    def send_engine(self, engine_id: str, frames: list[Any]) -> bool:
+        return self._send_engine(engine_id, frames)
+
+    async def execute(self, commands: list[fsm.Command]) -> None:
+        await self._execute(commands)
+
+    def _set_spooled(self) -> fsm.Result:
+        info = self.spool.info if self.spool else None
+        return self.core.set_spooled(fsm.Spooled(info.version, info.digest, info.buckets) if info else None)
+
     # -- commands -----------------------------------------------------------------------
     async def _execute(self, commands: list[fsm.Command]) -> None:
         for cmd in commands:
@@ -406,6 +451,28 @@ class Service:
                 self._complete_sync_nowait(cmd)
             elif isinstance(cmd, fsm.Journal):
                 self._journal(cmd)
+            else:
+                await self._execute_recovery(cmd)
+
+    async def _execute_recovery(self, cmd: fsm.Command) -> None:
+        spool, rec = self.spool, self.recovery
+        if spool is None or rec is None:  # the FSM only asks for these with a spool
+            raise make_error(ErrorCode.INTERNAL, f"{type(cmd).__name__} without a spool")
+        if isinstance(cmd, fsm.SpoolBegin):
+            spool.begin(cmd.sync_id, cmd.version)
+        elif isinstance(cmd, fsm.SpoolCommit):
+            spool.commit(cmd.sync_id, cmd.version, cmd.digest)
+            await self._execute(self._set_spooled().commands)
+        elif isinstance(cmd, fsm.SpoolDiscard):
+            spool.discard(cmd.sync_id)
+        elif isinstance(cmd, fsm.StartRollback):
+            rec.start_rollback(cmd)
+        elif isinstance(cmd, fsm.StartCatchUp):
+            rec.start_catchup(cmd)
+        elif isinstance(cmd, fsm.CatchUpAck):
+            rec.catchup_acked(cmd)
+        elif isinstance(cmd, fsm.CatchUpDone):
+            rec.catchup_done(cmd)
 
     def _forward(self, cmd: fsm.ForwardBucket) -> None:
         p = self.pending.get((cmd.sync_id, cmd.key))
@@ -426,11 +493,26 @@ class Service:
                 self._send_engine(eid, [by_ref])
             else:
                 self._send_engine(eid, [inline, p.frame])
+        if self.spool is not None and sync is not None and sync.kind == "sync":
+            self._spool_bucket(m, p.frame)
         log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq,
                   nbytes=m.shm.size if m.shm else len(p.frame), engines=len(cmd.engine_ids),
                   shm_engines=len(shm_engines))
 
+    def _spool_bucket(self, m: schema.Bucket, frame: Any) -> None:
+        data = frame
+        if data is None:  # pure shm: the bytes are in the trainer's slot, valid until acked
+            try:
+                data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
+            except (OSError, ValueError) as exc:
+                self.spool.fail(f"shm slot unreadable: {exc}")
+                return
+        self.spool.add(m.sync_id, m.sender, m.seq, [t.to_wire() for t in m.tensors], m.checksum,
+                       getattr(data, "buffer", data))
+
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
+        if self.recovery is not None:
+            self.recovery.sync_closed(cmd.sync_id)
         self.shm_reader.close()  # drop mappings of the trainer's segments (they may be unlinked)
         swept = sweep_stale()
         if swept:
@@ -475,6 +557,7 @@ class Service:
         for h in [*snap["history"], *([snap["last_sync"]] if snap.get("last_sync") else [])]:
             if isinstance(h.get("at"), (int, float)) and h["at"] < 1e9:
                 h["at"] = round(h["at"] + wall_offset, 3)
+        snap["spool"] = self.spool.view() if self.spool else None
         snap["daemon"] = {"version": DAEMON_VERSION, "protocol": schema.PROTOCOL_VERSION,
                           "uptime_s": round(time.time() - self.started, 3),
                           "trainer_addr": self.bound.get("trainer"),

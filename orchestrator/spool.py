@@ -1,0 +1,217 @@
+"""The spool: the buckets of the last READY version on disk, for rollback and rejoin.
+
+Rules:
+- One committed version at rest (`current` -> `v{version}-{sync}`), plus the incoming one
+  while a sync streams through (so at most two models on disk, one at rest).
+- A bucket is written when the daemon forwards it; the incoming directory is fsynced,
+  renamed and made `current` before the sync's READY is journaled or answered. Anything
+  else (an interrupted sync, an old version) is deleted at startup or on the next commit.
+- A write failure never fails a sync: the spool goes `degraded` for that version (the
+  error is in status and the log) and holds nothing that could be replayed as the served
+  version. Torch-free: it stores frames and headers, never tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger()
+
+MANIFEST = "manifest.json"
+CURRENT = "current"
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolInfo:
+    """What the spool holds: the FSM compares it with the served version and digest."""
+
+    version: int
+    digest: str
+    sync_id: str
+    buckets: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolEntry:
+    sender: int
+    seq: int
+    file: str
+    nbytes: int
+    checksum: int
+    tensors: list[dict[str, Any]]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.info: SpoolInfo | None = None
+        self.error: str | None = None
+        self._dir: Path | None = None  # the committed version's directory
+        self._entries: list[SpoolEntry] = []
+        self._incoming: Path | None = None
+        self._incoming_sync: str | None = None
+        self._incoming_entries: list[SpoolEntry] = []
+        self._incoming_failed: str | None = None
+        self._load_current()
+        self._sweep()
+
+    # -- reading ------------------------------------------------------------------------
+    def _load_current(self) -> None:
+        link = self.root / CURRENT
+        if not link.is_symlink():
+            return
+        target = self.root / os.readlink(link)
+        try:
+            raw = json.loads((target / MANIFEST).read_text())
+            entries = [SpoolEntry(int(b["sender"]), int(b["seq"]), str(b["file"]), int(b["nbytes"]),
+                                  int(b["checksum"]), list(b["tensors"])) for b in raw["buckets"]]
+            for e in entries:
+                if (target / e.file).stat().st_size != e.nbytes:
+                    raise ValueError(f"{e.file} has the wrong size")
+            self.info = SpoolInfo(int(raw["version"]), str(raw["digest"]), str(raw["sync_id"]),
+                                  len(entries), sum(e.nbytes for e in entries))
+            self._dir, self._entries = target, entries
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.error = f"spool at {target} unreadable: {exc}"
+            log.warning("spool_unreadable", path=str(target), reason=str(exc))
+
+    def _sweep(self) -> None:
+        keep = {self._dir.name} if self._dir else set()
+        for p in self.root.iterdir():
+            if p.name == CURRENT or p.name in keep:
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+    def entries(self) -> list[SpoolEntry]:
+        return list(self._entries)
+
+    def read(self, entry: SpoolEntry) -> bytes:
+        if self._dir is None:
+            raise OSError("the spool holds no version")
+        return (self._dir / entry.file).read_bytes()
+
+    def __iter__(self) -> Iterator[tuple[SpoolEntry, bytes]]:
+        for e in self._entries:
+            yield e, self.read(e)
+
+    # -- writing ------------------------------------------------------------------------
+    def begin(self, sync_id: str, version: int) -> None:
+        self.discard()
+        self._incoming = self.root / f"incoming-{sync_id}"
+        self._incoming_sync = sync_id
+        self._incoming_entries = []
+        self._incoming_failed = None
+        try:
+            self._incoming.mkdir(parents=True)
+        except OSError as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+
+    def add(self, sync_id: str, sender: int, seq: int, tensors: list[dict[str, Any]],
+            checksum: int, data: Any) -> None:
+        if self._incoming is None or self._incoming_sync != sync_id or self._incoming_failed:
+            return
+        name = f"{sender:04d}-{seq:08d}.bin"
+        try:
+            with open(self._incoming / name, "wb") as fh:
+                fh.write(data)
+        except OSError as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            return
+        self._incoming_entries.append(SpoolEntry(sender, seq, name, memoryview(data).nbytes,
+                                                 checksum, tensors))
+
+    def fail(self, reason: str) -> None:
+        """The incoming version cannot be spooled whole (the sync itself goes on)."""
+        if self._incoming_failed is None:
+            log.warning("spool_write_failed", sync_id=self._incoming_sync, reason=reason)
+        self._incoming_failed = reason
+
+    def commit(self, sync_id: str, version: int, digest: str) -> SpoolInfo | None:
+        """Make the incoming sync the spooled version (durably), or degrade."""
+        if self._incoming is None or self._incoming_sync != sync_id:
+            return self.info
+        entries = sorted(self._incoming_entries, key=lambda e: (e.sender, e.seq))
+        failed = self._incoming_failed
+        if failed is None:
+            try:
+                manifest = {"version": version, "digest": digest, "sync_id": sync_id,
+                            "buckets": [{"sender": e.sender, "seq": e.seq, "file": e.file,
+                                         "nbytes": e.nbytes, "checksum": e.checksum,
+                                         "tensors": e.tensors} for e in entries]}
+                for e in entries:
+                    fd = os.open(self._incoming / e.file, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                with open(self._incoming / MANIFEST, "w") as fh:
+                    json.dump(manifest, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                final = self.root / f"v{version:012d}-{sync_id[:16]}"
+                os.replace(self._incoming, final)
+                tmp_link = self.root / f".{CURRENT}.tmp"
+                tmp_link.unlink(missing_ok=True)
+                os.symlink(final.name, tmp_link)
+                os.replace(tmp_link, self.root / CURRENT)
+                _fsync_dir(self.root)
+            except OSError as exc:
+                failed = f"{type(exc).__name__}: {exc}"
+                log.warning("spool_commit_failed", sync_id=sync_id, reason=failed)
+            else:
+                old = self._dir
+                self._dir, self._entries = final, entries
+                self.info = SpoolInfo(version, digest, sync_id, len(entries),
+                                      sum(e.nbytes for e in entries))
+                self.error = None
+                self._incoming = None
+                if old is not None and old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+                log.info("spool_committed", sync_id=sync_id, version=version,
+                         buckets=len(entries), nbytes=self.info.nbytes)
+                return self.info
+        # The served version is not on disk: drop what is, it can never be replayed as it.
+        self.error = f"version {version} not spooled: {failed}"
+        self.discard()
+        self._drop_current()
+        return None
+
+    def _drop_current(self) -> None:
+        (self.root / CURRENT).unlink(missing_ok=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir, self._entries, self.info = None, [], None
+
+    def discard(self, sync_id: str | None = None) -> None:
+        if self._incoming is None or (sync_id is not None and sync_id != self._incoming_sync):
+            return
+        shutil.rmtree(self._incoming, ignore_errors=True)
+        self._incoming, self._incoming_sync, self._incoming_entries = None, None, []
+
+    def view(self) -> dict[str, Any]:
+        i = self.info
+        return {"path": str(self.root), "version": i.version if i else None,
+                "digest": i.digest if i else None, "buckets": i.buckets if i else 0,
+                "bytes": i.nbytes if i else 0, "error": self.error,
+                "state": "ok" if i and not self.error else ("degraded" if self.error else "empty")}

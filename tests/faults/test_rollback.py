@@ -1,0 +1,118 @@
+"""Rollback to the last good weights and engine rejoin, from the daemon's spool."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from engines.tiny import perturbed
+from messages.buckets import digest, iter_buckets
+from messages.errors import ErrorCode, WeightSyncError
+
+from tests.integration.helpers import FAST_DAEMON, running_daemon
+
+
+def wait_status(cluster, pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    st = None
+    while time.monotonic() < deadline:
+        st = cluster.status()
+        if pred(st):
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"condition not reached within {timeout}s; last status: {st}")
+
+
+def engine_view(st):
+    return {e["engine_id"]: e for e in st["engines"]}
+
+
+@pytest.fixture
+def spooled(tmp_path, tiny_model_dir):
+    with running_daemon(tmp_path, tiny_model_dir,
+                        daemon_args=[*FAST_DAEMON, "--spool", str(tmp_path / "spool")]) as c:
+        yield c
+
+
+def test_aborted_sync_rolls_back_to_the_spooled_version(spooled, tiny_state):
+    with spooled.client(timeout=30.0) as client:
+        w1 = dict(perturbed(tiny_state, 1))
+        r1 = client.push(w1.items(), 1, bucket_bytes=128 * 1024)
+        assert client.status()["spool"]["version"] == 1
+        sid = client.begin(2)["sync_id"]
+        buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
+        for b in buckets[:3]:
+            client.send_bucket(sid, b)  # engines now hold a mix of v1 and v2
+        client.abort(sid, "trainer gave up")
+        st = wait_status(spooled, lambda s: s["state"] == "READY")
+        assert (st["version"], st["dirty"], st["digest"]) == (1, False, r1.digest)
+        last = st["last_sync"]
+        assert last["status"] == "ROLLED_BACK" and last["kind"] == "rollback"
+        assert last["rolled_back_from"]["sync_id"] == sid
+        assert last["rolled_back_from"]["code"] == "UNKNOWN_SYNC"  # an abort by the trainer
+        for e in st["engines"]:
+            assert (e["state"], e["version"], e["digest"]) == ("READY", 1, digest(w1.items()))
+            assert e["finalize_count"] == 2  # v1 once, the rollback once: never twice per sync
+        # the trainer goes on with the next version
+        w3 = dict(perturbed(tiny_state, 3))
+        assert client.push(w3.items(), 3).state == "READY"
+
+
+def test_engine_killed_mid_sync_then_replaced_ends_ready_at_old_version(spooled, tiny_state):
+    with spooled.client(timeout=30.0) as client:
+        r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
+        sid = client.begin(2)["sync_id"]
+        buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
+        client.send_bucket(sid, buckets[0])
+        victim = next(p for p in spooled.procs if p.name == "engine-1")
+        victim.popen.send_signal(signal.SIGKILL)
+        victim.popen.wait(10)
+        with pytest.raises(WeightSyncError) as ei:
+            for b in buckets[1:]:
+                client.send_bucket(sid, b)
+        assert ei.value.code is ErrorCode.ENGINE_FAILED
+        assert ei.value.details.get("rollback_to") == 1
+        # min_engines=2: the rollback waits for a replacement, which then joins it
+        spooled.start_engine("engine-1")
+        st = wait_status(spooled, lambda s: s["state"] == "READY")
+        assert (st["version"], st["digest"]) == (1, r1.digest)
+        assert {e["engine_id"]: (e["state"], e["digest"]) for e in st["engines"]} == {
+            "engine-0": ("READY", r1.digest), "engine-1": ("READY", r1.digest)}
+
+
+def test_restarted_engine_rejoins_at_the_served_version(spooled, tiny_state):
+    with spooled.client(timeout=30.0) as client:
+        r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
+        victim = next(p for p in spooled.procs if p.name == "engine-0")
+        victim.popen.send_signal(signal.SIGKILL)
+        victim.popen.wait(10)
+        spooled.start_engine("engine-0")  # loads the checkpoint from disk: version 0 weights
+        spooled.start_engine("engine-new")  # a new replica
+        st = wait_status(spooled, lambda s: all(e["state"] == "READY" for e in s["engines"]
+                                                if e["engine_id"] != "engine-0" or e["pid"])
+                         and len([e for e in s["engines"] if e["state"] == "READY"]) == 3)
+        views = engine_view(st)
+        for eid in ("engine-0", "engine-1", "engine-new"):
+            assert (views[eid]["version"], views[eid]["digest"]) == (1, r1.digest)
+        assert views["engine-new"]["finalize_count"] == 1  # its catch-up, once
+        assert (st["state"], st["version"]) == ("READY", 1)
+
+
+def test_engine_registering_mid_sync_joins_at_that_version_after_ready(spooled, tiny_state):
+    with spooled.client(timeout=30.0) as client:
+        client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
+        w2 = dict(perturbed(tiny_state, 2))
+        sid = client.begin(2)["sync_id"]
+        buckets = list(iter_buckets(w2.items(), 128 * 1024))
+        client.send_bucket(sid, buckets[0])
+        spooled.start_engine("engine-late")
+        wait_status(spooled, lambda s: "engine-late" in engine_view(s))
+        assert engine_view(spooled.status())["engine-late"]["state"] == "STALE"
+        for b in buckets[1:]:
+            client.send_bucket(sid, b)
+        r2 = client.finish(sid, len(buckets), digest=digest(w2.items()))
+        assert sorted(e["engine_id"] for e in r2["engines"]) == ["engine-0", "engine-1"]
+        st = wait_status(spooled, lambda s: engine_view(s)["engine-late"]["state"] == "READY")
+        assert engine_view(st)["engine-late"]["digest"] == digest(w2.items())
