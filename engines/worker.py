@@ -52,9 +52,10 @@ class SyncTrack:
 class Applier(threading.Thread):
     """Runs engine operations in order on one thread; results go back via `out` + pipe."""
 
-    def __init__(self, engine: Engine, wake_fd: int) -> None:
+    def __init__(self, engine: Engine, wake_fd: int, failpoints: dict[str, float] | None = None) -> None:
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
+        self.failpoints = failpoints or {}
         self.jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self.out: queue.Queue[schema.Message | tuple[str, Any]] = queue.Queue()
         self.wake_fd = wake_fd
@@ -138,6 +139,8 @@ class Applier(threading.Thread):
         if msg.sync_id in self.failed:
             return
         t0 = time.perf_counter()
+        if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
+            time.sleep(self.failpoints["finalize_sleep"])
         digest = self.engine.finalize(msg.sync_id)
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0
@@ -160,8 +163,11 @@ class Applier(threading.Thread):
 class Worker:
     def __init__(self, engine: Engine, connect: str, engine_id: str, *,
                  heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None,
-                 close_engine: bool = True, allow_shm: bool = True) -> None:
+                 close_engine: bool = True, allow_shm: bool = True, keys: Any = None,
+                 failpoints: dict[str, float] | None = None) -> None:
         self.engine = engine
+        self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
+        self.keys = keys  # orchestrator.auth.ClientKeys for a CURVE daemon
         self.allow_shm = allow_shm
         self.close_engine = close_engine
         self.connect = connect
@@ -199,12 +205,14 @@ class Worker:
     def run(self) -> None:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
-        applier = Applier(self.engine, wfd)
+        applier = Applier(self.engine, wfd, self.failpoints)
         applier.start()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        if self.keys is not None:
+            self.keys.apply(sock)
         sock.connect(self.connect)
         self.sock = sock
         poller = zmq.Poller()

@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from messages.errors import WeightSyncError
-from orchestrator.config import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings
+from orchestrator.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings,
+                                 parse_failpoints)
 
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
 
@@ -53,6 +54,10 @@ def serve(
     bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
     finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
     spool: Optional[str] = typer.Option(None, help="keep the last READY version here: rollback and rejoin"),
+    max_frame_bytes: Optional[int] = typer.Option(None, help="largest bucket frame accepted"),
+    max_pending: Optional[int] = typer.Option(None, help="unanswered bucket requests per trainer"),
+    keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
+    failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
@@ -65,11 +70,18 @@ def serve(
     s = _settings(bind=bind, engine_bind=engine_bind, state_db=state_db, min_engines=min_engines,
                   engine_timeout=engine_timeout, sync_timeout=sync_timeout,
                   bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
-                  spool=spool, log_level=log_level, log_json=log_json)
+                  spool=spool, max_frame_bytes=max_frame_bytes, max_pending=max_pending, keys=keys,
+                  failpoints=failpoint,
+                  log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
+    from orchestrator.auth import KeysError
+
     try:
         service = Service(s)
         service.startup()
+    except KeysError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
     except (zmq.ZMQError, OSError) as exc:
         err_console.print(f"[red]startup failed:[/red] {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
@@ -91,6 +103,9 @@ def engine(
     pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
+    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory (needs server.key, NAME.key_secret)"),
+    key_name: str = typer.Option("engine", help="identity in the keys directory"),
+    failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
@@ -103,6 +118,12 @@ def engine(
 
     s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
+    curve = _client_keys(keys, key_name)
+    try:
+        failpoints = parse_failpoints(failpoint)
+    except ConfigError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
     try:
         llm_args = _parse_kv(vllm_arg)
         eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
@@ -111,10 +132,45 @@ def engine(
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
     worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
-                    heartbeat_interval=s.heartbeat_interval, allow_shm=shm)
+                    heartbeat_interval=s.heartbeat_interval, allow_shm=shm, keys=curve,
+                    failpoints=failpoints)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()
+
+
+def _client_keys(directory: Optional[Path], name: str) -> Any:
+    if directory is None:
+        return None
+    from orchestrator.auth import KeysError, client_keys
+
+    try:
+        return client_keys(directory, name)
+    except KeysError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+keys_app = typer.Typer(help="CURVE keys for `serve --keys`.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    directory: Path = typer.Argument(..., help="keys directory (created if missing)"),
+    trainer: list[str] = typer.Option(["trainer"], help="trainer identities to create"),
+    engine: list[str] = typer.Option(["engine"], help="engine identities to create"),
+) -> None:
+    """Create the daemon's keypair (once) and allowlisted trainer and engine keypairs."""
+    from orchestrator.auth import KeysError, generate
+
+    try:
+        made = generate(directory, trainer, engine)
+    except KeysError as exc:
+        err_console.print(f"[red]keys:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+    for p in made:
+        print(p)
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
@@ -162,12 +218,14 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     watch: Optional[float] = typer.Option(None, help="refresh every N seconds"),
     timeout: float = typer.Option(5.0, help="seconds to wait for the daemon"),
+    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
+    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Show the daemon's state, engines and recent transitions."""
     from orchestrator.client import TrainerClient
 
     console = Console()
-    with TrainerClient(addr, timeout=timeout, retries=0) as c:
+    with TrainerClient(addr, timeout=timeout, retries=0, keys=_client_keys(keys, key_name)) as c:
         try:
             while True:
                 st = c.status()
@@ -197,6 +255,8 @@ def push(
     window: int = typer.Option(2, help="unacknowledged buckets in flight"),
     timeout: float = typer.Option(60.0, help="seconds per request before a resend"),
     as_json: bool = typer.Option(False, "--json"),
+    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
+    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Push a safetensors checkpoint to every engine as VERSION."""
     from messages.checkpoint import iter_safetensors
@@ -207,7 +267,7 @@ def push(
     except (OSError, ValueError) as exc:
         err_console.print(f"[red]cannot read checkpoint:[/red] {exc}")
         raise typer.Exit(EXIT_USAGE) from None
-    with TrainerClient(addr, timeout=timeout) as c:
+    with TrainerClient(addr, timeout=timeout, keys=_client_keys(keys, key_name)) as c:
         try:
             r = c.push(named, version, bucket_bytes=bucket_bytes, window=window)
         except WeightSyncError as err:

@@ -25,6 +25,7 @@ from messages import codec, schema
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.shm import Segment, frombuffer, sweep_stale
+from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 
 log = structlog.get_logger()
@@ -89,7 +90,7 @@ class ShmRing:
 class TrainerClient:
     def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float = 30.0, retries: int = 3,
                  finish_timeout: float = 900.0, ctx: zmq.Context | None = None,
-                 sender: int = 0) -> None:
+                 sender: int = 0, keys: ClientKeys | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
         self.retries = retries
@@ -100,6 +101,8 @@ class TrainerClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if keys is not None:
+            keys.apply(self._sock)
         self._sock.connect(addr)
         self._next_id = 0
         self._stray: dict[int, schema.Message] = {}

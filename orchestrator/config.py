@@ -30,7 +30,11 @@ class Settings:
     finalize_timeout: float = 600.0
     tick_interval: float = 0.2
     max_header_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = 4 * 1024 ** 3  # one bucket's bytes; ZeroMQ drops a peer past 2x
+    max_pending: int = 64  # unanswered bucket requests per trainer connection
+    keys: str = ""  # CURVE keys directory ("" = no authentication; see orchestrator/auth.py)
     spool: str = ""  # directory for the last READY version's buckets ("" = no rollback)
+    failpoints: str = ""  # fault injection for tests: "name=value,..." (see parse_failpoints)
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON when stderr is not a TTY
 
@@ -66,7 +70,30 @@ def load_settings(**overrides: Any) -> Settings:
     settings = replace(base, **values)
     if settings.min_engines < 0 or settings.engine_timeout <= 0 or settings.tick_interval <= 0:
         raise ConfigError("min_engines must be >= 0 and timeouts > 0")
+    if min(settings.max_header_bytes, settings.max_frame_bytes, settings.max_pending) <= 0:
+        raise ConfigError("max_header_bytes, max_frame_bytes and max_pending must be > 0")
+    parse_failpoints(settings.failpoints)
     return settings
+
+
+FAILPOINTS = {
+    "duplicate_finalize": "daemon: send every finalize to its engine twice",
+    "finalize_sleep": "engine: sleep this many seconds before the post-load step",
+}
+
+
+def parse_failpoints(text: str) -> dict[str, float]:
+    """`"a=1,b"` -> {"a": 1.0, "b": 1.0}; unknown names are a ConfigError."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in FAILPOINTS:
+            raise ConfigError(f"unknown failpoint {name!r} (known: {', '.join(FAILPOINTS)})")
+        try:
+            out[name] = float(value) if value else 1.0
+        except ValueError:
+            raise ConfigError(f"failpoint {name}: {value!r} is not a number") from None
+    return out
 
 
 def env_value(name: str, default: str | None = None) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from messages.errors import WeightSyncError
+from orchestrator.auth import client_keys
 from orchestrator.client import TrainerClient
 from orchestrator.config import child_env
 
@@ -72,6 +73,7 @@ class Cluster:
     daemon_args: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    keys: Path | None = None  # CURVE keys directory (daemon, engines and clients use it)
     procs: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,6 +91,7 @@ class Cluster:
         min_engines = self.engines if self.min_engines is None else self.min_engines
         p = spawn("daemon", ["serve", "--bind", self.addr, "--engine-bind", self.engine_addr,
                              "--state-db", str(self.state_db), "--min-engines", str(min_engines),
+                             *(["--keys", str(self.keys)] if self.keys else []),
                              *self.daemon_args], self.log_dir, self.env)
         if self.procs and self.procs[0].name == "daemon":
             self.procs[0] = p  # a restart replaces the old daemon
@@ -101,6 +104,7 @@ class Cluster:
             raise LaunchError("no model directory for the engines")
         p = spawn(engine_id, ["engine", "--backend", self.backend, "--model", str(self.model_dir),
                               "--connect", self.engine_addr, "--engine-id", engine_id,
+                              *(["--keys", str(self.keys)] if self.keys else []),
                               *self.engine_args, *(extra or [])], self.log_dir, self.env)
         # a restart under the same id replaces the dead process
         self.procs = [q for q in self.procs if q.name != engine_id or q.popen.poll() is None]
@@ -122,10 +126,12 @@ class Cluster:
         self.stop()
 
     def client(self, **kw: Any) -> TrainerClient:
+        if self.keys is not None and "keys" not in kw:
+            kw["keys"] = client_keys(self.keys, "trainer")
         return TrainerClient(self.addr, **kw)
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        with TrainerClient(self.addr, timeout=timeout, retries=0) as c:
+        with self.client(timeout=timeout, retries=0) as c:
             return c.status()
 
     def wait_engines(self, n: int, timeout: float = 120.0) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from messages.checksums import checksum
 from messages.shm import Reader, sweep_stale
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from orchestrator import fsm
-from orchestrator.config import Settings
+from orchestrator.auth import ServerAuth
+from orchestrator.config import Settings, parse_failpoints
 from orchestrator.journal import Journal
 from orchestrator.recovery import Recovery
 from orchestrator.spool import Spool
@@ -118,23 +119,35 @@ class Service:
         self.started = time.time()
         self._stop = asyncio.Event()
         self.bound: dict[str, str] = {}
+        self.auth: ServerAuth | None = None
+        self.failpoints = parse_failpoints(settings.failpoints)
 
     # -- lifecycle ----------------------------------------------------------------------
     def startup(self) -> None:
         sweep_stale()  # shared-memory segments left by crashed trainers or engines
-        self.trainer_sock = self._router(self.settings.bind)
-        self.engine_sock = self._router(self.settings.engine_bind)
+        # ZeroMQ disconnects a peer whose frame passes MAXMSGSIZE before buffering it; below
+        # that, an oversized frame gets a typed TOO_LARGE (engines only ever send headers).
+        s = self.settings
+        if s.keys:
+            self.auth = ServerAuth(self.ctx, s.keys)
+        self.trainer_sock = self._router(s.bind, 2 * max(s.max_frame_bytes, s.max_header_bytes),
+                                         "trainer")
+        self.engine_sock = self._router(s.engine_bind, 2 * s.max_header_bytes, "engine")
         self.bound = {
             "trainer": self.trainer_sock.getsockopt_string(zmq.LAST_ENDPOINT),
             "engine": self.engine_sock.getsockopt_string(zmq.LAST_ENDPOINT),
         }
         log.info("daemon_started", trainer=self.bound["trainer"], engine=self.bound["engine"],
+                 auth="curve" if self.auth else "none", spool=s.spool or None,
                  state=self.core.state.value, version=self.core.served_version,
                  dirty=self.core.dirty, state_db=self.settings.state_db)
 
-    def _router(self, addr: str) -> zmq.Socket:
+    def _router(self, addr: str, max_msg: int, role: str) -> zmq.Socket:
         refuse_live_ipc(addr)
         sock = self.ctx.socket(zmq.ROUTER)
+        if self.auth is not None:
+            self.auth.apply(sock, role)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the window, not by a silent drop
@@ -206,6 +219,8 @@ class Service:
                 if sock is not None:
                     sock.close(linger=500)
             self.journal.close()
+            if self.auth is not None:
+                self.auth.stop()
             log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
 
     # -- sending ------------------------------------------------------------------------
@@ -287,6 +302,7 @@ class Service:
                 self._reply_ok(w, res.reply or {})
                 await self._execute(res.commands)
             elif isinstance(msg, schema.Bucket):
+                self._check_limits(ident, decoded.payload)
                 await self._on_bucket(w, msg, decoded.payload, now)
             elif isinstance(msg, schema.Finish):
                 res = self.core.handle_finish(msg, now)
@@ -305,6 +321,19 @@ class Service:
             self._reply_error(w, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                             state=self.core.state.value,
                                             version=self.core.served_version))
+
+    def _check_limits(self, ident: bytes, payload: list[Any]) -> None:
+        s = self.settings
+        big = [len(f) for f in payload if len(f) > s.max_frame_bytes]
+        if big:
+            raise make_error(ErrorCode.TOO_LARGE, f"bucket frame of {big[0]} bytes exceeds "
+                             f"max_frame_bytes {s.max_frame_bytes}; use smaller buckets",
+                             state=self.core.state.value, version=self.core.served_version)
+        pending = sum(1 for ws in self.bucket_waiters.values() for w in ws if w.ident == ident)
+        if pending >= s.max_pending:
+            raise make_error(ErrorCode.TOO_LARGE, f"{pending} bucket requests already pending on "
+                             f"this connection (max_pending {s.max_pending}); lower the window",
+                             state=self.core.state.value, version=self.core.served_version)
 
     async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
         sync = self.core.sync
@@ -443,6 +472,8 @@ class Service:
                                                              probes=cmd.probes))
                 if not self._send_engine(cmd.engine_id, [header]):
                     await self._execute(self.core.tick(time.monotonic()).commands)
+                elif self.failpoints.get("duplicate_finalize"):  # fault injection (tests)
+                    self._send_engine(cmd.engine_id, [header])
             elif isinstance(cmd, fsm.SendAbort):
                 header = codec.encode_header(schema.Abort(sync_id=cmd.sync_id))
                 for eid in cmd.engine_ids:

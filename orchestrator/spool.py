@@ -198,7 +198,10 @@ class Spool:
         return None
 
     def _drop_current(self) -> None:
-        (self.root / CURRENT).unlink(missing_ok=True)
+        try:
+            (self.root / CURRENT).unlink(missing_ok=True)
+        except OSError as exc:  # the spool directory itself is gone or unusable
+            log.warning("spool_unusable", path=str(self.root), reason=str(exc))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._dir, self._entries, self.info = None, [], None
@@ -207,6 +210,7 @@ class Spool:
         if self._incoming is None or (sync_id is not None and sync_id != self._incoming_sync):
             return
         shutil.rmtree(self._incoming, ignore_errors=True)
+        self._incoming_failed = None
         self._incoming, self._incoming_sync, self._incoming_entries = None, None, []
 
     def view(self) -> dict[str, Any]:

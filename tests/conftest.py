@@ -20,3 +20,27 @@ def tiny_state(tiny_model_dir):
     from engines.torch_engine import load_model
 
     return {k: v.detach().clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+
+
+# -- the fault matrix: tests/faults record one row per scenario; `--matrix-out` saves them
+MATRIX_ROWS: list[dict] = []
+
+
+def pytest_addoption(parser):
+    parser.addoption("--matrix-out", default=None,
+                     help="write the fault-matrix rows measured by tests/faults to this JSON file")
+
+
+@pytest.fixture
+def matrix_row():
+    """Call with the scenario's measured outcome; saved when --matrix-out is given."""
+    return MATRIX_ROWS.append
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = session.config.getoption("--matrix-out")
+    if out and MATRIX_ROWS:
+        import json
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(MATRIX_ROWS, indent=2))

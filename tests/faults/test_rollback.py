@@ -60,28 +60,6 @@ def test_aborted_sync_rolls_back_to_the_spooled_version(spooled, tiny_state):
         assert client.push(w3.items(), 3).state == "READY"
 
 
-def test_engine_killed_mid_sync_then_replaced_ends_ready_at_old_version(spooled, tiny_state):
-    with spooled.client(timeout=30.0) as client:
-        r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
-        sid = client.begin(2)["sync_id"]
-        buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
-        client.send_bucket(sid, buckets[0])
-        victim = next(p for p in spooled.procs if p.name == "engine-1")
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait(10)
-        with pytest.raises(WeightSyncError) as ei:
-            for b in buckets[1:]:
-                client.send_bucket(sid, b)
-        assert ei.value.code is ErrorCode.ENGINE_FAILED
-        assert ei.value.details.get("rollback_to") == 1
-        # min_engines=2: the rollback waits for a replacement, which then joins it
-        spooled.start_engine("engine-1")
-        st = wait_status(spooled, lambda s: s["state"] == "READY")
-        assert (st["version"], st["digest"]) == (1, r1.digest)
-        assert {e["engine_id"]: (e["state"], e["digest"]) for e in st["engines"]} == {
-            "engine-0": ("READY", r1.digest), "engine-1": ("READY", r1.digest)}
-
-
 def test_restarted_engine_rejoins_at_the_served_version(spooled, tiny_state):
     with spooled.client(timeout=30.0) as client:
         r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)

@@ -1,0 +1,84 @@
+"""CURVE: only allowlisted keys reach the daemon, per socket role."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engines.tiny import perturbed
+from messages.buckets import digest
+from messages.errors import ErrorCode, WeightSyncError
+from orchestrator.auth import client_keys, generate
+from orchestrator.client import TrainerClient
+
+from tests.integration.helpers import FAST_DAEMON
+from orchestrator.launch import Cluster
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "keys", "generate", str(d)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory, tiny_model_dir, keys):
+    c = Cluster(tmp_path_factory.mktemp("curve"), tiny_model_dir, engines=1, keys=keys,
+                daemon_args=FAST_DAEMON, engine_args=["--threads", "1", "--heartbeat-interval", "0.5"])
+    with c:
+        yield c
+
+
+def refused(cluster, **kw):
+    with TrainerClient(cluster.addr, timeout=1.5, retries=0, **kw) as c:
+        with pytest.raises(WeightSyncError) as ei:
+            c.status()
+    return ei.value
+
+
+def test_generated_secret_keys_are_private_and_roles_are_listed(keys):
+    for p in keys.glob("*.key_secret"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert [p.name for p in (keys / "trainers").iterdir()] == ["trainer.key"]
+    assert [p.name for p in (keys / "engines").iterdir()] == ["engine.key"]
+
+
+def test_listed_trainer_pushes_through_listed_engine(secured, tiny_state):
+    with secured.client(timeout=30.0) as c:
+        w = dict(perturbed(tiny_state, 1))
+        r = c.push(w.items(), (c.status()["last_ready_version"] or 0) + 1)
+        assert r.state == "READY" and [e["digest"] for e in r.engines] == [digest(w.items())]
+
+
+def test_plain_and_unlisted_peers_get_nothing(secured, tmp_path):
+    assert refused(secured).code is ErrorCode.TIMEOUT  # no CURVE at all
+    generate(tmp_path / "other", ["intruder"], [])
+    other = client_keys(tmp_path / "other", "intruder")  # its own server key: wrong server
+    assert refused(secured, keys=other).code is ErrorCode.TIMEOUT
+    # right server key, unlisted client key
+    stolen_server = client_keys(secured.keys, "trainer")
+    intruder = type(stolen_server)(stolen_server.server_public, other.public, other.secret)
+    assert refused(secured, keys=intruder).code is ErrorCode.TIMEOUT
+    # an engine's key is not a trainer's: the trainer socket has its own allowlist
+    assert refused(secured, keys=client_keys(secured.keys, "engine")).code is ErrorCode.TIMEOUT
+    assert secured.status()["state"] in ("IDLE", "READY")  # and the daemon serves on
+
+
+def test_unlisted_engine_cannot_register(secured, tmp_path):
+    generate(tmp_path / "rogue", [], ["rogue"])
+    (tmp_path / "rogue" / "server.key").write_bytes((secured.keys / "server.key").read_bytes())
+    p = secured.start_engine("rogue-engine", ["--keys", str(tmp_path / "rogue"), "--key-name", "rogue"])
+    try:
+        time.sleep(4)
+        assert p.popen.poll() is None  # it runs, it just never gets in
+        ids = [e["engine_id"] for e in secured.status()["engines"]]
+        assert "rogue-engine" not in ids and ids == ["engine-0"]
+    finally:
+        p.stop()
