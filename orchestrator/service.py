@@ -302,7 +302,7 @@ class Service:
                 self._reply_ok(w, res.reply or {})
                 await self._execute(res.commands)
             elif isinstance(msg, schema.Bucket):
-                self._check_limits(ident, decoded.payload)
+                self._check_limits(ident, msg, decoded.payload)
                 await self._on_bucket(w, msg, decoded.payload, now)
             elif isinstance(msg, schema.Finish):
                 res = self.core.handle_finish(msg, now)
@@ -322,9 +322,10 @@ class Service:
                                             state=self.core.state.value,
                                             version=self.core.served_version))
 
-    def _check_limits(self, ident: bytes, payload: list[Any]) -> None:
+    def _check_limits(self, ident: bytes, msg: schema.Bucket, payload: list[Any]) -> None:
         s = self.settings
-        big = [len(f) for f in payload if len(f) > s.max_frame_bytes]
+        sizes = [msg.shm.size] if msg.shm is not None else [len(f) for f in payload]
+        big = [n for n in sizes if n > s.max_frame_bytes]
         if big:
             raise make_error(ErrorCode.TOO_LARGE, f"bucket frame of {big[0]} bytes exceeds "
                              f"max_frame_bytes {s.max_frame_bytes}; use smaller buckets",

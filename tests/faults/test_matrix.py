@@ -7,6 +7,7 @@ to a known version's, finalize counts) and records it as a row of docs/RELIABILI
 
 from __future__ import annotations
 
+import re
 import resource
 import shutil
 import signal
@@ -301,8 +302,9 @@ def test_spool_write_failure_degrades_without_failing_syncs(tmp_path, tiny_model
         client.abort(sid, "test")
         st = wait_status(c, lambda s: s["state"] == "IDLE")
         assert st["dirty"] is True and st["last_sync"]["rollback"] == "none"
+        errno = re.search(r"\[Errno \d+\] [^:']+", sp["error"])
         r = row(c, f"spool {how}", code=st["last_sync"]["code"], want_digest=None, t0=t0,
-                note=f"sync v2 READY, spool degraded ({sp['error'].split(':')[-1].strip()[:40]}); "
-                     "later failure: IDLE dirty")
+                note=f"sync v2 READY, spool degraded ({errno.group(0) if errno else sp['error']}); "
+                     "a later failure: IDLE dirty")
         r["digests_ok"] = None
         matrix_row(r)
