@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench bench-vllm lint clean
+.PHONY: demo test test-fast bench bench-vllm fuzz soak reliability lint clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ bench: $(VENV)/.test
 
 bench-vllm: $(VENV)/.test
 	$(PY) -m bench.vllm
+
+fuzz: $(VENV)/.test
+	$(PY) -m pytest tests/faults/test_fuzz.py --fuzz-cases 10000
+
+soak: $(VENV)/.test
+	$(PY) -m tests.faults.soak --syncs 500
+
+reliability: $(VENV)/.test
+	$(PY) -m tests.faults.report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -22,7 +22,7 @@ from engines.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
 
-from tests.integration.helpers import FAST_DAEMON, running_daemon
+from tests.integration.helpers import FAST_DAEMON, STALLING_TRAINER, running_daemon
 
 pytestmark = pytest.mark.slow
 BUCKET = 128 * 1024
@@ -149,30 +149,14 @@ def test_engine_hung_past_deadline_fails_then_rejoins_the_rollback(tmp_path, tin
         matrix_row(r)
 
 
-TRAINER = r"""
-import sys, time
-from engines.tiny import perturbed
-from engines.torch_engine import load_model
-from orchestrator.client import TrainerClient
-state = load_model(sys.argv[2]).state_dict()
-c = TrainerClient(sys.argv[1], timeout=60)
-def slow():
-    for i, item in enumerate(perturbed(state, 2)):
-        if i == 6:
-            print("STREAMING", flush=True)
-            time.sleep(60)
-        yield item
-c.push(slow(), 2, bucket_bytes=64 * 1024)
-"""
-
-
 def test_trainer_sigkill_mid_sync_times_out_and_rolls_back(tmp_path, tiny_model_dir, tiny_state,
                                                            matrix_row):
     args = spool_args(tmp_path, "--sync-timeout", "2")
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as c:
         with c.client(timeout=30.0) as client:
             r1, d1 = push(client, tiny_state, 1)
-        p = subprocess.Popen([sys.executable, "-c", TRAINER, c.addr, str(tiny_model_dir)],
+        p = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, c.addr, str(tiny_model_dir),
+                              "2", "inline"],
                              stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "STREAMING"
         p.send_signal(signal.SIGKILL)
@@ -219,13 +203,17 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
         matrix_row(r)
 
 
+def begin_v2(client, state):
+    """v1 READY, then v2 begun: (v2 weights, its buckets, sync_id)."""
+    push(client, state, 1)
+    w2 = dict(perturbed(state, 2))
+    return w2, list(iter_buckets(w2.items(), BUCKET)), client.begin(2)["sync_id"]
+
+
 def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        push(client, tiny_state, 1)
-        w2 = dict(perturbed(tiny_state, 2))
-        buckets = list(iter_buckets(w2.items(), BUCKET))
-        sid = client.begin(2)["sync_id"]
+        w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         for b in reversed(buckets):  # reordered
             client.send_bucket(sid, b)
@@ -242,10 +230,7 @@ def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_
 def test_corrupted_bucket_is_refused_and_the_retry_succeeds(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        push(client, tiny_state, 1)
-        w2 = dict(perturbed(tiny_state, 2))
-        buckets = list(iter_buckets(w2.items(), BUCKET))
-        sid = client.begin(2)["sync_id"]
+        w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as ei:
             client.send_bucket(sid, buckets[0], checksum=buckets[0].checksum ^ 1)

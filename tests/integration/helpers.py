@@ -26,3 +26,23 @@ def running_daemon(workdir: Path, model_dir: Path | None, *, engines: int = 2,
         for p in cluster.procs:
             print(f"----- {p.name} log -----\n{p.log_tail(60)}")
         raise
+
+
+# A trainer process that streams part of version VERSION, says STREAMING, then stalls (for
+# tests that kill it mid-sync). argv: ADDR MODEL_DIR VERSION TRANSPORT
+STALLING_TRAINER = r"""
+import sys, time
+from engines.tiny import perturbed
+from engines.torch_engine import load_model
+from orchestrator.client import TrainerClient
+addr, model, version, transport = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+state = load_model(model).state_dict()
+c = TrainerClient(addr, timeout=60)
+def slow():
+    for i, item in enumerate(perturbed(state, version)):
+        if i == 6:
+            print("STREAMING", flush=True)
+            time.sleep(60)
+        yield item
+c.push(slow(), version, bucket_bytes=64 * 1024, transport=transport)
+"""

@@ -15,7 +15,7 @@ from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, PeerError, WeightSyncError
 from messages.shm import list_segments
 
-from .helpers import running_daemon
+from .helpers import STALLING_TRAINER, running_daemon
 
 
 def trainer_segments():
@@ -87,27 +87,11 @@ def test_engine_without_shm_gets_inline_frames_in_a_mixed_sync(tmp_path, tiny_mo
         assert not trainer_segments()
 
 
-TRAINER = r"""
-import sys, time
-from engines.tiny import perturbed
-from engines.torch_engine import load_model
-from orchestrator.client import TrainerClient
-state = load_model(sys.argv[2]).state_dict()
-c = TrainerClient(sys.argv[1], timeout=60)
-def slow():
-    for i, item in enumerate(perturbed(state, 1)):
-        if i == 6:
-            print("STREAMING", flush=True)
-            time.sleep(60)
-        yield item
-c.push(slow(), 1, bucket_bytes=64 * 1024, transport="shm")
-"""
-
-
 def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_dir):
     args = ["--engine-timeout", "5", "--sync-timeout", "2"]
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as cluster:
-        p = subprocess.Popen([sys.executable, "-c", TRAINER, cluster.addr, str(tiny_model_dir)],
+        p = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir),
+                              "1", "shm"],
                              stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "STREAMING"
         assert any(f".{p.pid}." in s for s in trainer_segments())
