@@ -16,6 +16,7 @@ class ErrorCode(str, Enum):
     UNSUPPORTED_PROTOCOL = "UNSUPPORTED_PROTOCOL"
     INVALID_STATE = "INVALID_STATE"
     UNKNOWN_SYNC = "UNKNOWN_SYNC"
+    ABORTED = "ABORTED"  # the trainer aborted its own sync (not in DESIGN.md's first list)
     STALE_VERSION = "STALE_VERSION"
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     UNKNOWN_TENSOR = "UNKNOWN_TENSOR"
@@ -118,6 +119,7 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.UNAUTHORIZED: PeerError,
     ErrorCode.INVALID_STATE: StateError,
     ErrorCode.UNKNOWN_SYNC: StateError,
+    ErrorCode.ABORTED: StateError,
     ErrorCode.STALE_VERSION: StateError,
     ErrorCode.INCOMPLETE_SYNC: StateError,
     ErrorCode.CHECKSUM_MISMATCH: DataError,

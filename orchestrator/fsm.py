@@ -683,7 +683,7 @@ class Orchestrator:
             raise self._error(ErrorCode.INVALID_STATE,
                               f"abort is not allowed in state {self.state.value}")
         self._require_sync(sync_id, "abort")
-        err = self._error(ErrorCode.UNKNOWN_SYNC, f"sync aborted by trainer: {reason or 'no reason'}")
+        err = self._error(ErrorCode.ABORTED, f"sync aborted by trainer: {reason or 'no reason'}")
         self.trigger("abort", error=err)  # type: ignore[attr-defined]
         return self._drain({"state": self.state.value, "version": self.served_version,
                             "dirty": self.dirty})

@@ -43,7 +43,6 @@ class Feed:
     next: int = 0
     inflight: set[tuple[int, int]] = field(default_factory=set)
     finishing: bool = False
-    done: bool = False
 
     def due(self) -> list[int]:
         n = []
@@ -99,25 +98,30 @@ class Recovery:
         if self.rollback is not None:
             await self._pump_rollback(self.rollback)
 
-    def _read(self, f: Feed, i: int) -> zmq.Frame | None:
-        try:
-            return zmq.Frame(self.spool.read(f.entries[i]))
-        except OSError as exc:
-            log.error("spool_read_failed", sync_id=f.sync_id, file=f.entries[i].file, reason=str(exc))
-            return None
+    def _due(self, f: Feed) -> list[tuple[int, SpoolEntry, zmq.Frame]] | None:
+        """The spooled buckets `f` may send now (read from disk), or None if the spool
+        cannot be read (the caller fails the feed)."""
+        out = []
+        for i in f.due():
+            try:
+                frame = zmq.Frame(self.spool.read(f.entries[i]))
+            except OSError as exc:
+                log.error("spool_read_failed", sync_id=f.sync_id, file=f.entries[i].file,
+                          reason=str(exc))
+                return None
+            f.inflight.add((0, i))
+            out.append((i, f.entries[i], frame))
+        return out
 
     async def _pump_catchup(self, f: Feed) -> None:
         svc = self.service
-        for i in f.due():
-            e = f.entries[i]
-            frame = self._read(f, i)
-            if frame is None:
-                await svc.execute(svc.core.handle_failed(f.engine_id, schema.Failed(
-                    sync_id=f.sync_id, code=ErrorCode.INTERNAL.value,
-                    message=f"spool unreadable at {e.file}"), time.monotonic()).commands)
-                return
-            key = (0, i)
-            f.inflight.add(key)
+        due = self._due(f)
+        if due is None:
+            await svc.execute(svc.core.handle_failed(f.engine_id, schema.Failed(
+                sync_id=f.sync_id, code=ErrorCode.INTERNAL.value, message="spool unreadable"),
+                time.monotonic()).commands)
+            return
+        for i, e, frame in due:
             header = codec.encode_header(schema.Load(
                 sync_id=f.sync_id, version=f.version, seq=i, tensors=tensor_metas(e),
                 checksum=e.checksum, sender=0))
@@ -125,18 +129,15 @@ class Recovery:
 
     async def _pump_rollback(self, f: Feed) -> None:
         svc = self.service
-        for i in f.due():
-            e = f.entries[i]
-            frame = self._read(f, i)
-            if frame is None:
-                await svc.execute(svc.core.handle_abort(f.sync_id, "spool unreadable",
-                                                        time.monotonic()).commands)
-                return
-            key = (0, i)
-            f.inflight.add(key)
+        due = self._due(f)
+        if due is None:
+            await svc.execute(svc.core.handle_abort(f.sync_id, "spool unreadable",
+                                                    time.monotonic()).commands)
+            return
+        for i, e, frame in due:
             msg = schema.Bucket(sync_id=f.sync_id, seq=i, tensors=tensor_metas(e),
                                 checksum=e.checksum, sender=0)
-            await svc.local_request(msg, [frame], self._on_reply(f, key))
+            await svc.local_request(msg, [frame], self._on_reply(f, (0, i)))
         if not f.inflight and f.next >= len(f.entries) and not f.finishing:
             f.finishing = True
             await svc.local_request(schema.Finish(sync_id=f.sync_id, buckets=len(f.entries),
@@ -145,14 +146,11 @@ class Recovery:
 
     def _on_reply(self, f: Feed, key: tuple[int, int]) -> Callable[[Any, WeightSyncError | None], None]:
         def done(body: Any, err: WeightSyncError | None) -> None:
-            f.inflight.discard(key)
-            if err is not None:
-                f.done = True
+            f.inflight.discard(key)  # an error fails the sync itself; sync_closed ends the feed
         return done
 
     def _on_finished(self, f: Feed) -> Callable[[Any, WeightSyncError | None], None]:
         def done(body: Any, err: WeightSyncError | None) -> None:
-            f.done = True
             if err is None:
                 log.warning("rollback_completed", sync_id=f.sync_id, version=f.version)
             else:

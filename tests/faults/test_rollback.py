@@ -51,7 +51,7 @@ def test_aborted_sync_rolls_back_to_the_spooled_version(spooled, tiny_state):
         last = st["last_sync"]
         assert last["status"] == "ROLLED_BACK" and last["kind"] == "rollback"
         assert last["rolled_back_from"]["sync_id"] == sid
-        assert last["rolled_back_from"]["code"] == "UNKNOWN_SYNC"  # an abort by the trainer
+        assert last["rolled_back_from"]["code"] == "ABORTED"
         for e in st["engines"]:
             assert (e["state"], e["version"], e["digest"]) == ("READY", 1, digest(w1.items()))
             assert e["finalize_count"] == 2  # v1 once, the rollback once: never twice per sync
