@@ -1,9 +1,12 @@
-"""Baselines measured in the same run as the weightsync syncs, over the same bytes.
+"""Baselines measured in the same run as the weightsync syncs, over the same bytes: the
+model's own tensors, read from where the trainer holds them (memory, not cache).
 
-- raw ZeroMQ: PUSH -> PULL of `bucket_bytes` frames, zero-copy on both sides, from this
-  process to a receiver subprocess over ipc (what the inline transport rides on).
-- memcpy: `copy_` of the same bytes, bucket by bucket, into a preallocated destination
-  (the floor for any same-host transport: the shm transport is one of these per engine).
+- raw ZeroMQ: PUSH -> PULL of the tensors as zero-copy frames, one multipart message per
+  `bucket_bytes`, from this process to a receiver subprocess over ipc (what the inline
+  transport rides on).
+- memcpy: `copy_` of every tensor into one preallocated, already-faulted destination
+  (the floor for any same-host transport: the shm transport is one of these per engine,
+  plus the trainer's copy into its slot).
 
 `python -m bench.baselines recv DATA_ADDR DONE_ADDR` is the receiver process.
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import torch
 import zmq
+
+from messages.buckets import as_bytes
 
 END = b"end"
 
@@ -45,8 +50,21 @@ def receiver(data_addr: str, done_addr: str) -> None:
     ctx.term()
 
 
-def zmq_gbps(workdir: Path, model_bytes: int, bucket_bytes: int, repeats: int = 3) -> float:
-    """Median GB/s of raw zero-copy PUSH/PULL for `model_bytes` in `bucket_bytes` frames."""
+def _messages(weights: list, bucket_bytes: int) -> list[list[memoryview]]:
+    out: list[list[memoryview]] = [[]]
+    size = 0
+    for _, t in weights:
+        n = t.numel() * t.element_size()
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(memoryview(as_bytes(t).numpy()))
+        size += n
+    return out
+
+
+def zmq_gbps(workdir: Path, weights: list, bucket_bytes: int, repeats: int = 3) -> float:
+    """Median GB/s of raw zero-copy PUSH/PULL of the model's tensors, bucket by bucket."""
     data_addr = f"ipc://{workdir}/bench-data.sock"
     done_addr = f"ipc://{workdir}/bench-done.sock"
     ctx = zmq.Context()
@@ -60,18 +78,18 @@ def zmq_gbps(workdir: Path, model_bytes: int, bucket_bytes: int, repeats: int = 
             raise RuntimeError("zmq baseline receiver did not start")
         done.recv()
         push.connect(data_addr)
-        src = torch.randint(0, 255, (bucket_bytes,), dtype=torch.uint8)
-        frames = max(1, model_bytes // bucket_bytes)
+        messages = _messages(weights, bucket_bytes)
+        total = sum(mv.nbytes for m in messages for mv in m)
         runs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for _ in range(frames):
-                push.send(memoryview(src.numpy()), copy=False)
+            for frames in messages:
+                push.send_multipart(frames, copy=False)
             push.send(END)
             got = int(done.recv())
             runs.append(got / (time.perf_counter() - t0) / 1e9)
-            if got != frames * bucket_bytes:
-                raise RuntimeError(f"zmq baseline lost bytes: {got} of {frames * bucket_bytes}")
+            if got != total:
+                raise RuntimeError(f"zmq baseline lost bytes: {got} of {total}")
         push.send(END)  # a zero-byte round stops the receiver
         done.recv()
         proc.wait(30)
@@ -85,19 +103,20 @@ def zmq_gbps(workdir: Path, model_bytes: int, bucket_bytes: int, repeats: int = 
         ctx.term()
 
 
-def memcpy_gbps(model_bytes: int, bucket_bytes: int, repeats: int = 3) -> float:
-    """Median GB/s of copying `model_bytes` bucket by bucket into preallocated memory."""
-    bucket_bytes = min(bucket_bytes, model_bytes)
-    frames = max(1, model_bytes // bucket_bytes)
-    src = torch.randint(0, 255, (bucket_bytes,), dtype=torch.uint8)
-    dst = torch.empty(frames * bucket_bytes, dtype=torch.uint8)
+def memcpy_gbps(weights: list, repeats: int = 3) -> float:
+    """Median GB/s of copying every tensor of the model into preallocated memory."""
+    srcs = [as_bytes(t) for _, t in weights]
+    total = sum(s.numel() for s in srcs)
+    dst = torch.empty(total, dtype=torch.uint8)
     dst.fill_(1)  # fault the pages in: engines copy into resident parameters
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for i in range(frames):
-            dst[i * bucket_bytes:(i + 1) * bucket_bytes].copy_(src)
-        runs.append(frames * bucket_bytes / (time.perf_counter() - t0) / 1e9)
+        off = 0
+        for s in srcs:
+            dst[off:off + s.numel()].copy_(s)
+            off += s.numel()
+        runs.append(total / (time.perf_counter() - t0) / 1e9)
     return statistics.median(runs)
 
 

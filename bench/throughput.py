@@ -237,10 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"(made in {time.perf_counter() - t0:.1f}s); buckets {[b // MiB for b in buckets]} MiB, "
               f"window {args.window}")
         ref_bucket = statistics.median_low(buckets)
-        baselines = {"zmq_gbps": zmq_gbps(work, model_bytes, ref_bucket),
-                     "memcpy_gbps": memcpy_gbps(model_bytes, ref_bucket),
-                     "bucket_bytes": ref_bucket}
-        print(f"baselines over {model_bytes / GiB:.2f} GiB in {ref_bucket // MiB} MiB frames: "
+        baselines = {"zmq_gbps": zmq_gbps(work, weights, ref_bucket),
+                     "memcpy_gbps": memcpy_gbps(weights), "bucket_bytes": ref_bucket}
+        print(f"baselines over the model's {model_bytes / GiB:.2f} GiB, {ref_bucket // MiB} MiB messages: "
               f"raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, memcpy {baselines['memcpy_gbps']:.2f} GB/s")
         runs = sweep(work, spec_dir, weights, model_bytes, engines, transports, buckets,
                      args.window, args.repeats, baselines)

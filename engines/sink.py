@@ -4,7 +4,7 @@ plane (transport, validation, the copy into parameters, the digest) and not mode
 Rules: the model is a spec file (`sink.json`: `{"tensors": [{name, dtype, shape}]}`) in
 the `--model` directory; every tensor is allocated once at startup and each bucket is
 validated and copied in place, exactly like the torch engine. The per-tensor digest is
-taken right after each copy (the bytes are still in cache); `finalize` only combines the
+taken chunk by chunk right behind the copy (the bytes are still in cache); `finalize` only combines the
 parts and counts itself, so the finalize-once guard is exercised like any other engine.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engines.base import EngineInfo, validate_bucket
-from messages.buckets import Digester
+from messages.buckets import Digester, as_bytes, copy_hashing
 from messages.dtypes import ITEMSIZE, torch_dtype
 from messages.errors import ErrorCode, make_error
 from messages.schema import ParamSpec, Probe
@@ -96,8 +96,9 @@ class SinkEngine:
         validate_bucket(self.spec, tensors)
         for name, src in tensors:
             dst = self.params[name]
-            dst.copy_(src)
-            self._digester.update(name, dst)
+            h = self._digester.start(name, dst)
+            copy_hashing(as_bytes(dst), as_bytes(src), h)  # the digest reads what was copied
+            self._digester.finish(name, h)
 
     def finalize(self, sync_id: str = "") -> str:
         self.finalize_count += 1

@@ -60,7 +60,27 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 Alloc = Callable[[int, int], torch.Tensor]  # (seq, nbytes) -> writable uint8 tensor
 
 
-def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None = None) -> PackedBucket:
+# Copy, then hash, CHUNK bytes at a time. Measured with `python -m bench` on this 2-core
+# host: 1 MiB chunks (hash from cache) were 10% slower than 64 MiB chunks (one copy_ per
+# tensor, hash from memory): torch's per-call cost outweighs the cache hits here.
+CHUNK = 1 << 26
+
+
+def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
+    """dst.copy_(src) for flat uint8 tensors, chunk by chunk, feeding each chunk of `dst`
+    to every streaming hasher: one pass over memory instead of one per hash."""
+    n = src.numel()
+    for off in range(0, n, CHUNK):
+        d = dst[off:off + CHUNK]
+        d.copy_(src[off:off + CHUNK])
+        if hashers:
+            v = d.numpy()
+            for h in hashers:
+                h.update(v)
+
+
+def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None = None,
+          digester: Digester | None = None) -> PackedBucket:
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in items:
@@ -69,23 +89,30 @@ def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None =
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
-    for meta, (_, t) in zip(metas, items):
+    frame_hash = xxhash.xxh3_64()  # streaming: equal to checksum(data) at the end
+    pos = 0
+    for meta, (name, t) in zip(metas, items):
+        if meta.offset > pos:  # padding is part of the checksummed frame: make it zeros
+            pad = data[pos:meta.offset]
+            pad.zero_()
+            frame_hash.update(pad.numpy())
+        tensor_hash = digester.start(name, t) if digester is not None else None
+        hashers = (frame_hash,) if tensor_hash is None else (frame_hash, tensor_hash)
         if meta.nbytes:
-            data[meta.offset:meta.offset + meta.nbytes].copy_(as_bytes(t))
-    # Padding bytes are part of the checksummed frame, so make them deterministic.
-    for a, b in zip(metas, metas[1:]):
-        end = a.offset + a.nbytes
-        if b.offset > end:
-            data[end:b.offset].zero_()
-    return PackedBucket(seq, tuple(metas), data, checksum(data))
+            copy_hashing(data[meta.offset:meta.offset + meta.nbytes], as_bytes(t), *hashers)
+        if digester is not None:
+            digester.finish(name, tensor_hash)
+        pos = meta.offset + meta.nbytes
+    return PackedBucket(seq, tuple(metas), data, frame_hash.intdigest())
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, alloc: Alloc | None = None
-                 ) -> Iterator[PackedBucket]:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, alloc: Alloc | None = None,
+                 digester: Digester | None = None) -> Iterator[PackedBucket]:
     """Stream (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor
     goes alone). Holds one bucket's worth of references at a time. `alloc(seq, nbytes)`
-    provides the bucket's buffer (e.g. a shared-memory slot); default: a new tensor."""
+    provides the bucket's buffer (e.g. a shared-memory slot); default: a new tensor.
+    `digester`, if given, takes every tensor's digest during the same copy."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
     seq = 0
@@ -97,13 +124,13 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
         nbytes = t.numel() * t.element_size()
         if pending and _aligned(size) + nbytes > bucket_bytes:
-            yield _pack(seq, pending, alloc)
+            yield _pack(seq, pending, alloc, digester)
             seq += 1
             pending, size = [], 0
         pending.append((name, t))
         size = _aligned(size) + nbytes
     if pending:
-        yield _pack(seq, pending, alloc)
+        yield _pack(seq, pending, alloc, digester)
 
 
 def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,15 +160,24 @@ class Digester:
     def __init__(self) -> None:
         self._parts: dict[str, bytes] = {}
 
-    def update(self, name: str, t: torch.Tensor) -> None:
+    @staticmethod
+    def start(name: str, t: torch.Tensor) -> Any:
+        """A streaming hash for tensor `name`: feed it the tensor's bytes, then `finish`."""
         h = xxhash.xxh3_128()
         h.update(name.encode())
         h.update(b"\0" + dtype_name(t.dtype).encode() + b"\0")
         h.update(repr(tuple(t.shape)).encode())
+        return h
+
+    def finish(self, name: str, h: Any) -> None:
+        self._parts[name] = h.digest()
+
+    def update(self, name: str, t: torch.Tensor) -> None:
+        h = self.start(name, t)
         b = as_bytes(t)
         if b.numel():
             h.update(b.numpy())
-        self._parts[name] = h.digest()
+        self.finish(name, h)
 
     def hexdigest(self) -> str:
         h = xxhash.xxh3_128()

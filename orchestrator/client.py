@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,8 +225,8 @@ class TrainerClient:
             ring = ShmRing(window, bucket_bytes)
         digester = Digester()
         try:
-            count, nbytes, retries = self._stream(sync_id, self._digesting(named_tensors, digester),
-                                                  bucket_bytes, window, progress, ring)
+            count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
+                                                  progress, ring, digester)
             body = self.finish(sync_id, count, digest=digester.hexdigest())
         except WeightSyncError as err:
             if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING"):
@@ -252,16 +252,9 @@ class TrainerClient:
         except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
             log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)
 
-    @staticmethod
-    def _digesting(named: Iterable[tuple[str, torch.Tensor]], d: Digester
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in named:
-            d.update(name, t)
-            yield name, t
-
     def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
-                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None
-                ) -> tuple[int, int, int]:
+                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None,
+                digester: Digester | None = None) -> tuple[int, int, int]:
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
@@ -308,7 +301,7 @@ class TrainerClient:
                 wait_one()
             return ring.slot(seq, n) if ring is not None else torch.empty(n, dtype=torch.uint8)
 
-        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc):
+        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             f = _InFlight(bucket, time.monotonic())
             inflight[bucket.seq] = f
             send(f)
