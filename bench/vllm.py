@@ -64,7 +64,7 @@ def weightsync_seconds(workdir: Path, model_dir: Path, weights: dict, bucket_byt
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="small", help="tiny | small")
+    ap.add_argument("--size", default="small", help="tiny | small | medium")
     ap.add_argument("--bucket-bytes", type=int, default=4 << 20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)

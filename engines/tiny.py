@@ -20,6 +20,10 @@ SIZES: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
               "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
               "vocab_size": 2048},
+    # ~107M parameters (~430 MB fp32): benchmarks, where per-sync fixed costs must amortize
+    "medium": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+               "vocab_size": 8192},
 }
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<think>", "</think>",
