@@ -10,14 +10,25 @@ conditions are pure predicates; `after` callbacks only append commands to the ou
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from transitions import EventData, Machine, MachineError
 
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.schema import Begin, Bucket, Failed, Finalized, Finish, ParamSpec, Probe, Register
+from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Probe, Register
+from orchestrator.commands import (AckBucket, CatchUpAck, CatchUpDone, Command, CompleteSync,
+                                   ForwardBucket, Journal, Result, SendAbort, SendFinalize,
+                                   SpoolBegin, SpoolCommit, SpoolDiscard, StartCatchUp,
+                                   StartRollback)
+from orchestrator.records import (BucketRecord, CatchUp, EngineRecord, Limits, Spooled,
+                                  SyncRecord)
+
+__all__ = ["State", "TRANSITIONS", "TRIGGERS", "Orchestrator", "canary_mismatch", "AckBucket",
+           "CatchUpAck", "CatchUpDone", "Command", "CompleteSync", "ForwardBucket", "Journal",
+           "Result", "SendAbort", "SendFinalize", "SpoolBegin", "SpoolCommit", "SpoolDiscard",
+           "StartCatchUp", "StartRollback", "BucketRecord", "CatchUp", "EngineRecord", "Limits",
+           "Spooled", "SyncRecord"]
 
 
 class State(str, Enum):
@@ -43,212 +54,6 @@ TRANSITIONS: list[dict[str, Any]] = [
 ]
 TRIGGERS = ("begin", "bucket", "finish", "finalized", "fail", "abort")
 
-
-# -- commands for the service -----------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ForwardBucket:
-    sync_id: str
-    key: tuple[int, int]  # (sender, seq)
-    engine_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AckBucket:
-    sync_id: str
-    key: tuple[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class SendFinalize:
-    engine_id: str
-    sync_id: str
-    version: int
-    probes: tuple[Probe, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SendAbort:
-    engine_ids: tuple[str, ...]
-    sync_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class CompleteSync:
-    """Answer every deferred request of the sync (finish, pending buckets)."""
-
-    sync_id: str
-    body: dict[str, Any] | None  # ok body, or None with `error`
-    error: WeightSyncError | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Journal:
-    kind: str  # "transition" | "sync"
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class SpoolBegin:
-    """Start writing this sync's buckets to the spool as they are forwarded."""
-
-    sync_id: str
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class SpoolCommit:
-    """Make the sync's spooled buckets durable and current, before READY is answered."""
-
-    sync_id: str
-    version: int
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class SpoolDiscard:
-    sync_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class StartRollback:
-    """Feed the spooled version to every engine as the (already begun) sync `sync_id`."""
-
-    sync_id: str
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class StartCatchUp:
-    """Feed the spooled version to one engine only, as its private sync `sync_id`."""
-
-    engine_id: str
-    sync_id: str
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class CatchUpAck:
-    engine_id: str
-    sync_id: str
-    key: tuple[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class CatchUpDone:
-    engine_id: str
-    sync_id: str
-    ok: bool
-    reason: str = ""
-
-
-Command = (ForwardBucket | AckBucket | SendFinalize | SendAbort | CompleteSync | Journal
-           | SpoolBegin | SpoolCommit | SpoolDiscard | StartRollback | StartCatchUp | CatchUpAck
-           | CatchUpDone)
-
-
-@dataclass(slots=True)
-class Result:
-    reply: dict[str, Any] | None  # None: the reply is deferred until the sync completes
-    commands: list[Command] = field(default_factory=list)
-
-
-# -- records ----------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class EngineRecord:
-    engine_id: str
-    backend: str
-    model: str = ""
-    host: str = ""
-    pid: int | None = None
-    transports: tuple[str, ...] = ("inline",)
-    state: str = "STALE"  # STALE | LOADING | FINALIZING | READY | LOST
-    version: int | None = None
-    digest: str | None = None
-    finalize_count: int = 0
-    last_seen: float = 0.0
-    spec: dict[str, ParamSpec] = field(default_factory=dict)
-    cast_ok: bool = False
-    probes: tuple[tuple[int, ...], ...] = ()
-
-    def view(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state,
-                "version": self.version, "digest": self.digest,
-                "finalize_count": self.finalize_count, "model": self.model,
-                "host": self.host, "pid": self.pid, "transports": list(self.transports)}
-
-
-@dataclass(slots=True)
-class BucketRecord:
-    nbytes: int
-    forwarded_at: float
-    acked_by: set[str] = field(default_factory=set)
-    done: bool = False
-
-
-@dataclass(slots=True)
-class SyncRecord:
-    sync_id: str
-    version: int
-    senders: int
-    expected_buckets: int | None
-    probes: tuple[Probe, ...]
-    participants: tuple[str, ...]
-    started_at: float
-    last_activity: float
-    buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
-    finished: dict[int, int] = field(default_factory=dict)
-    expected_digest: str | None = None
-    finalize_sent: set[str] = field(default_factory=set)
-    finalized: dict[str, Finalized] = field(default_factory=dict)
-    finalize_started: float | None = None
-    nbytes: int = 0
-    error: WeightSyncError | None = None
-    shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
-    transport: str = "inline"
-    kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
-    rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
-
-    def view(self) -> dict[str, Any]:
-        return {"sync_id": self.sync_id, "version": self.version, "kind": self.kind,
-                "buckets": len(self.buckets), "bytes": self.nbytes,
-                "acked": sum(1 for b in self.buckets.values() if b.done),
-                "engines": list(self.participants), "transport": self.transport,
-                "shm_engines": list(self.shm_engines)}
-
-
-@dataclass(frozen=True, slots=True)
-class Spooled:
-    """What the daemon's spool holds (set by the service; None without a spool)."""
-
-    version: int
-    digest: str
-    buckets: int
-
-
-@dataclass(slots=True)
-class CatchUp:
-    """One engine being brought to the served version from the spool."""
-
-    sync_id: str
-    version: int
-    total: int
-    last_progress: float
-    acked: set[tuple[int, int]] = field(default_factory=set)
-    finalize_sent: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    min_engines: int = 1
-    engine_timeout: float = 15.0
-    sync_timeout: float = 300.0
-    bucket_timeout: float = 300.0
-    finalize_timeout: float = 600.0
-    history: int = 50
-    host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
-    spool: bool = False  # the service keeps the last READY version on disk
 
 
 class Orchestrator:

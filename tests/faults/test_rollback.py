@@ -9,7 +9,6 @@ import pytest
 
 from engines.tiny import perturbed
 from messages.buckets import digest, iter_buckets
-from messages.errors import ErrorCode, WeightSyncError
 
 from tests.integration.helpers import FAST_DAEMON, running_daemon
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import msgpack
 import pytest
@@ -13,7 +12,7 @@ from engines.tiny import perturbed
 from engines.torch_engine import greedy, load_model
 from messages import codec, schema
 from messages.buckets import digest, iter_buckets
-from messages.errors import DataError, ErrorCode, PeerError, StateError, WeightSyncError
+from messages.errors import DataError, ErrorCode, StateError
 from messages.schema import Probe
 
 from .helpers import running_daemon

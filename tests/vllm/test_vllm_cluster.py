@@ -12,7 +12,6 @@ from engines.torch_engine import load_model
 from messages.canary import make_probes
 from messages.buckets import digest
 from messages.errors import EngineError, ErrorCode
-from messages.schema import Probe
 from orchestrator.launch import Cluster
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]

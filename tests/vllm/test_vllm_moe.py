@@ -10,7 +10,6 @@ import pytest
 
 from engines.tiny import build_tiny_moe, perturbed, save_checkpoint_like
 from engines.torch_engine import greedy, load_model
-from messages.buckets import iter_buckets
 from messages.checkpoint import iter_safetensors
 from messages.errors import EngineError, ErrorCode
 from messages.schema import Probe

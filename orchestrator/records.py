@@ -1,0 +1,106 @@
+"""What the FSM keeps about engines, syncs, the spool and its limits: plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from messages.errors import WeightSyncError
+from messages.schema import Finalized, ParamSpec, Probe
+
+@dataclass(slots=True)
+class EngineRecord:
+    engine_id: str
+    backend: str
+    model: str = ""
+    host: str = ""
+    pid: int | None = None
+    transports: tuple[str, ...] = ("inline",)
+    state: str = "STALE"  # STALE | LOADING | FINALIZING | READY | LOST
+    version: int | None = None
+    digest: str | None = None
+    finalize_count: int = 0
+    last_seen: float = 0.0
+    spec: dict[str, ParamSpec] = field(default_factory=dict)
+    cast_ok: bool = False
+    probes: tuple[tuple[int, ...], ...] = ()
+
+    def view(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state,
+                "version": self.version, "digest": self.digest,
+                "finalize_count": self.finalize_count, "model": self.model,
+                "host": self.host, "pid": self.pid, "transports": list(self.transports)}
+
+
+@dataclass(slots=True)
+class BucketRecord:
+    nbytes: int
+    forwarded_at: float
+    acked_by: set[str] = field(default_factory=set)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class SyncRecord:
+    sync_id: str
+    version: int
+    senders: int
+    expected_buckets: int | None
+    probes: tuple[Probe, ...]
+    participants: tuple[str, ...]
+    started_at: float
+    last_activity: float
+    buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
+    finished: dict[int, int] = field(default_factory=dict)
+    expected_digest: str | None = None
+    finalize_sent: set[str] = field(default_factory=set)
+    finalized: dict[str, Finalized] = field(default_factory=dict)
+    finalize_started: float | None = None
+    nbytes: int = 0
+    error: WeightSyncError | None = None
+    shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
+    transport: str = "inline"
+    kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
+    rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
+
+    def view(self) -> dict[str, Any]:
+        return {"sync_id": self.sync_id, "version": self.version, "kind": self.kind,
+                "buckets": len(self.buckets), "bytes": self.nbytes,
+                "acked": sum(1 for b in self.buckets.values() if b.done),
+                "engines": list(self.participants), "transport": self.transport,
+                "shm_engines": list(self.shm_engines)}
+
+
+@dataclass(frozen=True, slots=True)
+class Spooled:
+    """What the daemon's spool holds (set by the service; None without a spool)."""
+
+    version: int
+    digest: str
+    buckets: int
+
+
+@dataclass(slots=True)
+class CatchUp:
+    """One engine being brought to the served version from the spool."""
+
+    sync_id: str
+    version: int
+    total: int
+    last_progress: float
+    acked: set[tuple[int, int]] = field(default_factory=set)
+    finalize_sent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    min_engines: int = 1
+    engine_timeout: float = 15.0
+    sync_timeout: float = 300.0
+    bucket_timeout: float = 300.0
+    finalize_timeout: float = 600.0
+    history: int = 50
+    host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
+    spool: bool = False  # the service keeps the last READY version on disk
+
+
