@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tensor-bytes", default="16MiB", help="size of each model tensor")
     ap.add_argument("--engines", default="1,2,4", help="engine counts, comma-separated")
     ap.add_argument("--transports", default="inline,shm")
-    ap.add_argument("--bucket-bytes", default="64MiB,256MiB", help="bucket sizes, comma-separated")
+    ap.add_argument("--bucket-bytes", default="16MiB,64MiB", help="bucket sizes, comma-separated")
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="syncs per point (the fastest counts)")
     ap.add_argument("--control-buckets", type=int, default=5000,

@@ -19,10 +19,9 @@ import xxhash
 
 from messages.checksums import checksum  # noqa: F401  (re-exported: one definition)
 from messages.dtypes import DTYPES, dtype_name
-from messages.schema import TensorMeta
+from messages.schema import DEFAULT_BUCKET_BYTES, TensorMeta  # noqa: F401  (re-exported)
 
 ALIGN = 64
-DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

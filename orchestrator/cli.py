@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from messages.errors import WeightSyncError
+from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings,
                                  parse_failpoints)
 
@@ -251,7 +252,7 @@ def push(
                                       help="directory of *.safetensors files"),
     version: int = typer.Option(..., help="version number (must be newer than served)"),
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
-    bucket_bytes: int = typer.Option(64 * 1024 * 1024, help="bytes per bucket"),
+    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, help="bytes per bucket"),
     window: int = typer.Option(2, help="unacknowledged buckets in flight"),
     timeout: float = typer.Option(60.0, help="seconds per request before a resend"),
     as_json: bool = typer.Option(False, "--json"),

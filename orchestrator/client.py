@@ -68,6 +68,22 @@ class _InFlight:
     attempts: int = 1
 
 
+class InlineRing:
+    """`window` reusable bucket buffers for the inline transport; bucket `seq` is packed
+    into slot seq % window. Reuse keeps the trainer's memory at window x bucket and spares
+    the allocator (a fresh buffer per bucket costs page faults on every bucket)."""
+
+    def __init__(self, slots: int) -> None:
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        i = seq % len(self.bufs)
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.bufs[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+
 class ShmRing:
     """`window` shared-memory slots; bucket `seq` is packed straight into slot seq % window."""
 
@@ -294,12 +310,14 @@ class TrainerClient:
             if f is not None and progress is not None:
                 progress(f.bucket.nbytes)
 
+        slots = ring if ring is not None else InlineRing(window)
+
         def alloc(seq: int, n: int) -> torch.Tensor:
-            # Room first: with shm, slot seq % window belongs to bucket seq - window until
-            # that bucket is acknowledged (every engine has copied it out).
-            while len(inflight) >= window:
+            # Room first: slot seq % window belongs to bucket seq - window until that bucket
+            # is acknowledged (every engine has copied it out), whatever order acks come in.
+            while len(inflight) >= window or (seq - window) in inflight:
                 wait_one()
-            return ring.slot(seq, n) if ring is not None else torch.empty(n, dtype=torch.uint8)
+            return slots.slot(seq, n)
 
         for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             f = _InFlight(bucket, time.monotonic())
