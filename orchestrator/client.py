@@ -222,18 +222,20 @@ class TrainerClient:
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
              probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
              abort_on_error: bool = True, progress: Any = None,
-             transport: str = "auto") -> SyncResult:
+             transport: str = "auto", rollback_wait: float = 120.0) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
         transport: "auto" uses shared memory for the engines on this host that can read it
         (one write here, one read per engine) and inline frames otherwise; "inline" and
-        "shm" force a choice ("shm" still falls back where the daemon says so)."""
+        "shm" force a choice ("shm" still falls back where the daemon says so).
+        rollback_wait: seconds to wait, before beginning, for a rollback the daemon is
+        running after an earlier failure (0: raise its INVALID_STATE at once)."""
         if window < 1:
             raise ValueError("window must be >= 1")
         if transport not in ("inline", "shm", "auto"):
             raise ValueError("transport must be inline, shm or auto")
         t0 = time.perf_counter()
-        started = self.begin(version, sync_id, probes=probes, transport=transport)
+        started = self._begin_after_rollback(version, sync_id, probes, transport, rollback_wait)
         sync_id = started["sync_id"]
         ring = None
         if started.get("transport") in ("shm", "mixed"):
@@ -260,6 +262,19 @@ class TrainerClient:
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
                           retries=retries, detail={**body, "transport": started.get("transport", "inline")})
+
+    def _begin_after_rollback(self, version: int, sync_id: str | None,
+                              probes: Sequence[schema.Probe], transport: str,
+                              wait: float) -> dict[str, Any]:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.begin(version, sync_id, probes=probes, transport=transport)
+            except WeightSyncError as err:
+                if not (err.details.get("rollback_running") and time.monotonic() < deadline):
+                    raise
+                log.info("waiting_for_rollback", version=version, reason=err.message)
+                time.sleep(0.2)
 
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
         try:

@@ -393,7 +393,8 @@ class Orchestrator:
         if s is not None and s.kind == "rollback":
             raise self._error(ErrorCode.INVALID_STATE,
                               f"the daemon is rolling the engines back to version {s.version} "
-                              f"after a failed sync; retry when it is READY")
+                              f"after a failed sync; retry when it is READY",
+                              rollback_running=True)
         if s is not None and s.sync_id == msg.sync_id:
             if s.version != msg.version:
                 raise self._error(ErrorCode.BAD_MESSAGE,

@@ -9,6 +9,7 @@ import pytest
 
 from engines.tiny import perturbed
 from messages.buckets import digest, iter_buckets
+from messages.errors import ErrorCode, WeightSyncError
 
 from tests.integration.helpers import FAST_DAEMON, running_daemon
 
@@ -93,3 +94,26 @@ def test_engine_registering_mid_sync_joins_at_that_version_after_ready(spooled, 
         assert sorted(e["engine_id"] for e in r2["engines"]) == ["engine-0", "engine-1"]
         st = wait_status(spooled, lambda s: engine_view(s)["engine-late"]["state"] == "READY")
         assert engine_view(st)["engine-late"]["digest"] == digest(w2.items())
+
+
+def test_next_push_waits_for_a_running_rollback_instead_of_failing(tmp_path, tiny_model_dir, tiny_state):
+    args = [*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
+    with running_daemon(tmp_path, tiny_model_dir, engines=0, min_engines=2, daemon_args=args) as c:
+        for eid in ("engine-0", "engine-1"):  # a 1 s post-load step: the rollback takes a while
+            c.start_engine(eid, ["--threads", "1", "--heartbeat-interval", "0.5",
+                                 "--failpoint", "finalize_sleep=1"])
+        c.wait_engines(2)
+        with c.client(timeout=30.0) as client:
+            client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
+            sid = client.begin(2)["sync_id"]
+            client.send_bucket(sid, list(iter_buckets(dict(perturbed(tiny_state, 2)).items(),
+                                                      128 * 1024))[0])
+            client.abort(sid, "trainer gave up")
+            wait_status(c, lambda s: s["sync"] is not None and s["sync"]["kind"] == "rollback")
+            with pytest.raises(WeightSyncError) as ei:  # without waiting: refused, and why
+                client.push(dict(perturbed(tiny_state, 3)).items(), 3, rollback_wait=0)
+            assert ei.value.code is ErrorCode.INVALID_STATE and ei.value.details["rollback_running"]
+            w3 = dict(perturbed(tiny_state, 3))
+            r3 = client.push(w3.items(), 3)  # waits for the rollback, then syncs
+            assert r3.state == "READY" and {e["digest"] for e in r3.engines} == {digest(w3.items())}
+            assert client.status()["history"][-4]["trigger"] == "finalized"  # the rollback's READY
