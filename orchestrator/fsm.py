@@ -63,8 +63,12 @@ class Orchestrator:
 
     def __init__(self, limits: Limits | None = None, *, initial: State = S.IDLE,
                  served_version: int | None = None, served_digest: str | None = None,
-                 dirty: bool = False, now: float = 0.0) -> None:
+                 dirty: bool = False, now: float = 0.0, run_id: str = "0") -> None:
         self.limits = limits or Limits()
+        # Names the daemon's own syncs (rollback, catch-up): an engine outlives a daemon
+        # restart and its worker refuses a finalize for a sync_id it already ran, so ids
+        # must not repeat across daemon runs.
+        self.run_id = run_id
         self.last_ready_version = served_version
         self.served_digest = served_digest
         self.dirty = dirty
@@ -78,7 +82,7 @@ class Orchestrator:
         self.spooled: Spooled | None = None
         self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be
         self.catchups: dict[str, CatchUp] = {}
-        self._catchup_n = 0
+        self._own_syncs = 0
         self.machine = Machine(model=self, states=State, transitions=TRANSITIONS,
                                initial=initial, auto_transitions=False, send_event=True,
                                after_state_change="record_transition")
@@ -246,9 +250,9 @@ class Orchestrator:
     def plan_transport(self, msg: Begin, participants: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
         """Which engines read this sync's buckets from the trainer's shared memory.
 
-        shm needs the engine on the trainer's host and advertising "shm". Engines that
-        cannot get inline frames, which the daemon cuts from the segment, so it must be on
-        the trainer's host too unless every engine reads shm itself. Otherwise: inline.
+        shm needs the engine on the trainer's host and advertising "shm". The others get
+        inline frames that the daemon cuts from the trainer's segment, so a mixed sync needs
+        the daemon on the trainer's host too. Otherwise: inline for all.
         """
         if msg.transport not in ("shm", "auto") or not msg.host:
             return (), "inline"
@@ -275,7 +279,11 @@ class Orchestrator:
             if e.state == "STALE" and e.engine_id not in self.catchups:
                 self._start_catchup(e.engine_id)
 
-    def maybe_rollback(self, sync_id: str, now: float) -> Result:
+    def _own_sync_id(self, kind: str) -> str:
+        self._own_syncs += 1
+        return f"{kind}-{self.run_id}-{self._own_syncs}"
+
+    def maybe_rollback(self, now: float) -> Result:
         """Begin replaying the spool if a failed sync left the engines dirty and enough
         engines are here; the service feeds the buckets (`StartRollback`)."""
         self.now = now
@@ -283,6 +291,7 @@ class Orchestrator:
                 and len(self.live_engines()) >= max(1, self.limits.min_engines)):
             return self._drain(None)
         sp = self.spooled
+        sync_id = self._own_sync_id("rollback")
         msg = Begin(sync_id=sync_id, version=sp.version, expected_buckets=sp.buckets)
         if self._fire("begin", msg=msg, rollback=True):
             self.want_rollback = False
@@ -294,11 +303,7 @@ class Orchestrator:
         e = self.engines[engine_id]
         if self.state != S.READY or not self.can_roll_back() or e.state == "LOST":
             return
-        old = self.catchups.pop(engine_id, None)
-        if old is not None:
-            self.outbox.append(SendAbort((engine_id,), old.sync_id))
-        self._catchup_n += 1
-        sync_id = f"catchup-{engine_id}-{self._catchup_n}"
+        sync_id = self._own_sync_id(f"catchup-{engine_id}")
         self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, self.spooled.buckets,
                                            self.now)
         e.state = "JOINING"
@@ -510,8 +515,10 @@ class Orchestrator:
                            tuple(msg.transports), "READY" if current else "STALE",
                            msg.version, msg.digest, msg.finalize_count, now,
                            {p.name: p for p in msg.spec}, msg.cast_ok)
+        # A catch-up in flight for this id is over (its process restarted, or it was lost):
+        # end it so its feed stops, then start afresh below if the engine is stale.
+        self._end_catchup(msg.engine_id, False, "engine registered again")
         self.engines[msg.engine_id] = rec
-        self.catchups.pop(msg.engine_id, None)  # a restarted engine starts over
         if rec.state == "STALE":
             self._start_catchup(msg.engine_id)
         return self._drain({"engine_id": msg.engine_id, "state": rec.state,

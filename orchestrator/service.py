@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -101,7 +101,8 @@ class Service:
         self.shm_reader = Reader()
         self.core = fsm.Orchestrator(limits, initial=fsm.State(rec.state),
                                      served_version=rec.version, served_digest=rec.digest,
-                                     dirty=rec.dirty, now=time.monotonic())
+                                     dirty=rec.dirty, now=time.monotonic(),
+                                     run_id=uuid.uuid4().hex[:8])
         self.core.history.extend(rec.history)
         self.spool = Spool(settings.spool) if settings.spool else None
         self.recovery = Recovery(self, self.spool) if self.spool else None
@@ -191,8 +192,7 @@ class Service:
             if now - last_tick >= self.settings.tick_interval:
                 last_tick = now
                 await self._execute(self.core.tick(now).commands)
-                await self._execute(self.core.maybe_rollback(f"rollback-{uuid.uuid4().hex[:12]}",
-                                                             now).commands)
+                await self._execute(self.core.maybe_rollback(now).commands)
             if self.recovery is not None:
                 await self.recovery.pump()
 
@@ -512,14 +512,11 @@ class Service:
             raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {cmd.key}")
         m = p.msg
         sync = self.core.sync
-        version = sync.version if sync else 0
         shm_engines = set(sync.shm_engines) if sync and m.shm is not None else set()
-        inline = codec.encode_header(schema.Load(
-            sync_id=m.sync_id, version=version, seq=m.seq, tensors=m.tensors,
-            checksum=m.checksum, sender=m.sender))
-        by_ref = codec.encode_header(schema.Load(
-            sync_id=m.sync_id, version=version, seq=m.seq, tensors=m.tensors,
-            checksum=m.checksum, sender=m.sender, shm=m.shm)) if shm_engines else b""
+        load = schema.Load(sync_id=m.sync_id, version=sync.version if sync else 0, seq=m.seq,
+                           tensors=m.tensors, checksum=m.checksum, sender=m.sender)
+        inline = codec.encode_header(load)
+        by_ref = codec.encode_header(replace(load, shm=m.shm)) if shm_engines else b""
         for eid in cmd.engine_ids:
             if eid in shm_engines:
                 self._send_engine(eid, [by_ref])

@@ -45,9 +45,9 @@ def test_failed_touched_sync_rolls_back_only_when_the_spool_holds_the_served_ver
     res = o.handle_abort("s2", "test", 2.0)
     assert o.state is State.IDLE and o.dirty and o.want_rollback
     assert cmds(res, fsm.SpoolDiscard) == [fsm.SpoolDiscard("s2")]
-    res = o.maybe_rollback("r1", 3.0)
+    res = o.maybe_rollback(3.0)
     assert o.state is State.LOADING_BUCKETS and o.sync.kind == "rollback"
-    assert cmds(res, fsm.StartRollback) == [fsm.StartRollback("r1", 1)]
+    assert cmds(res, fsm.StartRollback) == [fsm.StartRollback(o.sync.sync_id, 1)]
     assert o.sync.expected_digest == "d" and o.sync.rollback_of["sync_id"] == "s2"
     # a trainer cannot begin while the rollback runs, and is told why
     with pytest.raises(StateError) as ei:
@@ -68,11 +68,11 @@ def test_no_rollback_without_a_matching_spool_and_no_second_try_after_a_failed_o
     o.handle_begin(Begin(sync_id="s2", version=2), 2.0)
     bucket(o, 0)
     o.handle_abort("s2", "test", 2.0)
-    assert not o.want_rollback and o.maybe_rollback("r", 3.0).commands == []
+    assert not o.want_rollback and o.maybe_rollback(3.0).commands == []
     o.set_spooled(fsm.Spooled(1, "d", 1))
     o.want_rollback = True
-    o.maybe_rollback("r1", 3.0)
-    o.handle_failed("e0", Failed(sync_id="r1", code="ENGINE_FAILED", message="x"), 4.0)
+    o.maybe_rollback(3.0)
+    o.handle_failed("e0", Failed(sync_id=o.sync.sync_id, code="ENGINE_FAILED", message="x"), 4.0)
     assert o.state is State.IDLE and not o.want_rollback  # no loop of rollbacks
     assert o.last_sync["rollback"] == "failed"
 
@@ -116,3 +116,18 @@ def test_stalled_catch_up_times_out():
         o.handle_heartbeat(e, 5.0 + o.limits.bucket_timeout)
     o.tick(5.0 + o.limits.bucket_timeout + 1)
     assert o.engines["e2"].state == "STALE" and not o.catchups
+
+
+def test_the_daemons_own_sync_ids_never_repeat_across_daemon_runs():
+    """An engine outlives a daemon restart and refuses a finalize for a sync_id it already
+    ran: a catch-up named like one of the previous run's would never finish."""
+    ids = []
+    for run in ("run-a", "run-b"):  # two daemon lifetimes, same engine, same history
+        o = fsm.Orchestrator(fsm.Limits(min_engines=2, spool=True), run_id=run)
+        for e in ENGINES:
+            o.handle_register(Register(engine_id=e, backend="torch"), 0.0)
+        to_ready(o)
+        o.set_spooled(fsm.Spooled(1, "d", 1))
+        ids += [c.sync_id for c in cmds(o.handle_register(Register(engine_id="e2", backend="torch"), 5.0),
+                                        fsm.StartCatchUp)]
+    assert len(ids) == 2 and ids[0] != ids[1]
