@@ -66,8 +66,8 @@ CHUNK = 1 << 26
 
 
 def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
-    """dst.copy_(src) for flat uint8 tensors, chunk by chunk, feeding each chunk of `dst`
-    to every streaming hasher: one pass over memory instead of one per hash."""
+    """dst.copy_(src) for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
+    chunk of `dst` to every streaming hasher (the checksum and the digest in one loop)."""
     n = src.numel()
     for off in range(0, n, CHUNK):
         d = dst[off:off + CHUNK]

@@ -144,14 +144,6 @@ class Reader:
             self._maps[name] = cached = (total, mm)
         return memoryview(cached[1])[offset:offset + size]
 
-    def forget(self, name: str) -> None:
-        cached = self._maps.pop(name, None)
-        if cached is not None:
-            try:
-                cached[1].close()
-            except BufferError:
-                pass
-
     def close(self) -> None:
         for _, mm in self._maps.values():
             try:

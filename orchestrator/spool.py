@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,10 +109,6 @@ class Spool:
         if self._dir is None:
             raise OSError("the spool holds no version")
         return (self._dir / entry.file).read_bytes()
-
-    def __iter__(self) -> Iterator[tuple[SpoolEntry, bytes]]:
-        for e in self._entries:
-            yield e, self.read(e)
 
     # -- writing ------------------------------------------------------------------------
     def begin(self, sync_id: str, version: int) -> None:

@@ -66,12 +66,17 @@ def push(client, state, v, **kw):
     return client.push(w.items(), v, bucket_bytes=BUCKET, **kw), digest(w.items())
 
 
+def begin_v2(client, state):
+    """v1 READY, then v2 begun: (v1's digest, v2 weights, v2's buckets, sync_id)."""
+    _, d1 = push(client, state, 1)
+    w2 = dict(perturbed(state, 2))
+    return d1, w2, list(iter_buckets(w2.items(), BUCKET)), client.begin(2)["sync_id"]
+
+
 def test_engine_sigkill_during_loading_rolls_back(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        r1, d1 = push(client, tiny_state, 1)
-        sid = client.begin(2)["sync_id"]
-        buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), BUCKET))
+        d1, _, buckets, sid = begin_v2(client, tiny_state)
         client.send_bucket(sid, buckets[0])
         proc(c, "engine-1").popen.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
@@ -126,9 +131,7 @@ def test_engine_hung_past_deadline_fails_then_rejoins_the_rollback(tmp_path, tin
                                                                    matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        r1, d1 = push(client, tiny_state, 1)
-        sid = client.begin(2)["sync_id"]
-        buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), BUCKET))
+        d1, _, buckets, sid = begin_v2(client, tiny_state)
         client.send_bucket(sid, buckets[0])
         hung = proc(c, "engine-1").popen
         hung.send_signal(signal.SIGSTOP)
@@ -203,17 +206,10 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
         matrix_row(r)
 
 
-def begin_v2(client, state):
-    """v1 READY, then v2 begun: (v2 weights, its buckets, sync_id)."""
-    push(client, state, 1)
-    w2 = dict(perturbed(state, 2))
-    return w2, list(iter_buckets(w2.items(), BUCKET)), client.begin(2)["sync_id"]
-
-
 def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        w2, buckets, sid = begin_v2(client, tiny_state)
+        _, w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         for b in reversed(buckets):  # reordered
             client.send_bucket(sid, b)
@@ -230,7 +226,7 @@ def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_
 def test_corrupted_bucket_is_refused_and_the_retry_succeeds(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
             c.client(timeout=30.0) as client:
-        w2, buckets, sid = begin_v2(client, tiny_state)
+        _, w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as ei:
             client.send_bucket(sid, buckets[0], checksum=buckets[0].checksum ^ 1)
