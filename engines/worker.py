@@ -31,6 +31,7 @@ from messages import codec, schema
 from messages.buckets import checksum, unpack
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 from messages.shm import Reader, shm_available
+from orchestrator.link import Link
 
 log = structlog.get_logger()
 
@@ -93,7 +94,7 @@ class Applier(threading.Thread):
         self.failed.add(sync_id)
         seq = getattr(msg, "seq", None)
         log.warning("engine_operation_failed", sync_id=sync_id, seq=seq, code=code, reason=message)
-        self._emit(schema.Failed(sync_id=sync_id, code=code, message=message, seq=seq,
+        self._emit(schema.Failed(sync_id=sync_id, code=code, message=message[:4000], seq=seq,
                                  sender=getattr(msg, "sender", None)))
 
     def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
@@ -115,9 +116,8 @@ class Applier(threading.Thread):
                 return
             try:
                 buf = self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
-            except (OSError, ValueError) as exc:
-                raise WeightSyncError(f"bucket seq {msg.seq}: shared memory unreadable: {exc}",
-                                      code=ErrorCode.BAD_MESSAGE) from None
+            except MessageError as exc:
+                raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
         else:
             buf = frame.buffer if hasattr(frame, "buffer") else frame
         if checksum(buf) != msg.checksum:
@@ -184,6 +184,7 @@ class Worker:
         self._stop = threading.Event()
         self._next_id = 0
         self.registered = False
+        self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -213,17 +214,32 @@ class Worker:
         sock.setsockopt(zmq.SNDHWM, 0)
         if self.keys is not None:
             self.keys.apply(sock)
+        link = Link(sock, self.connect, connect_timeout=0.0, reconnect_timeout=0.0)
         sock.connect(self.connect)
         self.sock = sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
+        told: str | None = None
         self._send(self._register_msg())
         log.info("engine_started", engine_id=self.engine_id, backend=self.info.backend,
                  connect=self.connect, model=self.info.model, tensors=len(self.info.spec))
         next_hb = time.monotonic() + self.heartbeat_interval
+        started = time.monotonic()
+        next_wait_note = started + 5.0
         try:
             while not self._stop.is_set():
+                link.pump()
+                if link.failure is not None and link.failure != told:
+                    told = link.failure  # a CURVE refusal is final until the keys change
+                    log.error("handshake_refused", connect=self.connect, reason=link.failure)
+                if not self.registered and time.monotonic() >= next_wait_note:
+                    # ZeroMQ connects silently: say what this engine is waiting for.
+                    log.warning("waiting_for_orchestrator", connect=self.connect,
+                                engine_id=self.engine_id,
+                                waited_s=round(time.monotonic() - started, 1))
+                    next_wait_note = time.monotonic() + 10.0
                 timeout = max(0.0, next_hb - time.monotonic())
                 events = dict(poller.poll(min(timeout, 0.5) * 1000))
                 if rfd in events:
@@ -245,6 +261,7 @@ class Worker:
         finally:
             applier.stop()
             applier.join(timeout=30)
+            link.close()
             sock.close(linger=1000)
             os.close(rfd)
             os.close(wfd)
@@ -332,6 +349,12 @@ class Worker:
                 log.info("engine_registration_acknowledged", engine_id=self.engine_id,
                          state=msg.body.get("state"), daemon_state=msg.body.get("daemon_state"))
         elif isinstance(msg, schema.Error):
+            if msg.code == ErrorCode.DUPLICATE_ENGINE.value:
+                log.error("engine_refused", engine_id=self.engine_id, code=msg.code,
+                          reason=msg.message)
+                self.refused = msg.message
+                self._stop.set()
+                return
             log.warning("orchestrator_refused", code=msg.code, reason=msg.message)
 
 

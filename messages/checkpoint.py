@@ -14,28 +14,50 @@ import torch
 from messages.schema import ParamSpec
 
 
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be pushed as it is (missing, corrupt, ambiguous)."""
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
+        raise CheckpointError(f"no *.safetensors files in {path}")
     return files
+
+
+def _index(files: list[Path]) -> None:
+    """Open every file's header now: corrupt, truncated or overlapping files are refused
+    before a sync begins, never halfway through one."""
+    from safetensors import SafetensorError, safe_open
+
+    owner: dict[str, str] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                keys = list(st.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{f.name}: not a readable safetensors file ({exc})") from None
+        for name in keys:
+            if name in owner:
+                raise CheckpointError(f"tensor {name!r} appears in both {owner[name]} and {f.name}")
+            owner[name] = f.name
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Lazily yields every tensor of every *.safetensors file under `path` (validated now)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = safetensors_files(path)
+    _index(files)
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
-        seen: set[str] = set()
         for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    if name in seen:
-                        raise ValueError(f"tensor {name!r} appears in more than one file")
-                    seen.add(name)
-                    yield name, st.get_tensor(name)
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():
+                        yield name, st.get_tensor(name)
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{f.name}: read failed ({exc})") from None
 
     return gen()
 

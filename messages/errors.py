@@ -26,6 +26,8 @@ class ErrorCode(str, Enum):
     ENGINE_FAILED = "ENGINE_FAILED"
     CANARY_MISMATCH = "CANARY_MISMATCH"
     TIMEOUT = "TIMEOUT"
+    UNREACHABLE = "UNREACHABLE"  # no daemon accepted a connection (client side)
+    DUPLICATE_ENGINE = "DUPLICATE_ENGINE"  # a live engine already holds this engine_id
     TOO_LARGE = "TOO_LARGE"
     UNAUTHORIZED = "UNAUTHORIZED"
     INTERNAL = "INTERNAL"
@@ -129,6 +131,8 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.ENGINE_FAILED: EngineError,
     ErrorCode.CANARY_MISMATCH: EngineError,
     ErrorCode.TIMEOUT: SyncTimeout,
+    ErrorCode.UNREACHABLE: SyncTimeout,
+    ErrorCode.DUPLICATE_ENGINE: PeerError,
     ErrorCode.INTERNAL: InternalError,
 }
 

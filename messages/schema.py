@@ -1,249 +1,270 @@
-"""One frozen dataclass per wire message (DESIGN.md section 3).
+"""The wire schema: one msgspec Struct per message, with each field's constraints beside it.
 
-Rules: every field has a wire type the codec checks; new fields get defaults; unknown
-fields are ignored by receivers. `TYPE` is the header's `type` string. Payload frames are
-never part of a dataclass: the codec hands them out beside the message.
+Rules: this module is the trust boundary's single source of truth. Every id, integer,
+string and list a peer can send has an explicit type, range, length or pattern here, and
+`messages.codec` checks them once, while decoding MessagePack (`msgspec.msgpack`), so code
+past decode never re-checks by hand. New fields get defaults; unknown fields are ignored.
+`TYPE` is the header's `type` tag; payload frames are never part of a struct.
+docs/PROTOCOL.md's field tables are generated from these structs (`python -m
+messages.protocol_doc`) and a test keeps them equal.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from msgspec import Meta
+
+from messages.dtypes import ITEMSIZE
 
 PROTOCOL_VERSION = 1
 """Major version of the wire protocol, checked on every message (independent of the package)."""
-
 
 # 16 MiB: measured fastest on this project's 2-core host (`python -m bench --bucket-bytes
 # 8MiB,16MiB,32MiB,64MiB`): receive buffers past glibc's 32 MiB mmap threshold are fresh
 # mappings that page-fault on every bucket, in the daemon and in every engine.
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
 
+# -- field types: the constraints are the documentation ---------------------------------
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+INT63 = 2**63 - 1
+MAX_ID_LEN = 128
+MAX_NAME_LEN = 1024
+MAX_TEXT_LEN = 4096
+MAX_TENSORS_PER_BUCKET = 65536
+MAX_SPEC = 1 << 20
+MAX_RANK = 16
+MAX_SENDERS = 1024
+MAX_PROBES = 64
+MAX_PROBE_TOKENS = 4096
 
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z",
+                         description="1-128 of [A-Za-z0-9._:@+-], not starting with a dot or dash")]
+Version = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
+RequestId = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
+Seq = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
+Sender = Annotated[int, Meta(ge=0, lt=MAX_SENDERS, description=f"0..{MAX_SENDERS - 1}")]
+Senders = Annotated[int, Meta(ge=1, le=MAX_SENDERS, description=f"1..{MAX_SENDERS}")]
+Size = Annotated[int, Meta(ge=0, le=2**62, description="0..2**62 bytes")]
+# MessagePack carries at most 2**64-1, and msgspec bounds must fit an int64: ge=0 is the range.
+Checksum = Annotated[int, Meta(ge=0, description="xxh3-64, 0..2**64-1")]
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
+Dim = Annotated[int, Meta(ge=0, le=2**62, description="0..2**62")]
+Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_RANK, description=f"rank <= {MAX_RANK}")]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
+Tokens = Annotated[tuple[TokenId, ...], Meta(max_length=MAX_PROBE_TOKENS)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9, description="0..1e9")]
+Dtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
+TensorName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[^\x00-\x1f]+\Z",
+                                 description=f"1-{MAX_NAME_LEN} chars, no control characters")]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN, description=f"<= {MAX_TEXT_LEN} chars")]
+LongText = Annotated[str, Meta(max_length=65536, description="<= 65536 chars")]
+Host = Annotated[str, Meta(max_length=255, pattern=r"^[^\x00-\x1f/]*\Z",
+                           description="<= 255 chars, no control characters or '/'")]
+Digest = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\Z",
+                             description="lowercase hex, 1-128 chars")]
+# Where a bucket lies in shared memory: only names the segment code itself makes are
+# accepted (messages.shm.SEGMENT_PATTERN); never a path, never a dot-name.
+SegmentName = Annotated[str, Meta(max_length=96, pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
+                                  description="weightsync.KIND.PID.HEX12 (made by messages.shm)")]
+Transport = Literal["inline", "shm", "auto"]
+
+
+class _Wire(msgspec.Struct, frozen=True):
     def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes}
+        """Plain MessagePack-able data (spool manifests, tests)."""
+        return msgspec.to_builtins(self)
 
 
-@dataclass(frozen=True, slots=True)
-class ParamSpec:
+class TensorMeta(_Wire, frozen=True):
+    name: TensorName
+    dtype: Dtype
+    shape: Shape
+    offset: Size
+    nbytes: Size
+
+
+Tensors = Annotated[tuple[TensorMeta, ...], Meta(max_length=MAX_TENSORS_PER_BUCKET)]
+
+
+class ParamSpec(_Wire, frozen=True):
     """What an engine expects for one checkpoint tensor (sent at register)."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+    name: TensorName
+    dtype: Dtype
+    shape: Shape
 
 
-@dataclass(frozen=True, slots=True)
-class Probe:
+class Probe(_Wire, frozen=True):
     """A canary: greedy-decode `max_tokens` after `prompt`; `expected` is the trainer's answer."""
 
-    prompt: tuple[int, ...]
-    max_tokens: int = 8
-    expected: tuple[int, ...] | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"prompt": list(self.prompt), "max_tokens": self.max_tokens,
-                "expected": None if self.expected is None else list(self.expected)}
+    prompt: Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_PROBE_TOKENS)]
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_PROBE_TOKENS)] = 8
+    expected: Tokens | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ShmRef:
+class ShmRef(_Wire, frozen=True):
     """Where a bucket lies in shared memory (shm transport): segment name and offset."""
 
-    name: str
-    offset: int
-    size: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "offset": self.offset, "size": self.size}
+    name: SegmentName
+    offset: Size
+    size: Size
 
 
-class Message:
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every message: `v` and `type` (the tag) lead each header."""
+
     TYPE: ClassVar[str] = ""
     PAYLOAD: ClassVar[str] = "none"  # "none" | "bucket" (one frame unless shm is set)
+    v: int = PROTOCOL_VERSION
 
 
 # -- trainer -> orchestrator ------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Hello(Message):
-    TYPE: ClassVar[str] = "hello"
-    id: int = 0
-    client: str = ""
+class Hello(Message, frozen=True, tag="hello"):
+    id: RequestId = 0
+    client: Annotated[str, Meta(max_length=256)] = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Begin(Message):
-    TYPE: ClassVar[str] = "begin"
-    sync_id: str
-    version: int
-    id: int = 0
-    senders: int = 1
-    expected_buckets: int | None = None
-    probes: tuple[Probe, ...] = ()
-    host: str = ""  # the trainer's host: engines on it may read buckets from shared memory
-    transport: str = "inline"  # "inline" | "shm" | "auto" (shm where every engine can)
+class Begin(Message, frozen=True, tag="begin"):
+    sync_id: Id
+    version: Version
+    id: RequestId = 0
+    senders: Senders = 1
+    expected_buckets: Count | None = None
+    probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
+    host: Host = ""  # the trainer's host: engines on it may read buckets from shared memory
+    transport: Transport = "inline"  # "auto": shm where every engine can
 
 
-@dataclass(frozen=True, slots=True)
-class Bucket(Message):
-    TYPE: ClassVar[str] = "bucket"
+class Bucket(Message, frozen=True, tag="bucket"):
     PAYLOAD: ClassVar[str] = "bucket"
-    sync_id: str
-    seq: int
-    tensors: tuple[TensorMeta, ...]
-    checksum: int
-    id: int = 0
-    sender: int = 0
+    sync_id: Id
+    seq: Seq
+    tensors: Tensors
+    checksum: Checksum
+    id: RequestId = 0
+    sender: Sender = 0
     shm: ShmRef | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Finish(Message):
-    TYPE: ClassVar[str] = "finish"
-    sync_id: str
-    buckets: int
-    id: int = 0
-    sender: int = 0
-    digest: str | None = None
+class Finish(Message, frozen=True, tag="finish"):
+    sync_id: Id
+    buckets: Count
+    id: RequestId = 0
+    sender: Sender = 0
+    digest: Digest | None = None
+    # True: the trainer sends a subset of the engines' tensors on purpose; otherwise a
+    # finish that leaves an engine tensor unsent is INCOMPLETE_SYNC, before any finalize.
+    partial: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Abort(Message):
+class Abort(Message, frozen=True, tag="abort"):
     """Trainer -> orchestrator (give the sync up) and orchestrator -> engine (drop it)."""
 
-    TYPE: ClassVar[str] = "abort"
-    sync_id: str
-    id: int = 0
-    reason: str = ""
+    sync_id: Id
+    id: RequestId = 0
+    reason: Text = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Status(Message):
-    TYPE: ClassVar[str] = "status"
-    id: int = 0
+class Status(Message, frozen=True, tag="status"):
+    id: RequestId = 0
 
 
 # -- replies ----------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Ok(Message):
-    TYPE: ClassVar[str] = "ok"
-    id: int = 0
-    body: dict[str, Any] = field(default_factory=dict)
+class Ok(Message, frozen=True, tag="ok"):
+    """The body's keys travel at the top level of the header (see `codec`)."""
+
+    id: RequestId = 0
+    body: dict[str, Any] = {}
 
 
-@dataclass(frozen=True, slots=True)
-class Error(Message):
-    TYPE: ClassVar[str] = "error"
-    code: str
-    message: str
-    id: int = 0
-    state: str | None = None
-    version: int | None = None
-    sync_id: str | None = None
+class Error(Message, frozen=True, tag="error"):
+    code: Annotated[str, Meta(max_length=64)]
+    message: LongText
+    id: RequestId = 0
+    state: Annotated[str, Meta(max_length=64)] | None = None
+    version: Version | None = None
+    sync_id: Annotated[str, Meta(max_length=MAX_ID_LEN)] | None = None
     details: dict[str, Any] | None = None
 
 
 # -- engine -> orchestrator -------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Register(Message):
-    TYPE: ClassVar[str] = "register"
-    engine_id: str
-    backend: str
-    id: int = 0
-    model: str = ""
-    transports: tuple[str, ...] = ("inline",)
-    version: int | None = None
-    digest: str | None = None
-    finalize_count: int = 0
-    pid: int | None = None
-    host: str = ""
-    spec: tuple[ParamSpec, ...] = ()
+class Register(Message, frozen=True, tag="register"):
+    engine_id: Id
+    backend: Id
+    id: RequestId = 0
+    model: Text = ""
+    transports: Annotated[tuple[Id, ...], Meta(max_length=16)] = ("inline",)
+    version: Version | None = None
+    digest: Digest | None = None
+    finalize_count: Count = 0
+    pid: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    host: Host = ""
+    spec: Annotated[tuple[ParamSpec, ...], Meta(max_length=MAX_SPEC)] = ()
     cast_ok: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat(Message):
-    TYPE: ClassVar[str] = "heartbeat"
-    engine_id: str
-    id: int = 0
+class Heartbeat(Message, frozen=True, tag="heartbeat"):
+    engine_id: Id
+    id: RequestId = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Loaded(Message):
-    TYPE: ClassVar[str] = "loaded"
-    sync_id: str
-    seq: int
-    id: int = 0
-    sender: int = 0
-    seconds: float = 0.0
+class Loaded(Message, frozen=True, tag="loaded"):
+    sync_id: Id
+    seq: Seq
+    id: RequestId = 0
+    sender: Sender = 0
+    seconds: Seconds = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Finalized(Message):
-    TYPE: ClassVar[str] = "finalized"
-    sync_id: str
-    version: int
-    digest: str
-    id: int = 0
-    finalize_count: int = 0
-    probes: tuple[tuple[int, ...], ...] = ()
-    seconds: float = 0.0
+class Finalized(Message, frozen=True, tag="finalized"):
+    sync_id: Id
+    version: Version
+    digest: Digest
+    id: RequestId = 0
+    finalize_count: Count = 0
+    probes: Annotated[tuple[Tokens, ...], Meta(max_length=MAX_PROBES)] = ()
+    seconds: Seconds = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Failed(Message):
-    TYPE: ClassVar[str] = "failed"
-    sync_id: str
-    code: str
-    message: str
-    id: int = 0
-    seq: int | None = None
-    sender: int | None = None
+class Failed(Message, frozen=True, tag="failed"):
+    sync_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]  # "" when no sync applies
+    code: Annotated[str, Meta(max_length=64)]
+    message: Text
+    id: RequestId = 0
+    seq: Seq | None = None
+    sender: Sender | None = None
     duplicate: bool = False
 
 
 # -- orchestrator -> engine -------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Load(Message):
-    TYPE: ClassVar[str] = "load"
+class Load(Message, frozen=True, tag="load"):
     PAYLOAD: ClassVar[str] = "bucket"
-    sync_id: str
-    version: int
-    seq: int
-    tensors: tuple[TensorMeta, ...]
-    checksum: int
-    id: int = 0
-    sender: int = 0
+    sync_id: Id
+    version: Version
+    seq: Seq
+    tensors: Tensors
+    checksum: Checksum
+    id: RequestId = 0
+    sender: Sender = 0
     shm: ShmRef | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Finalize(Message):
-    TYPE: ClassVar[str] = "finalize"
-    sync_id: str
-    version: int
-    id: int = 0
-    probes: tuple[Probe, ...] = ()
+class Finalize(Message, frozen=True, tag="finalize"):
+    sync_id: Id
+    version: Version
+    id: RequestId = 0
+    probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
 
 
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (Hello, Begin, Bucket, Finish, Abort, Status, Ok, Error, Register, Heartbeat,
-                Loaded, Finalized, Failed, Load, Finalize)
-}
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+for _cls in (Hello, Begin, Bucket, Finish, Abort, Status, Ok, Error, Register, Heartbeat,
+             Loaded, Finalized, Failed, Load, Finalize):
+    _cls.TYPE = _cls.__struct_config__.tag  # the header's `type`, for code that reads TYPE
+    MESSAGE_TYPES[_cls.TYPE] = _cls
+del _cls

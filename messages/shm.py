@@ -1,25 +1,52 @@
 """Same-host shared memory for bucket bytes: one writer, any number of readers.
 
-Rules: segments are plain files in /dev/shm (POSIX shm on Linux), created, grown and
-unlinked by their owner only; readers map them read-only by name and never unlink.
-No `multiprocessing.resource_tracker` is involved (on Python 3.11 it would unlink a
-segment when any reader process exits). Descriptors that cross processes are plain
-strings and ints.
+Rules:
+- Segments are plain files in one directory (/dev/shm by default; `configure()` sets
+  another, e.g. a private tmpfs), created, reserved, grown and unlinked by their owner
+  only. Their names are `weightsync.KIND.PID.HEX12`, made here.
+- A name that arrives from a peer is opened by `open_segment` alone, the one function
+  the daemon and every engine use: the name must match SEGMENT_PATTERN (never a path),
+  the file is opened O_NOFOLLOW | O_NONBLOCK (a symlink or a FIFO cannot redirect or
+  block us), and `fstat` must show a regular file owned by our uid holding the bytes
+  asked for. Anything else is `BAD_MESSAGE`.
+- Space is reserved with posix_fallocate before a segment is used, so a full tmpfs is an
+  `ShmFull` error up front, never a SIGBUS while writing into the mapping.
+- No `multiprocessing.resource_tracker` (on Python 3.11 it would unlink a segment when
+  any reader process exits). Descriptors that cross processes are plain strings and ints.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
+import stat
 import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-SHM_DIR = Path("/dev/shm")
-
+from messages.errors import ErrorCode, MessageError
 
 PREFIX = "weightsync"
+SEGMENT_PATTERN = re.compile(r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z")
+_DIR = Path("/dev/shm")
+
+
+class ShmFull(OSError):
+    """The shared-memory directory has no room for a segment (ENOSPC on reservation)."""
+
+
+def configure(directory: str | Path | None) -> None:
+    """Set this process's shared-memory directory (a setting, from config)."""
+    global _DIR
+    if directory:
+        _DIR = Path(directory)
+
+
+def directory() -> Path:
+    return _DIR
 
 
 def segment_name(kind: str) -> str:
@@ -28,7 +55,7 @@ def segment_name(kind: str) -> str:
 
 
 def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    return _DIR.is_dir() and os.access(_DIR, os.W_OK)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -44,12 +71,10 @@ def _pid_alive(pid: int) -> bool:
 def sweep_stale() -> list[str]:
     """Unlink segments whose owner process is gone (a trainer or engine that crashed)."""
     removed = []
-    for path in SHM_DIR.glob(f"{PREFIX}.*.*.*"):
-        try:
-            pid = int(path.name.split(".")[2])
-        except (IndexError, ValueError):
+    for path in _DIR.glob(f"{PREFIX}.*.*.*"):
+        if not SEGMENT_PATTERN.match(path.name):
             continue
-        if not _pid_alive(pid):
+        if not _pid_alive(int(path.name.split(".")[2])):
             try:
                 path.unlink()
                 removed.append(path.name)
@@ -59,29 +84,69 @@ def sweep_stale() -> list[str]:
 
 
 def list_segments() -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}.*"))
+    return sorted(p.name for p in _DIR.glob(f"{PREFIX}.*"))
+
+
+def _refuse(name: str, why: str) -> MessageError:
+    return MessageError(ErrorCode.BAD_MESSAGE, f"shm segment {name[:96]!r}: {why}")
+
+
+def open_segment(name: str, need: int) -> tuple[int, int]:
+    """Open a peer-named segment read-only; (fd, size). The one check of a peer's name."""
+    if not isinstance(name, str) or not SEGMENT_PATTERN.match(name):
+        raise _refuse(name, "not a weightsync segment name")
+    try:
+        fd = os.open(_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _refuse(name, "does not exist") from None
+    except OSError as exc:  # ELOOP: a symlink; EACCES, ENXIO: not ours to read
+        raise _refuse(name, f"cannot be opened ({errno.errorcode.get(exc.errno, exc.errno)})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(name, "is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise _refuse(name, f"is owned by uid {st.st_uid}, not by us")
+        if st.st_size == 0 or st.st_size < need:
+            raise _refuse(name, f"has {st.st_size} bytes, need {need}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
 
 
 class Segment:
-    """A writable segment owned by this process (grows on demand)."""
+    """A writable segment owned by this process; space is reserved before it is used."""
 
     def __init__(self, size: int, kind: str = "bucket") -> None:
         self.name = segment_name(kind)
-        self.path = SHM_DIR / self.name
+        self.path = _DIR / self.name
         self.size = 0
-        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         self._mm: mmap.mmap | None = None
-        self.resize(max(size, mmap.PAGESIZE))
+        try:
+            self.resize(max(size, mmap.PAGESIZE))
+        except BaseException:
+            self.close()
+            raise
 
     def resize(self, size: int) -> None:
         if size <= self.size:
             return
+        try:
+            # Reserve the pages now: ftruncate alone leaves a sparse file, and writing into
+            # its mapping on a full tmpfs is a SIGBUS.
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise ShmFull(exc.errno, f"{_DIR} has no room for a {size}-byte shared-memory "
+                                         f"segment ({os.strerror(exc.errno)})") from None
+            raise
         if self._mm is not None:
             try:
                 self._mm.close()
             except BufferError:  # a view of the old mapping is alive; it goes with the view
                 pass
-        os.ftruncate(self._fd, size)
         self._mm = mmap.mmap(self._fd, size)
         self.size = size
 
@@ -104,7 +169,9 @@ class Segment:
             except BufferError:
                 pass
             self._mm = None
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -118,14 +185,12 @@ class Segment:
 
 
 class Reader:
-    """Read-only mappings of segments by name, cached (a segment grows: remap)."""
+    """Read-only mappings of peer-named segments, cached (a segment grows: remap)."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}
 
     def view(self, name: str, offset: int, size: int) -> memoryview:
-        if "/" in name or name.startswith("."):
-            raise ValueError(f"bad shared-memory segment name {name!r}")
         cached = self._maps.get(name)
         if cached is None or cached[0] < offset + size:
             if cached is not None:
@@ -133,11 +198,8 @@ class Reader:
                     cached[1].close()
                 except BufferError:  # a view of the old mapping is alive; GC closes it
                     pass
-            fd = os.open(SHM_DIR / name, os.O_RDONLY)
+            fd, total = open_segment(name, offset + size)
             try:
-                total = os.fstat(fd).st_size
-                if offset + size > total:
-                    raise ValueError(f"segment {name} has {total} bytes, need {offset + size}")
                 mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)

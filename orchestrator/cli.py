@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from messages.errors import WeightSyncError
@@ -27,7 +28,7 @@ EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Weight sync between RL trainers and inference engines.")
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
 
 
 def _settings(**kw: Any):
@@ -38,17 +39,39 @@ def _settings(**kw: Any):
         raise typer.Exit(EXIT_USAGE) from None
 
 
-def _fail(err: WeightSyncError, what: str) -> None:
+def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
+    if as_json:  # scripts read stdout: the failure is a JSON object there too
+        print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
     where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
-    err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {err.message}{where}")
+    text = " ".join(err.message.split())
+    err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")
     raise typer.Exit(EXIT_SYNC)
+
+
+def _usage(message: str) -> None:
+    """A bad argument, file or address: one line, exit 2."""
+    err_console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}")
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
+    from orchestrator.client import TrainerClient
+    from orchestrator.logs import configure_logging
+
+    # stdout is the command's answer (a table, or JSON for scripts); warnings go to stderr
+    configure_logging("warning", json=False)
+    curve = _client_keys(keys, key_name)
+    try:
+        return TrainerClient(addr, keys=curve, **kw)
+    except ValueError as exc:
+        _usage(f"--addr: {exc}")
 
 
 @app.command()
 def serve(
-    bind: Optional[str] = typer.Option(None, help=f"trainer socket [default {DEFAULT_ADDR}]"),
-    engine_bind: Optional[str] = typer.Option(None, help=f"engine socket [default {DEFAULT_ENGINE_ADDR}]"),
-    state_db: Optional[str] = typer.Option(None, help="SQLite journal path"),
+    bind: Optional[str] = typer.Option(None, help=f"trainer socket (default {DEFAULT_ADDR})"),
+    engine_bind: Optional[str] = typer.Option(None, help=f"engine socket (default {DEFAULT_ENGINE_ADDR})"),
+    state_db: Optional[str] = typer.Option(None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"),
     min_engines: Optional[int] = typer.Option(None, help="engines required to begin a sync"),
     engine_timeout: Optional[float] = typer.Option(None, help="seconds without heartbeat before an engine is lost"),
     sync_timeout: Optional[float] = typer.Option(None, help="seconds without trainer activity before a sync fails"),
@@ -58,11 +81,14 @@ def serve(
     max_frame_bytes: Optional[int] = typer.Option(None, help="largest bucket frame accepted"),
     max_pending: Optional[int] = typer.Option(None, help="unanswered bucket requests per trainer"),
     keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
+    trainer_grace: Optional[float] = typer.Option(None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"),
+    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
     """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
+    import sqlite3
     import zmq
 
     from orchestrator.logs import configure_logging
@@ -72,19 +98,26 @@ def serve(
                   engine_timeout=engine_timeout, sync_timeout=sync_timeout,
                   bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
                   spool=spool, max_frame_bytes=max_frame_bytes, max_pending=max_pending, keys=keys,
-                  failpoints=failpoint,
+                  failpoints=failpoint, trainer_grace=trainer_grace, shm_dir=shm_dir,
                   log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
+    from messages import shm
     from orchestrator.auth import KeysError
+    from orchestrator.locks import StateInUse
 
+    shm.configure(s.shm_dir)
+    service = None
     try:
         service = Service(s)
         service.startup()
     except KeysError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
+        err_console.print(f"[red]configuration error:[/red] {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE) from None
-    except (zmq.ZMQError, OSError) as exc:
-        err_console.print(f"[red]startup failed:[/red] {exc}")
+    except (zmq.ZMQError, OSError, sqlite3.Error, StateInUse) as exc:
+        if service is not None:
+            service.shutdown()
+        what = f"--state-db {s.state_db}: " if isinstance(exc, sqlite3.Error) else ""
+        err_console.print(f"[red]startup failed:[/red] {escape(what + str(exc))}")
         raise typer.Exit(EXIT_STARTUP) from None
     asyncio.run(service.run())
 
@@ -104,6 +137,7 @@ def engine(
     pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
+    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory (needs server.key, NAME.key_secret)"),
     key_name: str = typer.Option("engine", help="identity in the keys directory"),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
@@ -117,8 +151,13 @@ def engine(
     from engines.worker import Worker, make_engine
     from orchestrator.logs import configure_logging
 
-    s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json)
+    s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json,
+                  shm_dir=shm_dir)
     configure_logging(s.log_level, s.log_json)
+    from messages import shm as shm_mod
+
+    shm_mod.configure(s.shm_dir)
+    _check_endpoint(connect, "--connect")
     curve = _client_keys(keys, key_name)
     try:
         failpoints = parse_failpoints(failpoint)
@@ -138,6 +177,22 @@ def engine(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()
+    if worker.refused:
+        err_console.print(f"[red]engine refused by the orchestrator:[/red] {escape(worker.refused)}")
+        raise typer.Exit(EXIT_STARTUP)
+
+
+def _check_endpoint(addr: str, flag: str) -> None:
+    """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(addr)
+    except zmq.ZMQError as exc:
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); e.g. tcp://HOST:PORT or ipc:///PATH")
+    finally:
+        sock.close(linger=0)
 
 
 def _client_keys(directory: Optional[Path], name: str) -> Any:
@@ -217,16 +272,14 @@ def history_table(st: dict[str, Any], n: int = 10) -> Table:
 def status(
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
-    watch: Optional[float] = typer.Option(None, help="refresh every N seconds"),
-    timeout: float = typer.Option(5.0, help="seconds to wait for the daemon"),
+    watch: Optional[float] = typer.Option(None, min=0.1, help="refresh every N seconds"),
+    timeout: float = typer.Option(5.0, min=0.1, help="seconds to wait for the daemon"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Show the daemon's state, engines and recent transitions."""
-    from orchestrator.client import TrainerClient
-
     console = Console()
-    with TrainerClient(addr, timeout=timeout, retries=0, keys=_client_keys(keys, key_name)) as c:
+    with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
         try:
             while True:
                 st = c.status()
@@ -241,42 +294,89 @@ def status(
                     return
                 time.sleep(watch)
         except WeightSyncError as err:
-            _fail(err, "status")
+            _fail(err, "status", as_json)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+
+
+@app.command()
+def abort(
+    sync_id: Optional[str] = typer.Option(None, help="the sync to end (default: the running one)"),
+    reason: str = typer.Option("aborted by an operator", help="recorded in the journal"),
+    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    timeout: float = typer.Option(10.0, min=0.1, help="seconds to wait for the daemon"),
+    as_json: bool = typer.Option(False, "--json"),
+    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
+    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+) -> None:
+    """End a running sync (for example one whose trainer died) so the next push can begin."""
+    with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
+        try:
+            if sync_id is None:
+                running = c.status().get("sync")
+                if not running:
+                    out = {"ok": True, "aborted": None, "message": "no sync is running"}
+                    print(json.dumps(out) if as_json else "no sync is running; nothing to abort")
+                    return
+                sync_id = str(running["sync_id"])
+            body = c.abort(sync_id, reason=reason[:4000])
+        except WeightSyncError as err:
+            _fail(err, "abort", as_json)
+            return
+    if as_json:
+        print(json.dumps({"ok": True, "aborted": sync_id, **body}, sort_keys=True, default=str))
+    else:
+        print(f"aborted sync {sync_id}: daemon {body.get('state')}, version {body.get('version')}, "
+              f"dirty={body.get('dirty')}")
+
+
+INT63 = 2**63 - 1
 
 
 @app.command()
 def push(
     checkpoint: Path = typer.Argument(..., exists=True, file_okay=False,
                                       help="directory of *.safetensors files"),
-    version: int = typer.Option(..., help="version number (must be newer than served)"),
+    version: int = typer.Option(..., min=0, max=INT63, help="version number (must be newer than served)"),
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
-    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, help="bytes per bucket"),
-    window: int = typer.Option(2, help="unacknowledged buckets in flight"),
-    timeout: float = typer.Option(60.0, help="seconds per request before a resend"),
+    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
+    window: int = typer.Option(2, min=1, max=64, help="unacknowledged buckets in flight"),
+    timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
+    transport: str = typer.Option("auto", help="auto | shm | inline"),
+    partial: bool = typer.Option(False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"),
+    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     as_json: bool = typer.Option(False, "--json"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Push a safetensors checkpoint to every engine as VERSION."""
-    from messages.checkpoint import iter_safetensors
-    from orchestrator.client import TrainerClient
+    import signal
 
+    from messages import shm
+    from messages.checkpoint import CheckpointError, iter_safetensors
+
+    if transport not in ("auto", "shm", "inline"):
+        _usage(f"--transport must be auto, shm or inline, got {transport!r}")
+    shm.configure(_settings(shm_dir=shm_dir).shm_dir)
     try:
         named = iter_safetensors(checkpoint)
-    except (OSError, ValueError) as exc:
-        err_console.print(f"[red]cannot read checkpoint:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
-    with TrainerClient(addr, timeout=timeout, keys=_client_keys(keys, key_name)) as c:
+    except CheckpointError as exc:
+        _usage(f"cannot read checkpoint: {exc}")
+    # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with _client(addr, keys, key_name, timeout=timeout) as c:
         try:
-            r = c.push(named, version, bucket_bytes=bucket_bytes, window=window)
+            r = c.push(named, version, bucket_bytes=bucket_bytes, window=window,
+                       transport=transport, partial=partial)
         except WeightSyncError as err:
-            _fail(err, "push")
+            _fail(err, "push", as_json)
             return
-    out = {"sync_id": r.sync_id, "version": r.version, "state": r.state, "buckets": r.buckets,
-           "bytes": r.bytes, "seconds": round(r.seconds, 4), "digest": r.digest,
-           "throughput_mb_s": round(r.throughput / 1e6, 1),
+        except CheckpointError as exc:
+            _usage(f"cannot read checkpoint: {exc} (the sync was aborted)")
+            return
+    out = {"ok": True, "sync_id": r.sync_id, "version": r.version, "state": r.state,
+           "buckets": r.buckets, "bytes": r.bytes, "seconds": round(r.seconds, 4), "digest": r.digest,
+           "throughput_mb_s": round(r.throughput / 1e6, 1), "transport": r.detail.get("transport"),
            "engines": [e["engine_id"] for e in r.engines]}
     if as_json:
         print(json.dumps(out, sort_keys=True))

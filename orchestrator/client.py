@@ -24,9 +24,10 @@ import zmq
 from messages import codec, schema
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.shm import Segment, frombuffer, sweep_stale
+from messages.shm import Segment, ShmFull, frombuffer, shm_available, sweep_stale
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
+from orchestrator.link import Link
 
 log = structlog.get_logger()
 
@@ -61,6 +62,13 @@ def error_from_reply(msg: schema.Error) -> WeightSyncError:
                       sync_id=msg.sync_id, details=msg.details)
 
 
+class _Reconnected:
+    """`_recv`'s answer when the connection came back: resend what is in flight."""
+
+
+RECONNECTED = _Reconnected()
+
+
 @dataclass(slots=True)
 class _InFlight:
     bucket: PackedBucket
@@ -88,11 +96,22 @@ class ShmRing:
     """`window` shared-memory slots; bucket `seq` is packed straight into slot seq % window."""
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
-        self.segments = [Segment(max(slot_bytes, 4096), kind="trainer") for _ in range(slots)]
+        self.segments: list[Segment] = []
+        try:
+            for _ in range(slots):
+                self.segments.append(Segment(max(slot_bytes, 4096), kind="trainer"))
+        except BaseException:
+            self.close()
+            raise
 
     def slot(self, seq: int, nbytes: int) -> torch.Tensor:
         seg = self.segments[seq % len(self.segments)]
-        seg.resize(nbytes)
+        try:
+            seg.resize(nbytes)  # a tensor larger than the bucket size gets its own bucket
+        except ShmFull as exc:
+            raise make_error(ErrorCode.TOO_LARGE, f"{exc}; a bucket of {nbytes} bytes needs that "
+                             f"much free shared memory per slot (window {len(self.segments)}), "
+                             f"or push with transport=inline") from None
         return frombuffer(seg.view(0, nbytes))
 
     def ref(self, seq: int, nbytes: int) -> schema.ShmRef:
@@ -106,7 +125,8 @@ class ShmRing:
 class TrainerClient:
     def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float = 30.0, retries: int = 3,
                  finish_timeout: float = 900.0, ctx: zmq.Context | None = None,
-                 sender: int = 0, keys: ClientKeys | None = None) -> None:
+                 sender: int = 0, keys: ClientKeys | None = None,
+                 connect_timeout: float = 5.0) -> None:
         self.addr = addr
         self.timeout = timeout
         self.retries = retries
@@ -119,12 +139,20 @@ class TrainerClient:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
             keys.apply(self._sock)
-        self._sock.connect(addr)
+        # Before connect, so the monitor sees the first attempt (tells no daemon from a
+        # refused key within connect_timeout instead of after every retry's timeout).
+        self._link = Link(self._sock, addr, connect_timeout, reconnect_timeout=max(timeout, connect_timeout))
+        try:
+            self._sock.connect(addr)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"invalid address {addr!r}: {exc}") from None
         self._next_id = 0
         self._stray: dict[int, schema.Message] = {}
 
     # -- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
+        self._link.close()
         self._sock.close(linger=0)
 
     def __enter__(self) -> TrainerClient:
@@ -140,11 +168,25 @@ class TrainerClient:
     def _send(self, msg: schema.Message, payload: Sequence[Any] = ()) -> None:
         self._sock.send_multipart(codec.encode(msg, payload), copy=False)
 
-    def _recv(self, timeout: float) -> schema.Message | None:
-        if not self._sock.poll(max(0, int(timeout * 1000))):
-            return None
-        frames = self._sock.recv_multipart()
-        return codec.decode(frames, allowed=REPLY_TYPES).msg
+    def _recv(self, timeout: float) -> schema.Message | None | _Reconnected:
+        """The next reply; None when `timeout` passes; RECONNECTED when the connection was
+        re-established (requests in flight died with the old one: resend them now).
+        Raises UNREACHABLE / UNAUTHORIZED as soon as the socket monitor shows it."""
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._link.monitor, zmq.POLLIN)
+        while True:
+            self._link.check()
+            if self._link.take_reconnect():
+                return RECONNECTED
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            events = dict(poller.poll(min(left, 0.5) * 1000))
+            if self._sock in events:
+                frames = self._sock.recv_multipart()
+                return codec.decode(frames, allowed=REPLY_TYPES).msg
 
     def _request(self, make: Any, timeout: float | None = None, payload: Sequence[Any] = (),
                  retries: int | None = None) -> dict[str, Any]:
@@ -159,7 +201,7 @@ class TrainerClient:
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
                 reply = self._recv(left)
-                if reply is None:
+                if reply is None or reply is RECONNECTED:
                     break
                 if reply.id not in ids:
                     self._stray[reply.id] = reply
@@ -201,9 +243,10 @@ class TrainerClient:
                              payload=[bucket.frame()])
 
     def finish(self, sync_id: str, buckets: int, *, digest: str | None = None,
-               timeout: float | None = None) -> dict[str, Any]:
+               timeout: float | None = None, partial: bool = False) -> dict[str, Any]:
         return self._request(lambda i: schema.Finish(sync_id=sync_id, buckets=buckets, id=i,
-                                                     sender=self.sender, digest=digest),
+                                                     sender=self.sender, digest=digest,
+                                                     partial=partial),
                              self.finish_timeout if timeout is None else timeout)
 
     def abort(self, sync_id: str, reason: str = "", *, timeout: float | None = None,
@@ -222,38 +265,56 @@ class TrainerClient:
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
              probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
              abort_on_error: bool = True, progress: Any = None,
-             transport: str = "auto", rollback_wait: float = 120.0) -> SyncResult:
+             transport: str = "auto", rollback_wait: float = 120.0,
+             partial: bool = False) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
         transport: "auto" uses shared memory for the engines on this host that can read it
         (one write here, one read per engine) and inline frames otherwise; "inline" and
         "shm" force a choice ("shm" still falls back where the daemon says so).
         rollback_wait: seconds to wait, before beginning, for a rollback the daemon is
-        running after an earlier failure (0: raise its INVALID_STATE at once)."""
+        running after an earlier failure (0: raise its INVALID_STATE at once).
+        partial: the tensors are a subset of the engines' on purpose (otherwise `finish`
+        refuses a push that leaves an engine tensor out, with INCOMPLETE_SYNC).
+        Whatever ends the push early (an error, a timeout, Ctrl-C, SIGTERM raised as an
+        exception) aborts the sync it began, so the daemon is free for the next push."""
         if window < 1:
             raise ValueError("window must be >= 1")
         if transport not in ("inline", "shm", "auto"):
             raise ValueError("transport must be inline, shm or auto")
         t0 = time.perf_counter()
-        started = self._begin_after_rollback(version, sync_id, probes, transport, rollback_wait)
-        sync_id = started["sync_id"]
-        ring = None
-        if started.get("transport") in ("shm", "mixed"):
-            sweep_stale()  # segments of trainers that crashed earlier on this host
-            ring = ShmRing(window, bucket_bytes)
-        digester = Digester()
+        sync_id = sync_id or uuid.uuid4().hex
+        ring = self._reserve_ring(window, bucket_bytes) if transport != "inline" else None
+        if ring is None:
+            transport = "inline"
         try:
-            count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
-                                                  progress, ring, digester)
-            body = self.finish(sync_id, count, digest=digester.hexdigest())
-        except WeightSyncError as err:
-            if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING"):
-                self._abort_quietly(sync_id, err)
-            raise
-        except BaseException as exc:  # KeyboardInterrupt, a broken iterator: do not wedge
-            if abort_on_error:
-                self._abort_quietly(sync_id, exc)
-            raise
+            try:
+                started = self._begin_after_rollback(version, sync_id, probes, transport,
+                                                     rollback_wait)
+            except WeightSyncError as err:
+                if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
+                    self._abort_quietly(sync_id, err)  # the begin may have landed unanswered
+                raise
+            except BaseException as exc:  # interrupted while beginning: release what began
+                if abort_on_error:
+                    self._abort_quietly(sync_id, exc)
+                raise
+            if started.get("transport") not in ("shm", "mixed") and ring is not None:
+                ring.close()
+                ring = None
+            digester = Digester()
+            try:
+                count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
+                                                      progress, ring, digester)
+                body = self.finish(sync_id, count, digest=digester.hexdigest(), partial=partial)
+            except WeightSyncError as err:
+                if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING", None):
+                    self._abort_quietly(sync_id, err)
+                raise
+            except BaseException as exc:  # KeyboardInterrupt, a broken iterator: do not wedge
+                if abort_on_error:
+                    self._abort_quietly(sync_id, exc)
+                raise
         finally:
             if ring is not None:
                 ring.close()
@@ -262,6 +323,19 @@ class TrainerClient:
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
                           retries=retries, detail={**body, "transport": started.get("transport", "inline")})
+
+    @staticmethod
+    def _reserve_ring(window: int, bucket_bytes: int) -> ShmRing | None:
+        """Shared-memory slots reserved up front, or None: inline for this push."""
+        if not shm_available():
+            return None
+        sweep_stale()  # segments of trainers that crashed earlier on this host
+        try:
+            return ShmRing(window, bucket_bytes)
+        except ShmFull as exc:
+            log.warning("shm_full_using_inline", reason=str(exc), window=window,
+                        bucket_bytes=bucket_bytes)
+            return None
 
     def _begin_after_rollback(self, version: int, sync_id: str | None,
                               probes: Sequence[schema.Probe], transport: str,
@@ -303,6 +377,12 @@ class TrainerClient:
             nonlocal retries
             oldest = min(inflight.values(), key=lambda f: f.sent_at)
             reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
+            if reply is RECONNECTED:  # what was in flight died with the old connection
+                for f in sorted(inflight.values(), key=lambda f: f.bucket.seq):
+                    f.sent_at = time.monotonic()
+                    send(f)
+                log.warning("buckets_resent_after_reconnect", sync_id=sync_id, buckets=len(inflight))
+                return
             if reply is None:  # the oldest timed out: resend it (same sync_id and seq)
                 if oldest.attempts > self.retries:
                     raise make_error(ErrorCode.TIMEOUT,

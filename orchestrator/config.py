@@ -29,6 +29,8 @@ class Settings:
     bucket_timeout: float = 300.0
     finalize_timeout: float = 600.0
     tick_interval: float = 0.2
+    trainer_grace: float = 2.0  # a sync outlives its trainer's closed connection this long
+    shm_dir: str = "/dev/shm"  # shared-memory segments (a private tmpfs works too)
     max_header_bytes: int = 16 * 1024 * 1024
     max_frame_bytes: int = 4 * 1024 ** 3  # one bucket's bytes; ZeroMQ drops a peer past 2x
     max_pending: int = 64  # unanswered bucket requests per trainer connection
@@ -79,6 +81,7 @@ def load_settings(**overrides: Any) -> Settings:
 FAILPOINTS = {
     "duplicate_finalize": "daemon: send every finalize to its engine twice",
     "finalize_sleep": "engine: sleep this many seconds before the post-load step",
+    "crash_on_loaded": "daemon: raise inside the handler of the Nth engine `loaded` message",
 }
 
 

@@ -9,7 +9,7 @@ conditions are pure predicates; `after` callbacks only append commands to the ou
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from enum import Enum
 from typing import Any
 
@@ -82,6 +82,10 @@ class Orchestrator:
         self.spooled: Spooled | None = None
         self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be
         self.catchups: dict[str, CatchUp] = {}
+        # Ids of ended syncs: an engine refuses a second finalize for an id it already
+        # ran, so a reused id could never finish; it is refused at begin instead.
+        # Their outcome (code and reason, None for READY) answers a late message for them.
+        self.ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
         self._own_syncs = 0
         self.machine = Machine(model=self, states=State, transitions=TRANSITIONS,
                                initial=initial, auto_transitions=False, send_event=True,
@@ -200,6 +204,7 @@ class Orchestrator:
                                             "buckets": len(s.buckets), "bytes": s.nbytes,
                                             "at": self.now}))
         self.outbox.append(CompleteSync(s.sync_id, body))
+        self.remember_ended(s.sync_id, None, "READY")
         self.sync, self._closed = None, s
         self.want_rollback = False
         self._catch_up_stale()  # engines that registered during the sync join now
@@ -244,6 +249,7 @@ class Orchestrator:
         err.version = self.served_version
         err.sync_id = s.sync_id
         self.outbox.append(CompleteSync(s.sync_id, None, err))
+        self.remember_ended(s.sync_id, err.code.value, f"{status}: {err.message}")
         self.sync, self._closed = None, s
 
     # -- helpers ------------------------------------------------------------------------
@@ -355,6 +361,14 @@ class Orchestrator:
             return f"{len(pending)} bucket(s) not yet applied by every engine"
         return None
 
+    def missing_tensors(self, s: SyncRecord) -> tuple[str, list[str]] | None:
+        """The first engine (by id) with tensors this sync never sent, and which."""
+        for eid in s.participants:
+            names = sorted(n for n in self.engines[eid].spec if n not in s.names)
+            if names:
+                return eid, names
+        return None
+
     def _sync_summary(self, s: SyncRecord, status: str) -> dict[str, Any]:
         return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
                 "buckets": len(s.buckets), "bytes": s.nbytes,
@@ -370,6 +384,15 @@ class Orchestrator:
         try:
             return self.trigger(trigger, **kw)  # type: ignore[attr-defined]
         except MachineError:
+            s = self.sync
+            if trigger == "begin" and s is not None:  # name what blocks the trainer, and the way out
+                age = self.now - s.started_at
+                raise self._error(ErrorCode.INVALID_STATE,
+                                  f"begin is not allowed in state {self.state.value}: sync {s.sync_id!r} "
+                                  f"(version {s.version}) has been running for {age:.0f}s; wait for it, "
+                                  f"or end it with `weightsync abort --sync-id {s.sync_id}`",
+                                  running_sync_id=s.sync_id, running_version=s.version,
+                                  running_seconds=round(age, 3)) from None
             raise self._error(ErrorCode.INVALID_STATE,
                               f"{trigger} is not allowed in state {self.state.value}") from None
 
@@ -377,15 +400,38 @@ class Orchestrator:
         out, self.outbox = self.outbox, []
         return Result(reply, out)
 
-    def _require_sync(self, sync_id: str, what: str) -> SyncRecord:
-        if self.sync is None or self.sync.sync_id != sync_id:
-            if self.state not in ACTIVE:
+    def _ended_note(self, sync_id: str) -> str:
+        ended = self.ended.get(sync_id)
+        return f" (sync {sync_id!r} already ended: {ended[1]})" if ended else ""
+
+    def remember_ended(self, sync_id: str, code: str | None, reason: str) -> None:
+        if code is not None and code not in ErrorCode.__members__:
+            code = ErrorCode.INTERNAL.value
+        self.ended[sync_id] = (code, reason)
+        while len(self.ended) > 4096:
+            self.ended.popitem(last=False)
+
+    def require_sync(self, sync_id: str, what: str) -> SyncRecord:
+        """The running sync `sync_id`, or the typed error that says why it is not running:
+        its own failure if it ended (the real cause, not the state it left), else
+        UNKNOWN_SYNC."""
+        if self.sync is not None and self.sync.sync_id == sync_id:
+            return self.sync
+        ended = self.ended.get(sync_id)
+        if ended is not None:
+            code, reason = ended
+            if code is None:
                 raise self._error(ErrorCode.INVALID_STATE,
-                                  f"{what} is not allowed in state {self.state.value}")
+                                  f"{what} for sync {sync_id!r}, which already completed (READY)",
+                                  ended=True)
+            raise self._error(ErrorCode(code), f"{what} for sync {sync_id!r}, which already ended: "
+                                               f"{reason}", ended=True)
+        if self.sync is not None:
             raise self._error(ErrorCode.UNKNOWN_SYNC,
-                              f"{what} for sync {sync_id!r}, but sync {self.sync.sync_id!r} is running"
-                              if self.sync else f"unknown sync {sync_id!r}")
-        return self.sync
+                              f"{what} for sync {sync_id!r}, but sync {self.sync.sync_id!r} is running")
+        raise self._error(ErrorCode.UNKNOWN_SYNC,
+                          f"{what} for sync {sync_id!r}, which this daemon does not know (it "
+                          f"restarted, or the sync never began): begin again")
 
     def _fail(self, error: WeightSyncError, trigger: str = "fail") -> None:
         if self.state in ACTIVE:
@@ -404,8 +450,12 @@ class Orchestrator:
             if s.version != msg.version:
                 raise self._error(ErrorCode.BAD_MESSAGE,
                                   f"sync {msg.sync_id!r} was begun with version {s.version}")
-            s.last_activity = now
+            s.last_activity, s.trainer_lost_at = now, None
             return self._drain({**s.view(), "state": self.state.value, "repeated": True})
+        if msg.sync_id in self.ended:
+            raise self._error(ErrorCode.BAD_MESSAGE,
+                              f"sync_id {msg.sync_id!r} was used by an earlier sync; "
+                              f"every begin needs a new sync_id")
         if not self._fire("begin", msg=msg):
             if not self.newer_version_of(msg.version):
                 raise self._error(ErrorCode.STALE_VERSION,
@@ -423,14 +473,14 @@ class Orchestrator:
     def handle_bucket(self, msg: Bucket, nbytes: int, now: float) -> Result:
         """`nbytes` is the frame size; the service has verified the checksum already."""
         self.now = now
+        s = self.require_sync(msg.sync_id, "bucket")
         if self.state != S.LOADING_BUCKETS:
             raise self._error(ErrorCode.INVALID_STATE,
                               f"bucket is not allowed in state {self.state.value}")
-        s = self._require_sync(msg.sync_id, "bucket")
         if msg.sender >= s.senders:
             raise self._error(ErrorCode.BAD_MESSAGE,
                               f"sender {msg.sender} out of range (senders={s.senders})")
-        s.last_activity = now
+        s.last_activity, s.trainer_lost_at = now, None
         key = (msg.sender, msg.seq)
         rec = s.buckets.get(key)
         if rec is not None:
@@ -441,6 +491,7 @@ class Orchestrator:
             return self._drain({"seq": msg.seq, "duplicate": True} if rec.done else None)
         self.check_spec(msg)
         self._fire("bucket", key=key, nbytes=nbytes)
+        s.names.update(t.name for t in msg.tensors)
         return self._drain(None)
 
     def check_spec(self, msg: Bucket) -> None:
@@ -464,14 +515,15 @@ class Orchestrator:
 
     def handle_finish(self, msg: Finish, now: float) -> Result:
         self.now = now
-        if self.state != S.LOADING_BUCKETS:
+        if self.state != S.LOADING_BUCKETS and (self.sync is None or self.sync.sync_id == msg.sync_id):
             raise self._error(ErrorCode.INVALID_STATE,
-                              f"finish is only allowed in LOADING_BUCKETS, state is {self.state.value}")
-        s = self._require_sync(msg.sync_id, "finish")
+                              f"finish is only allowed in LOADING_BUCKETS, state is {self.state.value}"
+                              + self._ended_note(msg.sync_id))
+        s = self.require_sync(msg.sync_id, "finish")
         if msg.sender >= s.senders:
             raise self._error(ErrorCode.BAD_MESSAGE,
                               f"sender {msg.sender} out of range (senders={s.senders})")
-        s.last_activity = now
+        s.last_activity, s.trainer_lost_at = now, None
         previous = s.finished.get(msg.sender)
         s.finished[msg.sender] = msg.buckets
         if len(s.finished) < s.senders:
@@ -483,6 +535,18 @@ class Orchestrator:
             else:
                 s.finished[msg.sender] = previous
             raise self._error(ErrorCode.INCOMPLETE_SYNC, reason)
+        missing = None if msg.partial else self.missing_tensors(s)
+        if missing is not None:
+            eid, names = missing
+            if previous is None:
+                del s.finished[msg.sender]
+            else:
+                s.finished[msg.sender] = previous
+            raise self._error(ErrorCode.INCOMPLETE_SYNC,
+                              f"engine {eid} would be left with {len(names)} tensor(s) of the old "
+                              f"version: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
+                              f"(send them, or finish with partial=true); nothing was finalized",
+                              engine_id=eid, missing=names[:64], missing_count=len(names))
         if msg.digest is not None and s.senders == 1:
             s.expected_digest = msg.digest
         self._fire("finish", msg=msg)
@@ -490,10 +554,7 @@ class Orchestrator:
 
     def handle_abort(self, sync_id: str, reason: str, now: float) -> Result:
         self.now = now
-        if self.state not in ACTIVE:
-            raise self._error(ErrorCode.INVALID_STATE,
-                              f"abort is not allowed in state {self.state.value}")
-        self._require_sync(sync_id, "abort")
+        self.require_sync(sync_id, "abort")
         err = self._error(ErrorCode.ABORTED, f"sync aborted by trainer: {reason or 'no reason'}")
         self.trigger("abort", error=err)  # type: ignore[attr-defined]
         return self._drain({"state": self.state.value, "version": self.served_version,
@@ -653,6 +714,11 @@ class Orchestrator:
                     self._fail(self._error(ErrorCode.TIMEOUT,
                                            f"bucket seq {late[0][1]} not applied within "
                                            f"{lim.bucket_timeout}s by {slow}", engine_ids=slow))
+                elif s.trainer_lost_at is not None and now - s.trainer_lost_at >= lim.trainer_grace:
+                    self._fail(self._error(ErrorCode.ABORTED,
+                                           f"the trainer's connection closed {now - s.trainer_lost_at:.1f}s "
+                                           f"ago mid-sync (it exited or was killed); sync abandoned",
+                                           trainer_lost=True), "abort")
                 elif now - s.last_activity > lim.sync_timeout:
                     self._fail(self._error(ErrorCode.TIMEOUT,
                                            f"no trainer message for {lim.sync_timeout}s"))
@@ -662,6 +728,21 @@ class Orchestrator:
                 self._fail(self._error(ErrorCode.TIMEOUT,
                                        f"finalize not reported within {lim.finalize_timeout}s by {slow}",
                                        engine_ids=slow))
+        return self._drain(None)
+
+    def handle_trainer_gone(self, sync_id: str, now: float) -> Result:
+        """The connection(s) that drove `sync_id` closed: unless a trainer comes back to it
+        within `trainer_grace`, the sync is abandoned (tick fails it, ABORTED)."""
+        self.now = now
+        s = self.sync
+        if s is not None and s.sync_id == sync_id and self.state == S.LOADING_BUCKETS:
+            s.trainer_lost_at = now
+        return self._drain(None)
+
+    def handle_internal(self, reason: str, now: float) -> Result:
+        """A bug surfaced while handling an input: the running sync fails with INTERNAL."""
+        self.now = now
+        self._fail(self._error(ErrorCode.INTERNAL, reason))
         return self._drain(None)
 
     def handle_shutdown(self, now: float) -> Result:

@@ -62,13 +62,16 @@ class SyncRecord:
     transport: str = "inline"
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
+    names: set[str] = field(default_factory=set)  # tensor names sent so far (completeness)
+    trainer_lost_at: float | None = None  # the trainer's connection closed (grace running)
 
     def view(self) -> dict[str, Any]:
         return {"sync_id": self.sync_id, "version": self.version, "kind": self.kind,
                 "buckets": len(self.buckets), "bytes": self.nbytes,
                 "acked": sum(1 for b in self.buckets.values() if b.done),
                 "engines": list(self.participants), "transport": self.transport,
-                "shm_engines": list(self.shm_engines)}
+                "shm_engines": list(self.shm_engines), "started_at": self.started_at,
+                "trainer_connected": self.trainer_lost_at is None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,7 @@ class Limits:
     bucket_timeout: float = 300.0
     finalize_timeout: float = 600.0
     history: int = 50
+    trainer_grace: float = 2.0  # seconds a sync outlives its trainer's closed connection
     host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
     spool: bool = False  # the service keeps the last READY version on disk
 

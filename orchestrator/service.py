@@ -22,9 +22,10 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -37,6 +38,8 @@ from orchestrator import fsm
 from orchestrator.auth import ServerAuth
 from orchestrator.config import Settings, parse_failpoints
 from orchestrator.journal import Journal
+from orchestrator.locks import lock_state
+from orchestrator.peers import PeerTracker
 from orchestrator.recovery import Recovery
 from orchestrator.spool import Spool
 
@@ -92,18 +95,33 @@ class Service:
     def __init__(self, settings: Settings, ctx: zmq.Context | None = None) -> None:
         self.settings = settings
         self.ctx = ctx or zmq.Context.instance()
-        self.journal = Journal(settings.state_db)
+        self.locks = lock_state(settings.state_db, settings.spool)  # one daemon per state
+        try:
+            self.journal = Journal(settings.state_db)
+        except BaseException:
+            self._release_locks()
+            raise
         rec = self.journal.recover()
         limits = fsm.Limits(min_engines=settings.min_engines, engine_timeout=settings.engine_timeout,
                             sync_timeout=settings.sync_timeout, bucket_timeout=settings.bucket_timeout,
                             finalize_timeout=settings.finalize_timeout, host=pysocket.gethostname(),
-                            spool=bool(settings.spool))
+                            spool=bool(settings.spool), trainer_grace=settings.trainer_grace)
         self.shm_reader = Reader()
         self.core = fsm.Orchestrator(limits, initial=fsm.State(rec.state),
                                      served_version=rec.version, served_digest=rec.digest,
                                      dirty=rec.dirty, now=time.monotonic(),
                                      run_id=uuid.uuid4().hex[:8])
         self.core.history.extend(rec.history)
+        for r in reversed(self.journal.syncs(4096)):  # ids a new begin may not reuse
+            if r["status"] == "READY":
+                self.core.remember_ended(r["sync_id"], None, "READY")
+            elif r["status"] in ("INTERRUPTED", "LOADING_BUCKETS", "FINALIZING"):
+                self.core.remember_ended(r["sync_id"], ErrorCode.UNKNOWN_SYNC.value,
+                                         "interrupted: the daemon restarted during this sync; "
+                                         "begin again with a new sync_id")
+            else:
+                self.core.remember_ended(r["sync_id"], r["code"] or ErrorCode.INTERNAL.value,
+                                         f"{r['status']}: {r['reason'] or 'no reason recorded'}")
         self.spool = Spool(settings.spool) if settings.spool else None
         self.recovery = Recovery(self, self.spool) if self.spool else None
         self._set_spooled()
@@ -121,6 +139,9 @@ class Service:
         self._stop = asyncio.Event()
         self.bound: dict[str, str] = {}
         self.auth: ServerAuth | None = None
+        self.trainer_peers: PeerTracker | None = None
+        self.engine_peers: PeerTracker | None = None
+        self.sync_owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
         self.failpoints = parse_failpoints(settings.failpoints)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -134,6 +155,8 @@ class Service:
         self.trainer_sock = self._router(s.bind, 2 * max(s.max_frame_bytes, s.max_header_bytes),
                                          "trainer")
         self.engine_sock = self._router(s.engine_bind, 2 * s.max_header_bytes, "engine")
+        self.trainer_peers = PeerTracker(self.trainer_sock)
+        self.engine_peers = PeerTracker(self.engine_sock)
         self.bound = {
             "trainer": self.trainer_sock.getsockopt_string(zmq.LAST_ENDPOINT),
             "engine": self.engine_sock.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -155,6 +178,11 @@ class Service:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(addr)
         return sock
+
+    def _release_locks(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -179,6 +207,10 @@ class Service:
         engine_wait = zmq.asyncio.Socket.from_socket(self.engine_sock)
         poller.register(trainer_wait, zmq.POLLIN)
         poller.register(engine_wait, zmq.POLLIN)
+        monitors = [zmq.asyncio.Socket.from_socket(p.monitor)
+                    for p in (self.trainer_peers, self.engine_peers) if p is not None]
+        for m in monitors:
+            poller.register(m, zmq.POLLIN)
         tick_ms = int(self.settings.tick_interval * 1000)
         last_tick = time.monotonic()
         while not self._stop.is_set():
@@ -188,21 +220,63 @@ class Service:
                 await self._drain_socket(self.engine_sock, self._on_engine)
             if trainer_wait in events:
                 await self._drain_socket(self.trainer_sock, self._on_trainer)
+            if any(m in events for m in monitors):
+                await self._guarded("connections", self._on_disconnects)
             now = time.monotonic()
             if now - last_tick >= self.settings.tick_interval:
                 last_tick = now
-                await self._execute(self.core.tick(now).commands)
-                await self._execute(self.core.maybe_rollback(now).commands)
+                await self._guarded("timer", self._on_tick, now)
             if self.recovery is not None:
-                await self.recovery.pump()
+                await self._guarded("recovery", self.recovery.pump)
+
+    async def _on_tick(self, now: float) -> None:
+        await self._execute(self.core.tick(now).commands)
+        await self._execute(self.core.maybe_rollback(now).commands)
 
     async def _drain_socket(self, sock: zmq.Socket, handler: Any, budget: int = 256) -> None:
+        src = "engine" if sock is self.engine_sock else "trainer"
         for _ in range(budget):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            await handler(frames[0].bytes, frames[1:])
+            peers = self.engine_peers if src == "engine" else self.trainer_peers
+            if peers is not None:
+                peers.seen(frames[0].bytes, frames[0])
+            await self._guarded(src, handler, frames[0].bytes, frames[1:])
+
+    async def _on_disconnects(self) -> None:
+        now = time.monotonic()
+        if self.trainer_peers is not None:
+            for ident in self.trainer_peers.drain():
+                for sync_id, owners in list(self.sync_owners.items()):
+                    owners.discard(ident)
+                    if not owners:
+                        del self.sync_owners[sync_id]
+                        log.warning("trainer_disconnected", sync_id=sync_id)
+                        await self._execute(self.core.handle_trainer_gone(sync_id, now).commands)
+        if self.engine_peers is not None:
+            for ident in self.engine_peers.drain():
+                eid = self.ident_engine.get(ident)
+                if eid is not None:
+                    log.info("engine_disconnected", engine_id=eid)
+
+    async def _guarded(self, src: str, handler: Any, *args: Any) -> None:
+        """The exception boundary of one input (a message or a timer): a bug fails the
+        running sync with INTERNAL, logged once with its traceback; the daemon serves on."""
+        try:
+            await handler(*args)
+        except Exception as exc:
+            log.exception("input_crashed", src=src)
+            await self._fail_internal(src, exc)
+
+    async def _fail_internal(self, src: str, exc: BaseException) -> None:
+        try:
+            res = self.core.handle_internal(f"{src} input: {type(exc).__name__}: {exc}",
+                                            time.monotonic())
+            await self._execute(res.commands)
+        except Exception:  # failing the sync failed too: the state stays, the loop goes on
+            log.exception("internal_failure_unhandled", src=src)
 
     def shutdown(self) -> None:
         try:
@@ -215,10 +289,14 @@ class Service:
                 if isinstance(cmd, fsm.CompleteSync):
                     self._complete_sync_nowait(cmd)
         finally:
+            for peers in (self.trainer_peers, self.engine_peers):
+                if peers is not None:
+                    peers.close()
             for sock in (self.trainer_sock, self.engine_sock):
                 if sock is not None:
                     sock.close(linger=500)
             self.journal.close()
+            self._release_locks()
             if self.auth is not None:
                 self.auth.stop()
             log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
@@ -290,6 +368,9 @@ class Service:
         msg = decoded.msg
         w = Waiter(ident, msg.id)
         now = time.monotonic()
+        sync_id = getattr(msg, "sync_id", None)
+        if sync_id is not None and not isinstance(msg, schema.Abort):
+            self.sync_owners[sync_id].add(ident)  # dropped with the sync or the connection
         try:
             if isinstance(msg, schema.Status):
                 self._reply_ok(w, self.status())
@@ -299,8 +380,8 @@ class Service:
                                    "version": self.core.served_version})
             elif isinstance(msg, schema.Begin):
                 res = self.core.handle_begin(msg, now)
+                await self._execute(res.commands)  # journaled before the trainer hears ok
                 self._reply_ok(w, res.reply or {})
-                await self._execute(res.commands)
             elif isinstance(msg, schema.Bucket):
                 self._check_limits(ident, msg, decoded.payload)
                 await self._on_bucket(w, msg, decoded.payload, now)
@@ -316,8 +397,9 @@ class Service:
             log.info("request_refused", type=msg.TYPE, code=err.code.value, reason=err.message,
                      sync_id=getattr(msg, "sync_id", None))
             self._reply_error(w, err)
-        except Exception as exc:  # our bug: say so to the trainer and keep serving
+        except Exception as exc:  # our bug: fail the sync, tell the trainer, keep serving
             log.exception("request_crashed", type=msg.TYPE)
+            await self._fail_internal("trainer", exc)
             self._reply_error(w, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                             state=self.core.state.value,
                                             version=self.core.served_version))
@@ -337,25 +419,27 @@ class Service:
                              state=self.core.state.value, version=self.core.served_version)
 
     async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
-        sync = self.core.sync
+        sync = self.core.require_sync(msg.sync_id, "bucket")  # a typed cause if it is not running
         if msg.shm is not None:
-            if sync is None or sync.sync_id != msg.sync_id or sync.transport == "inline":
+            if sync.transport == "inline":
                 raise make_error(ErrorCode.BAD_MESSAGE,
                                  "shm bucket, but this sync did not negotiate shared memory "
                                  "(begin with transport=shm|auto from the engines' host)",
                                  state=self.core.state.value, sync_id=msg.sync_id)
             nbytes = msg.shm.size
             frame = None
+            try:  # the same check every engine makes (messages.shm.open_segment)
+                view = self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+            except MessageError as exc:
+                raise make_error(exc.code, f"bucket seq {msg.seq}: {exc.reason}",
+                                 state=self.core.state.value, sync_id=msg.sync_id) from None
             if sync.transport == "mixed":  # cut an inline frame for the engines without shm
-                try:
-                    frame = bytes(self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size))
-                except (OSError, ValueError) as exc:
-                    raise make_error(ErrorCode.BAD_MESSAGE, f"shm bucket unreadable: {exc}",
-                                     state=self.core.state.value, sync_id=msg.sync_id) from None
+                frame = bytes(view)
                 if checksum(frame) != msg.checksum:
                     raise make_error(ErrorCode.CHECKSUM_MISMATCH,
                                      f"bucket seq {msg.seq}: shm checksum mismatch; nothing applied",
                                      state=self.core.state.value, sync_id=msg.sync_id)
+            del view
             # pure shm: the daemon never touches the bytes; every engine verifies the checksum
         else:
             frame = payload[0]
@@ -397,6 +481,18 @@ class Service:
         msg = decoded.msg
         now = time.monotonic()
         if isinstance(msg, schema.Register):
+            holder = self._live_holder(msg, ident)
+            if holder is not None:
+                log.error("duplicate_engine_refused", engine_id=msg.engine_id, host=msg.host,
+                          pid=msg.pid, holder_host=holder.host, holder_pid=holder.pid)
+                self._reply_engine(ident, schema.Error(
+                    id=msg.id, code=ErrorCode.DUPLICATE_ENGINE.value,
+                    message=f"engine id {msg.engine_id!r} is held by a live engine (pid "
+                            f"{holder.pid} on {holder.host or '?'}); give this one another "
+                            f"--engine-id, or stop the other",
+                    state=self.core.state.value,
+                    details={"holder_host": holder.host, "holder_pid": holder.pid}))
+                return
             old = self.engine_ident.get(msg.engine_id)
             if old is not None and old != ident:
                 self.ident_engine.pop(old, None)
@@ -422,6 +518,7 @@ class Service:
                 state=self.core.state.value))
             return
         if isinstance(msg, schema.Loaded):
+            self._failpoint_crash()
             res = self.core.handle_loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), now)
         elif isinstance(msg, schema.Finalized):
             log.info("engine_finalized", engine_id=engine_id, sync_id=msg.sync_id,
@@ -434,6 +531,30 @@ class Service:
         else:
             return
         await self._execute(res.commands)
+
+    def _live_holder(self, msg: schema.Register, ident: bytes) -> Any:
+        """The record of another live process holding `msg.engine_id`, else None. A new
+        registration of the same process (same host and pid, e.g. after a reconnect) or of
+        a dead one (its connection closed, or it missed its heartbeats) is a rejoin."""
+        rec = self.core.engines.get(msg.engine_id)
+        old = self.engine_ident.get(msg.engine_id)
+        if rec is None or old is None or old == ident or rec.state == "LOST":
+            return None
+        if (rec.host, rec.pid) == (msg.host, msg.pid):
+            return None
+        if self.engine_peers is not None and not self.engine_peers.connected(old):
+            return None
+        return rec
+
+    def _failpoint_crash(self) -> None:
+        """Fault injection (tests): a bug inside an engine message's handler."""
+        n = self.failpoints.get("crash_on_loaded")
+        if n is None:
+            return
+        self.failpoints["crash_on_loaded"] = n - 1
+        if n - 1 <= 0:
+            del self.failpoints["crash_on_loaded"]
+            raise RuntimeError("failpoint crash_on_loaded")
 
     # -- the daemon's own requests (rollback), answered through Waiter.on_reply -----------
     async def local_request(self, msg: schema.Bucket | schema.Finish, payload: list[Any],
@@ -516,7 +637,7 @@ class Service:
         load = schema.Load(sync_id=m.sync_id, version=sync.version if sync else 0, seq=m.seq,
                            tensors=m.tensors, checksum=m.checksum, sender=m.sender)
         inline = codec.encode_header(load)
-        by_ref = codec.encode_header(replace(load, shm=m.shm)) if shm_engines else b""
+        by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
         for eid in cmd.engine_ids:
             if eid in shm_engines:
                 self._send_engine(eid, [by_ref])
@@ -533,13 +654,14 @@ class Service:
         if data is None:  # pure shm: the bytes are in the trainer's slot, valid until acked
             try:
                 data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
-            except (OSError, ValueError) as exc:
-                self.spool.fail(f"shm slot unreadable: {exc}")
+            except MessageError as exc:
+                self.spool.fail(f"shm slot unreadable: {exc.reason}")
                 return
         self.spool.add(m.sync_id, m.sender, m.seq, [t.to_wire() for t in m.tensors], m.checksum,
                        getattr(data, "buffer", data))
 
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
+        self.sync_owners.pop(cmd.sync_id, None)
         if self.recovery is not None:
             self.recovery.sync_closed(cmd.sync_id)
         self.shm_reader.close()  # drop mappings of the trainer's segments (they may be unlinked)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ log = structlog.get_logger()
 
 MANIFEST = "manifest.json"
 CURRENT = "current"
+LOCK = ".lock"  # orchestrator.locks: one daemon per spool
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ class Spool:
     def _sweep(self) -> None:
         keep = {self._dir.name} if self._dir else set()
         for p in self.root.iterdir():
-            if p.name == CURRENT or p.name in keep:
+            if p.name in (CURRENT, LOCK) or p.name in keep:
                 continue
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
@@ -113,7 +115,8 @@ class Spool:
     # -- writing ------------------------------------------------------------------------
     def begin(self, sync_id: str, version: int) -> None:
         self.discard()
-        self._incoming = self.root / f"incoming-{sync_id}"
+        # Named by the daemon, never by a peer's id (a sync_id is only data in the manifest).
+        self._incoming = self.root / f"incoming-{uuid.uuid4().hex}"
         self._incoming_sync = sync_id
         self._incoming_entries = []
         self._incoming_failed = None
@@ -164,7 +167,7 @@ class Spool:
                     json.dump(manifest, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
-                final = self.root / f"v{version:012d}-{sync_id[:16]}"
+                final = self.root / f"v{version:020d}-{self._incoming.name[len('incoming-'):][:12]}"
                 os.replace(self._incoming, final)
                 tmp_link = self.root / f".{CURRENT}.tmp"
                 tmp_link.unlink(missing_ok=True)

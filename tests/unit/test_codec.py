@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 import msgpack
 import pytest
@@ -21,7 +21,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
                   probes=(schema.Probe((1, 2), 4, (5, 6, 7, 8)),)), []),
     (schema.Bucket(sync_id="s", seq=0, tensors=(META,), checksum=2**64 - 1, id=3), [b"\0" * 24]),
     (schema.Bucket(sync_id="s", seq=1, tensors=(META,), checksum=7,
-                   shm=schema.ShmRef("seg", 64, 24)), []),
+                   shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 64, 24)), []),
     (schema.Finish(sync_id="s", buckets=4, id=4, digest="ab"), []),
     (schema.Abort(sync_id="s", id=5, reason="r"), []),
     (schema.Status(id=6), []),
@@ -98,7 +98,7 @@ def _code(frames) -> ErrorCode:
     ([_raw(tensors=[{**META.to_wire(), "name": ""}]), b"\0" * 24], "empty name"),
     ([_raw(tensors={"w": 1}), b"\0" * 24], "tensors not an array"),
     ([_raw(tensors=[[1, 2]]), b"\0" * 24], "tensor meta not a map"),
-    ([_raw(shm={"name": "x", "offset": 0, "size": 24}), b"\0" * 24], "shm with payload"),
+    ([_raw(shm={"name": "weightsync.trainer.1.0123456789ab", "offset": 0, "size": 24}), b"\0" * 24], "shm with payload"),
     ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1,
                      "senders": 0})], "zero senders"),
     ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1,
@@ -150,4 +150,4 @@ def test_encoded_bucket_decodes_to_views_with_packed_bytes():
     msg = schema.Bucket(sync_id="s", seq=0, tensors=b.tensors, checksum=b.checksum)
     out = codec.decode(codec.encode(msg, [b.frame()]))
     assert out.msg.tensors == b.tensors and out.msg.checksum == b.checksum
-    assert dataclasses.asdict(out.msg)["tensors"][0]["shape"] == (3, 4)
+    assert msgspec.structs.asdict(out.msg)["tensors"][0].shape == (3, 4)

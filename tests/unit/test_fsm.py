@@ -106,10 +106,10 @@ def fire(o: Orchestrator, trigger: str):
 # (state, trigger) -> resulting state, or an ErrorCode if refused, or None if ignored
 TABLE = {
     (S.IDLE, "begin"): S.LOADING_BUCKETS,
-    (S.IDLE, "bucket"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "finish"): ErrorCode.INVALID_STATE,
     (S.IDLE, "finalized"): None,
-    (S.IDLE, "abort"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "fail"): None,
     (S.LOADING_BUCKETS, "begin"): ErrorCode.INVALID_STATE,
     (S.LOADING_BUCKETS, "bucket"): S.LOADING_BUCKETS,
@@ -124,10 +124,10 @@ TABLE = {
     (S.FINALIZING, "abort"): S.IDLE,
     (S.FINALIZING, "fail"): S.IDLE,
     (S.READY, "begin"): S.LOADING_BUCKETS,
-    (S.READY, "bucket"): ErrorCode.INVALID_STATE,
+    (S.READY, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "finish"): ErrorCode.INVALID_STATE,
     (S.READY, "finalized"): None,
-    (S.READY, "abort"): ErrorCode.INVALID_STATE,
+    (S.READY, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "fail"): None,
 }
 

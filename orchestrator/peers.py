@@ -1,0 +1,64 @@
+"""Which peers of a ROUTER socket are still connected.
+
+Rules: ZeroMQ hides connections behind routing ids, and libzmq's ROUTER_NOTIFY is a
+draft API the released wheels lack. So each received message's source fd (`SRCFD`)
+is noted against its routing id, and the socket's monitor reports `DISCONNECTED` by
+fd: the routing ids last seen on that fd are gone. The monitor socket is read by the
+task that owns the ROUTER, like the ROUTER itself. A disconnect is a fact about a
+connection, never a verdict: callers decide what it means (a grace period, a check).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+
+class PeerTracker:
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor: zmq.Socket = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock = sock
+        self._fd_of: dict[bytes, int] = {}
+        self._on_fd: dict[int, set[bytes]] = {}
+
+    def seen(self, ident: bytes, frame: Any) -> None:
+        """A message from `ident` arrived in `frame` (a zmq.Frame received copy=False)."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError, TypeError):
+            return
+        old = self._fd_of.get(ident)
+        if old == fd:
+            return
+        if old is not None:
+            self._on_fd.get(old, set()).discard(ident)
+        self._fd_of[ident] = fd
+        self._on_fd.setdefault(fd, set()).add(ident)
+
+    def connected(self, ident: bytes) -> bool:
+        """False once a disconnect of `ident`'s last connection was reported."""
+        return ident in self._fd_of
+
+    def drain(self) -> list[bytes]:
+        """Routing ids whose connection closed since the last call."""
+        gone: list[bytes] = []
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return gone
+            event = parse_monitor_message(frames)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            for ident in self._on_fd.pop(int(event["value"]), set()):
+                self._fd_of.pop(ident, None)
+                gone.append(ident)
+
+    def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
