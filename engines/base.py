@@ -1,4 +1,4 @@
-"""The `Engine` protocol (DESIGN.md section 5): what the worker loop drives.
+"""The `Engine` protocol (docs/ARCHITECTURE.md, engines): what the worker loop drives.
 
 Rules: `load` validates every tensor of a bucket (name, shape, dtype) before it touches a
 parameter, then copies in place (parameter storage and `data_ptr` stay the same), and

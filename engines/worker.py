@@ -185,6 +185,7 @@ class Worker:
         self._next_id = 0
         self.registered = False
         self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
+        self._reregister_sent = False
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -342,10 +343,14 @@ class Worker:
                 applier.submit("abort", msg)
         elif isinstance(msg, schema.Ok):
             if msg.body.get("known") is False:
+                if self._reregister_sent:  # heartbeats queued while the daemon was away
+                    return
+                self._reregister_sent = True
                 log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
                 self._send(self._register_msg())
             elif "daemon_state" in msg.body:
                 self.registered = True
+                self._reregister_sent = False
                 log.info("engine_registration_acknowledged", engine_id=self.engine_id,
                          state=msg.body.get("state"), daemon_state=msg.body.get("daemon_state"))
         elif isinstance(msg, schema.Error):

@@ -16,7 +16,7 @@ class ErrorCode(str, Enum):
     UNSUPPORTED_PROTOCOL = "UNSUPPORTED_PROTOCOL"
     INVALID_STATE = "INVALID_STATE"
     UNKNOWN_SYNC = "UNKNOWN_SYNC"
-    ABORTED = "ABORTED"  # the trainer aborted its own sync (not in DESIGN.md's first list)
+    ABORTED = "ABORTED"  # the trainer (or an operator) aborted the sync
     STALE_VERSION = "STALE_VERSION"
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     UNKNOWN_TENSOR = "UNKNOWN_TENSOR"

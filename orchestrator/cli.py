@@ -1,4 +1,4 @@
-"""The `weightsync` command (DESIGN.md section 6).
+"""The `weightsync` command (see docs/ and README: serve, engine, push, status, abort, keys, demo).
 
 Exit codes: 0 ok, 2 usage or configuration error, 3 startup failure, 4 sync failed (or a
 request refused: the message carries the error code), 130 interrupted.

@@ -82,16 +82,24 @@ FAILPOINTS = {
     "duplicate_finalize": "daemon: send every finalize to its engine twice",
     "finalize_sleep": "engine: sleep this many seconds before the post-load step",
     "crash_on_loaded": "daemon: raise inside the handler of the Nth engine `loaded` message",
+    "kill_after_persisted": "daemon: SIGKILL itself once the journal/spool writes of the batch "
+                            "caused by this message type (begin, finish, loaded, ...) are durable",
+    "kill_after_told": "daemon: SIGKILL itself once the engines were told of that batch, "
+                       "before any reply",
 }
 
 
-def parse_failpoints(text: str) -> dict[str, float]:
-    """`"a=1,b"` -> {"a": 1.0, "b": 1.0}; unknown names are a ConfigError."""
-    out: dict[str, float] = {}
+def parse_failpoints(text: str) -> dict[str, Any]:
+    """`"a=1,b,c=finish"` -> {"a": 1.0, "b": 1.0, "c": "finish"}; unknown names are a
+    ConfigError."""
+    out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, _, value = item.partition("=")
         if name not in FAILPOINTS:
             raise ConfigError(f"unknown failpoint {name!r} (known: {', '.join(FAILPOINTS)})")
+        if name.startswith("kill_after_"):
+            out[name] = value
+            continue
         try:
             out[name] = float(value) if value else 1.0
         except ValueError:

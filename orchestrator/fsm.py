@@ -1,4 +1,4 @@
-"""The orchestrator's state machine (DESIGN.md section 2). Pure: no sockets, no asyncio,
+"""The orchestrator's state machine (docs/ARCHITECTURE.md). Pure: no sockets, no asyncio,
 no torch.
 
 Rules (h11 style): the service feeds decoded messages and the clock in; this module
@@ -402,7 +402,10 @@ class Orchestrator:
 
     def _ended_note(self, sync_id: str) -> str:
         ended = self.ended.get(sync_id)
-        return f" (sync {sync_id!r} already ended: {ended[1]})" if ended else ""
+        if ended is None:
+            return ""
+        return f" (sync {sync_id!r} " + ("already completed (READY))" if ended[0] is None
+                                         else f"already ended: {ended[1]})")
 
     def remember_ended(self, sync_id: str, code: str | None, reason: str) -> None:
         if code is not None and code not in ErrorCode.__members__:

@@ -16,6 +16,8 @@ with a typed `error`; the FSM raised before changing anything.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import os
 import signal
 import socket as pysocket
 import time
@@ -42,8 +44,15 @@ from orchestrator.locks import lock_state
 from orchestrator.peers import PeerTracker
 from orchestrator.recovery import Recovery
 from orchestrator.spool import Spool
+from orchestrator.storage import Storage
 
 log = structlog.get_logger()
+
+# Set inside a batch's continuation task (a ContextVar is per task): a batch nested in it
+# runs inline instead of queueing behind the batch it is part of.
+IN_EFFECTS: contextvars.ContextVar[bool] = contextvars.ContextVar("in_effects", default=False)
+PERSIST = (fsm.Journal, fsm.SpoolBegin, fsm.SpoolCommit, fsm.SpoolDiscard)
+REPLY = (fsm.AckBucket, fsm.CompleteSync)
 
 TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
 ENGINE_TYPES = ("register", "heartbeat", "loaded", "finalized", "failed")
@@ -142,6 +151,10 @@ class Service:
         self.trainer_peers: PeerTracker | None = None
         self.engine_peers: PeerTracker | None = None
         self.sync_owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
+        self.storage = Storage()
+        self._tail: asyncio.Future | None = None  # the last batch whose effects are pending
+        self._effects: set[asyncio.Task] = set()
+        self._batch_trigger = ""
         self.failpoints = parse_failpoints(settings.failpoints)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -280,10 +293,11 @@ class Service:
 
     def shutdown(self) -> None:
         try:
+            self.storage.close()  # what was submitted is written; then the journal is ours
             res = self.core.handle_shutdown(time.monotonic())
             for cmd in res.commands:
                 if isinstance(cmd, fsm.Journal):
-                    self._journal(cmd)
+                    self._persist_job(cmd)()
             # Best effort: tell waiting trainers and engines before the sockets close.
             for cmd in res.commands:
                 if isinstance(cmd, fsm.CompleteSync):
@@ -368,6 +382,7 @@ class Service:
         msg = decoded.msg
         w = Waiter(ident, msg.id)
         now = time.monotonic()
+        self._batch_trigger = msg.TYPE
         sync_id = getattr(msg, "sync_id", None)
         if sync_id is not None and not isinstance(msg, schema.Abort):
             self.sync_owners[sync_id].add(ident)  # dropped with the sync or the connection
@@ -380,8 +395,9 @@ class Service:
                                    "version": self.core.served_version})
             elif isinstance(msg, schema.Begin):
                 res = self.core.handle_begin(msg, now)
-                await self._execute(res.commands)  # journaled before the trainer hears ok
-                self._reply_ok(w, res.reply or {})
+                body = res.reply or {}
+                # journaled before the trainer hears ok
+                await self._execute(res.commands, then=lambda: self._reply_ok(w, body))
             elif isinstance(msg, schema.Bucket):
                 self._check_limits(ident, msg, decoded.payload)
                 await self._on_bucket(w, msg, decoded.payload, now)
@@ -391,8 +407,8 @@ class Service:
                 await self._execute(res.commands)
             elif isinstance(msg, schema.Abort):
                 res = self.core.handle_abort(msg.sync_id, msg.reason, now)
-                await self._execute(res.commands)
-                self._reply_ok(w, res.reply or {})
+                body = res.reply or {}
+                await self._execute(res.commands, then=lambda: self._reply_ok(w, body))
         except WeightSyncError as err:
             log.info("request_refused", type=msg.TYPE, code=err.code.value, reason=err.message,
                      sync_id=getattr(msg, "sync_id", None))
@@ -464,8 +480,7 @@ class Service:
             self.bucket_waiters[pkey].append(w)
         self.stats.buckets += 1
         self.stats.bytes_in += nbytes
-        await self._execute(res.commands)
-        self.pending.pop(pkey, None)  # forwarded: ZeroMQ holds its own reference now
+        await self._execute(res.commands)  # _forward drops the pending frame once sent
 
     # -- engine side --------------------------------------------------------------------
     async def _on_engine(self, ident: bytes, frames: list[Any]) -> None:
@@ -480,6 +495,7 @@ class Service:
             return
         msg = decoded.msg
         now = time.monotonic()
+        self._batch_trigger = msg.TYPE
         if isinstance(msg, schema.Register):
             holder = self._live_holder(msg, ident)
             if holder is not None:
@@ -582,43 +598,134 @@ class Service:
         return self.core.set_spooled(fsm.Spooled(info.version, info.digest, info.buckets) if info else None)
 
     # -- commands -----------------------------------------------------------------------
-    async def _execute(self, commands: list[fsm.Command]) -> None:
-        for cmd in commands:
-            if isinstance(cmd, fsm.ForwardBucket):
-                self._forward(cmd)
-            elif isinstance(cmd, fsm.AckBucket):
+    # -- effects: persist -> tell engines -> reply ------------------------------------------
+    async def _execute(self, commands: list[fsm.Command],
+                       then: Callable[[], None] | None = None) -> None:
+        """Run one input's commands in the order of the trust boundary: journal and spool
+        writes first (on the storage thread, durable), then the engines, then the replies
+        (`then` is this input's own reply). A batch with something to persist continues
+        in a task once the storage thread is done, so the loop serves on meanwhile; batches
+        keep their order (each waits for the one before)."""
+        persist = [self._persist_job(c) for c in commands if isinstance(c, PERSIST)]
+        persist += [job for c in commands if isinstance(c, fsm.ForwardBucket)
+                    for job in self._spool_job(c)]
+        rest = [c for c in commands if not isinstance(c, PERSIST)]
+        trigger = self._batch_trigger
+        if IN_EFFECTS.get() or (not persist and self._tail is None):
+            if persist:  # nested in a running batch: persist, in order, then go on
+                await self.storage.submit(persist)
+            await self._tell_and_reply(rest, commands, then, trigger)
+            return
+        prev, done = self._tail, asyncio.get_running_loop().create_future()
+        self._tail = done
+        job = self.storage.submit(persist) if persist else None
+        self._effects.add(asyncio.create_task(
+            self._continue(prev, job, rest, commands, then, done, trigger)))
+
+    async def _continue(self, prev: asyncio.Future | None, job: asyncio.Future | None,
+                        rest: list[fsm.Command], commands: list[fsm.Command],
+                        then: Callable[[], None] | None, done: asyncio.Future,
+                        trigger: str) -> None:
+        try:
+            if prev is not None:
+                await asyncio.shield(prev)
+            IN_EFFECTS.set(True)  # this task's context only: nested batches run inline
+            if job is not None:
+                await job
+                self._failpoint_kill("persisted", trigger)
+            await self._tell_and_reply(rest, commands, then, trigger)
+        except Exception as exc:
+            log.exception("effects_failed")
+            await self._fail_internal("effects", exc)
+        finally:
+            done.set_result(None)
+            if self._tail is done:
+                self._tail = None
+            self._effects.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def _tell_and_reply(self, rest: list[fsm.Command], commands: list[fsm.Command],
+                              then: Callable[[], None] | None, trigger: str = "") -> None:
+        if any(isinstance(c, fsm.SpoolCommit) for c in commands):
+            await self._execute(self._set_spooled().commands)  # stale engines catch up now
+        for cmd in rest:
+            if not isinstance(cmd, REPLY):
+                await self._tell(cmd)
+        if rest:
+            self._failpoint_kill("told", trigger)
+        for cmd in rest:
+            if isinstance(cmd, fsm.AckBucket):
                 for w in self.bucket_waiters.pop((cmd.sync_id, cmd.key), []):
                     self._reply_ok(w, {"seq": cmd.key[1], "sender": cmd.key[0]})
-            elif isinstance(cmd, fsm.SendFinalize):
-                header = codec.encode_header(schema.Finalize(sync_id=cmd.sync_id, version=cmd.version,
-                                                             probes=cmd.probes))
-                if not self._send_engine(cmd.engine_id, [header]):
-                    await self._execute(self.core.tick(time.monotonic()).commands)
-                elif self.failpoints.get("duplicate_finalize"):  # fault injection (tests)
-                    self._send_engine(cmd.engine_id, [header])
-            elif isinstance(cmd, fsm.SendAbort):
-                header = codec.encode_header(schema.Abort(sync_id=cmd.sync_id))
-                for eid in cmd.engine_ids:
-                    self._send_engine(eid, [header])
             elif isinstance(cmd, fsm.CompleteSync):
                 self._complete_sync_nowait(cmd)
-            elif isinstance(cmd, fsm.Journal):
-                self._journal(cmd)
-            else:
-                await self._execute_recovery(cmd)
+        if then is not None:
+            then()
 
-    async def _execute_recovery(self, cmd: fsm.Command) -> None:
-        spool, rec = self.spool, self.recovery
-        if spool is None or rec is None:  # the FSM only asks for these with a spool
+    async def drain_effects(self) -> None:
+        """Wait until every pending batch has run (shutdown, tests)."""
+        while self._tail is not None:
+            await asyncio.shield(self._tail)
+
+    def _persist_job(self, cmd: fsm.Command) -> Callable[[], None]:
+        """A closure for the storage thread: it captures now what it needs from the loop."""
+        if isinstance(cmd, fsm.Journal):
+            dirty = self.core.dirty
+            if cmd.kind == "transition":
+                d = cmd.data
+                log.info("state_changed", src=d["from"], dst=d["to"], trigger=d["trigger"],
+                         version=d.get("version"), sync_id=d.get("sync_id"), code=d.get("code"))
+                return lambda: self.journal.transition(d, dirty)
+            return lambda: self.journal.sync(cmd.data)
+        spool = self.spool
+        if spool is None:  # the FSM only asks for these with a spool
             raise make_error(ErrorCode.INTERNAL, f"{type(cmd).__name__} without a spool")
         if isinstance(cmd, fsm.SpoolBegin):
-            spool.begin(cmd.sync_id, cmd.version)
-        elif isinstance(cmd, fsm.SpoolCommit):
-            spool.commit(cmd.sync_id, cmd.version, cmd.digest)
-            await self._execute(self._set_spooled().commands)
-        elif isinstance(cmd, fsm.SpoolDiscard):
-            spool.discard(cmd.sync_id)
-        elif isinstance(cmd, fsm.StartRollback):
+            return lambda: spool.begin(cmd.sync_id, cmd.version)
+        if isinstance(cmd, fsm.SpoolCommit):
+            return lambda: spool.commit(cmd.sync_id, cmd.version, cmd.digest)
+        if isinstance(cmd, fsm.SpoolDiscard):
+            return lambda: spool.discard(cmd.sync_id)
+        raise make_error(ErrorCode.INTERNAL, f"not a storage command: {cmd!r}")
+
+    def _spool_job(self, cmd: fsm.ForwardBucket) -> list[Callable[[], None]]:
+        """The spool write of a bucket, before any engine is told of it."""
+        sync, spool = self.core.sync, self.spool
+        p = self.pending.get((cmd.sync_id, cmd.key))
+        if spool is None or sync is None or sync.kind != "sync" or p is None:
+            return []
+        m, data = p.msg, p.frame
+        if data is None:  # pure shm: the bytes are in the trainer's slot, valid until acked
+            try:
+                data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
+            except MessageError as exc:
+                reason = f"shm slot unreadable: {exc.reason}"
+                return [lambda: spool.fail(reason)]
+        buf = getattr(data, "buffer", data)
+        metas = [t.to_wire() for t in m.tensors]
+        return [lambda: spool.add(m.sync_id, m.sender, m.seq, metas, m.checksum, buf)]
+
+    async def _tell(self, cmd: fsm.Command) -> None:
+        if isinstance(cmd, fsm.ForwardBucket):
+            self._forward(cmd)
+        elif isinstance(cmd, fsm.SendFinalize):
+            header = codec.encode_header(schema.Finalize(sync_id=cmd.sync_id, version=cmd.version,
+                                                         probes=cmd.probes))
+            if not self._send_engine(cmd.engine_id, [header]):
+                await self._execute(self.core.tick(time.monotonic()).commands)
+            elif self.failpoints.get("duplicate_finalize"):  # fault injection (tests)
+                self._send_engine(cmd.engine_id, [header])
+        elif isinstance(cmd, fsm.SendAbort):
+            header = codec.encode_header(schema.Abort(sync_id=cmd.sync_id))
+            for eid in cmd.engine_ids:
+                self._send_engine(eid, [header])
+        else:
+            self._recovery_command(cmd)
+
+    def _recovery_command(self, cmd: fsm.Command) -> None:
+        rec = self.recovery
+        if rec is None:  # the FSM only asks for these with a spool
+            raise make_error(ErrorCode.INTERNAL, f"{type(cmd).__name__} without a spool")
+        if isinstance(cmd, fsm.StartRollback):
             rec.start_rollback(cmd)
         elif isinstance(cmd, fsm.StartCatchUp):
             rec.start_catchup(cmd)
@@ -626,6 +733,15 @@ class Service:
             rec.catchup_acked(cmd)
         elif isinstance(cmd, fsm.CatchUpDone):
             rec.catchup_done(cmd)
+        else:
+            raise make_error(ErrorCode.INTERNAL, f"unknown command {cmd!r}")
+
+    def _failpoint_kill(self, step: str, trigger: str) -> None:
+        """Fault injection (tests): SIGKILL this daemon right after a batch's `step`
+        ("persisted" or "told") when the batch is the one named by `kill_after_STEP`."""
+        want = self.failpoints.get(f"kill_after_{step}")
+        if want is not None and trigger == want:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _forward(self, cmd: fsm.ForwardBucket) -> None:
         p = self.pending.get((cmd.sync_id, cmd.key))
@@ -643,22 +759,10 @@ class Service:
                 self._send_engine(eid, [by_ref])
             else:
                 self._send_engine(eid, [inline, p.frame])
-        if self.spool is not None and sync is not None and sync.kind == "sync":
-            self._spool_bucket(m, p.frame)
+        self.pending.pop((cmd.sync_id, cmd.key), None)  # ZeroMQ holds its own reference now
         log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq,
                   nbytes=m.shm.size if m.shm else len(p.frame), engines=len(cmd.engine_ids),
                   shm_engines=len(shm_engines))
-
-    def _spool_bucket(self, m: schema.Bucket, frame: Any) -> None:
-        data = frame
-        if data is None:  # pure shm: the bytes are in the trainer's slot, valid until acked
-            try:
-                data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
-            except MessageError as exc:
-                self.spool.fail(f"shm slot unreadable: {exc.reason}")
-                return
-        self.spool.add(m.sync_id, m.sender, m.seq, [t.to_wire() for t in m.tensors], m.checksum,
-                       getattr(data, "buffer", data))
 
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
         self.sync_owners.pop(cmd.sync_id, None)
@@ -690,15 +794,6 @@ class Service:
             log.info("sync_completed", sync_id=cmd.sync_id, version=body.get("version"),
                      buckets=body.get("buckets"), nbytes=body.get("bytes"),
                      seconds=body.get("seconds"), engines=len(body.get("engines", [])))
-
-    def _journal(self, cmd: fsm.Journal) -> None:
-        if cmd.kind == "transition":
-            self.journal.transition(cmd.data, self.core.dirty)
-            log.info("state_changed", src=cmd.data["from"], dst=cmd.data["to"],
-                     trigger=cmd.data["trigger"], version=cmd.data.get("version"),
-                     sync_id=cmd.data.get("sync_id"), code=cmd.data.get("code"))
-        else:
-            self.journal.sync(cmd.data)
 
     def status(self) -> dict[str, Any]:
         snap = self.core.snapshot()

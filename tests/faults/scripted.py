@@ -48,8 +48,19 @@ class Peer:
                 return m
 
     def request(self, msg: schema.Message, payload: tuple[Any, ...] = (), timeout: float = 5.0) -> Any:
-        self.send(msg, payload)
-        return self.recv_type((schema.Ok, schema.Error), timeout)  # type: ignore[arg-type]
+        """Send `msg` under a fresh id; its reply (others still in flight are skipped)."""
+        import msgspec
+
+        self._id += 1
+        self.send(msgspec.structs.replace(msg, id=self._id), payload)
+        while True:
+            reply = self.recv_type((schema.Ok, schema.Error), timeout)  # type: ignore[arg-type]
+            if reply.id == self._id:
+                return reply
+
+    def drain(self) -> None:
+        while self.recv(0.0) is not None:
+            pass
 
     def close(self) -> None:
         self.sock.close(linger=0)

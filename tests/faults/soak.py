@@ -45,6 +45,7 @@ class Soak:
         self.version = 0
         self.counts: Counter[str] = Counter()
         self.wrong_digest = 0
+        self.failures: list[dict[str, Any]] = []  # each failed sync: fault, code and cause
 
     # -- one sync -----------------------------------------------------------------------
     def weights(self, v: int) -> dict:
@@ -87,6 +88,11 @@ class Soak:
         except WeightSyncError as err:
             self.counts["failed"] += 1
             self.counts[f"code:{err.code.value}"] += 1
+            self.failures.append({"version": v, "fault": fault, "code": err.code.value,
+                                  "message": err.message, "state": err.state,
+                                  "details": err.details or {}})
+            if not explained(err):
+                self.counts["unexplained"] += 1
         self.settle()
 
     def inject(self, fault: str, c: Any, sid: str, bucket: Any) -> None:
@@ -166,6 +172,15 @@ class Soak:
         return doubles
 
 
+def explained(err: Any) -> bool:
+    """A failure names its cause: any code but a bare INVALID_STATE, or an INVALID_STATE
+    that says which sync ended how, or which sync or rollback is in the way."""
+    if err.code.value != "INVALID_STATE":
+        return True
+    return any(w in err.message for w in ("already ended", "already completed", "running",
+                                          "rolling"))
+
+
 def leaked_processes(workdir: Path) -> int:
     import psutil
 
@@ -202,7 +217,8 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
             "leaked_processes": leaked, "leaked_shm_segments": len(leaked_shm),
             "seconds": round(time.monotonic() - t0, 1),
             "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
-            "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")}}
+            "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")},
+            "unexplained_failures": soak.counts["unexplained"], "failures": soak.failures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args.syncs, args.seed, args.fault_rate)
     print(f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']}, rolled back {r['rolled_back']}, "
           f"unsettled {r['unsettled']} ({r['seconds']} s)")
-    print(f"faults injected: {r['faults']}; error codes: {r['codes']}")
+    print(f"faults injected: {r['faults']}; error codes: {r['codes']}; "
+          f"unexplained failures {r['unexplained_failures']}")
     print(f"double finalizes {r['double_finalizes']}, READY with wrong digest "
           f"{r['ready_with_wrong_digest']}, leaked processes {r['leaked_processes']}, "
           f"leaked /dev/shm segments {r['leaked_shm_segments']}")
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
     bad = (r["double_finalizes"] or r["ready_with_wrong_digest"] or r["leaked_processes"]
-           or r["leaked_shm_segments"] or r["unsettled"])
+           or r["leaked_shm_segments"] or r["unsettled"] or r["unexplained_failures"])
     return 1 if bad else 0
 
 
