@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from messages.errors import WeightSyncError
 from messages.schema import Finalized, ParamSpec, Probe
 
-@dataclass(slots=True)
+
+class EngineState(str, Enum):
+    """An engine's lifecycle, driven by fsm.ENGINE_TRANSITIONS (its own machine)."""
+
+    STALE = "STALE"  # holds no verified version (new, failed, or mid-sync when it broke)
+    JOINING = "JOINING"  # being brought to the served version from the spool
+    LOADING = "LOADING"  # a participant of the running sync
+    FINALIZING = "FINALIZING"  # told to run its post-load step
+    READY = "READY"  # serves the daemon's version, digest verified
+    LOST = "LOST"  # missed its heartbeats
+
+
+@dataclass(eq=False)  # not slots: the engine machine adds its trigger methods to the record
 class EngineRecord:
     engine_id: str
     backend: str
@@ -16,7 +29,7 @@ class EngineRecord:
     host: str = ""
     pid: int | None = None
     transports: tuple[str, ...] = ("inline",)
-    state: str = "STALE"  # STALE | LOADING | FINALIZING | READY | LOST
+    state: EngineState = EngineState.STALE
     version: int | None = None
     digest: str | None = None
     finalize_count: int = 0
@@ -26,7 +39,7 @@ class EngineRecord:
     probes: tuple[tuple[int, ...], ...] = ()
 
     def view(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state,
+        return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state.value,
                 "version": self.version, "digest": self.digest,
                 "finalize_count": self.finalize_count, "model": self.model,
                 "host": self.host, "pid": self.pid, "transports": list(self.transports)}
@@ -57,11 +70,11 @@ class SyncRecord:
     finalized: dict[str, Finalized] = field(default_factory=dict)
     finalize_started: float | None = None
     nbytes: int = 0
-    error: WeightSyncError | None = None
     shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
     transport: str = "inline"
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
+    error: WeightSyncError | None = None  # why it failed (set as it closes)
     names: set[str] = field(default_factory=set)  # tensor names sent so far (completeness)
     trainer_lost_at: float | None = None  # the trainer's connection closed (grace running)
 

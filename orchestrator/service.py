@@ -243,8 +243,7 @@ class Service:
                 await self._guarded("recovery", self.recovery.pump)
 
     async def _on_tick(self, now: float) -> None:
-        await self._execute(self.core.tick(now).commands)
-        await self._execute(self.core.maybe_rollback(now).commands)
+        await self._execute(self.core.tick(now).commands)  # deadlines, lost engines, rollback
 
     async def _drain_socket(self, sock: zmq.Socket, handler: Any, budget: int = 256) -> None:
         src = "engine" if sock is self.engine_sock else "trainer"

@@ -98,7 +98,7 @@ def fire(o: Orchestrator, trigger: str):
         return res
     if trigger == "abort":
         return o.handle_abort(sid, "test", 2.0)
-    if trigger == "fail":
+    if trigger == "failed":
         return o.handle_failed("e0", Failed(sync_id=sid, code="SHAPE_MISMATCH", message="x"), 2.0)
     raise ValueError(trigger)
 
@@ -110,25 +110,25 @@ TABLE = {
     (S.IDLE, "finish"): ErrorCode.INVALID_STATE,
     (S.IDLE, "finalized"): None,
     (S.IDLE, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
-    (S.IDLE, "fail"): None,
+    (S.IDLE, "failed"): None,
     (S.LOADING_BUCKETS, "begin"): ErrorCode.INVALID_STATE,
     (S.LOADING_BUCKETS, "bucket"): S.LOADING_BUCKETS,
     (S.LOADING_BUCKETS, "finish"): S.FINALIZING,
     (S.LOADING_BUCKETS, "finalized"): None,
     (S.LOADING_BUCKETS, "abort"): S.IDLE,
-    (S.LOADING_BUCKETS, "fail"): S.IDLE,
+    (S.LOADING_BUCKETS, "failed"): S.IDLE,
     (S.FINALIZING, "begin"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "bucket"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "finish"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "finalized"): S.READY,
     (S.FINALIZING, "abort"): S.IDLE,
-    (S.FINALIZING, "fail"): S.IDLE,
+    (S.FINALIZING, "failed"): S.IDLE,
     (S.READY, "begin"): S.LOADING_BUCKETS,
     (S.READY, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "finish"): ErrorCode.INVALID_STATE,
     (S.READY, "finalized"): None,
     (S.READY, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
-    (S.READY, "fail"): None,
+    (S.READY, "failed"): None,
 }
 
 

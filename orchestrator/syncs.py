@@ -1,0 +1,81 @@
+"""Pure questions about one sync's record: is it complete, which tensors are missing, did
+the canaries match, how do its buckets travel, what does its summary say. No state
+changes here: the core (fsm.py) asks, then its table decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from messages.schema import Begin, Probe
+from orchestrator.records import EngineRecord, SyncRecord
+
+
+def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:
+    """Why `s` cannot finalize with `finished` (sender -> announced count), or None."""
+    if len(finished) < s.senders:
+        return f"{s.senders - len(finished)} sender(s) have not finished"
+    total = 0
+    for sender, count in finished.items():
+        have = {seq for (snd, seq) in s.buckets if snd == sender}
+        missing = sorted(set(range(count)) - have)
+        extra = sorted(have - set(range(count)))
+        if missing:
+            return f"sender {sender}: missing bucket seq {missing[:8]} of {count}"
+        if extra:
+            return f"sender {sender}: got seq {extra[:8]} beyond the {count} announced"
+        total += count
+    if s.expected_buckets is not None and total != s.expected_buckets:
+        return f"{total} buckets announced, begin expected {s.expected_buckets}"
+    pending = [k for k, b in s.buckets.items() if not b.done]
+    if pending:
+        return f"{len(pending)} bucket(s) not yet applied by every engine"
+    return None
+
+
+def missing_tensors(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[str, list[str]] | None:
+    """The first engine (by id) with tensors this sync never sent, and which."""
+    for eid in s.participants:
+        names = sorted(n for n in engines[eid].spec if n not in s.names)
+        if names:
+            return eid, names
+    return None
+
+
+def canary_mismatch(probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]
+                    ) -> tuple[int, int, int | None, int | None] | None:
+    """(probe index, first differing position, got, expected) or None if all match."""
+    for i, p in enumerate(probes):
+        if p.expected is None:
+            continue
+        out = got[i] if i < len(got) else ()
+        exp = p.expected
+        for pos in range(max(len(out), len(exp))):
+            a = out[pos] if pos < len(out) else None
+            b = exp[pos] if pos < len(exp) else None
+            if a != b:
+                return i, pos, a, b
+    return None
+
+
+def plan_transport(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord],
+                   daemon_host: str) -> tuple[tuple[str, ...], str]:
+    """Which engines read this sync's buckets from the trainer's shared memory.
+
+    shm needs the engine on the trainer's host and advertising "shm". The others get
+    inline frames that the daemon cuts from the trainer's segment, so a mixed sync needs
+    the daemon on the trainer's host too. Otherwise: inline for all.
+    """
+    if msg.transport not in ("shm", "auto") or not msg.host:
+        return (), "inline"
+    able = tuple(e for e in participants
+                 if engines[e].host == msg.host and "shm" in engines[e].transports)
+    if not able or (len(able) < len(participants) and daemon_host != msg.host):
+        return (), "inline"
+    return able, "shm" if len(able) == len(participants) else "mixed"
+
+
+def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
+    return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
+            "buckets": len(s.buckets), "bytes": s.nbytes, "seconds": round(now - s.started_at, 6),
+            "engine_ids": list(s.participants)}
