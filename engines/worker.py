@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import deque
 import socket as pysocket
 import threading
 import time
@@ -186,6 +187,7 @@ class Worker:
         self.registered = False
         self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
         self._reregister_sent = False
+        self._outq: deque[list[Any]] = deque()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -232,6 +234,7 @@ class Worker:
         try:
             while not self._stop.is_set():
                 link.pump()
+                self._flush()
                 if link.failure is not None and link.failure != told:
                     told = link.failure  # a CURVE refusal is final until the keys change
                     log.error("handshake_refused", connect=self.connect, reason=link.failure)
@@ -257,7 +260,8 @@ class Worker:
                             break
                         self._on_message(frames, applier)
                 if time.monotonic() >= next_hb:
-                    self._send(schema.Heartbeat(engine_id=self.engine_id, id=self._id()))
+                    if not self._outq:  # a heartbeat queued behind others would say nothing
+                        self._send(schema.Heartbeat(engine_id=self.engine_id, id=self._id()))
                     next_hb = time.monotonic() + self.heartbeat_interval
         finally:
             applier.stop()
@@ -272,7 +276,19 @@ class Worker:
                      finalize_count=self.engine.finalize_count)
 
     def _send(self, msg: schema.Message, payload: tuple[Any, ...] = ()) -> None:
-        self.sock.send_multipart(codec.encode(msg, payload), copy=False)
+        """Queue and send without blocking: with no live connection (no daemon yet, a
+        refused CURVE key) a DEALER has nowhere to put a message, and a blocking send would
+        stop heartbeats, logs and SIGTERM handling. The loop flushes what is queued."""
+        self._outq.append(codec.encode(msg, payload))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._outq:
+            try:
+                self.sock.send_multipart(self._outq[0], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outq.popleft()
 
     def _drain_results(self, applier: Applier) -> None:
         while True:

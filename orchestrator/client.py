@@ -166,7 +166,21 @@ class TrainerClient:
         return self._next_id
 
     def _send(self, msg: schema.Message, payload: Sequence[Any] = ()) -> None:
-        self._sock.send_multipart(codec.encode(msg, payload), copy=False)
+        """Send without ever blocking for good: a DEALER with no live connection (nothing
+        listens, or each CURVE handshake fails) has no pipe to queue on, and a plain send
+        would wait forever. Wait for room while the socket monitor can still say why not."""
+        frames = codec.encode(msg, payload)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self._link.check()  # UNREACHABLE / UNAUTHORIZED as soon as the monitor knows
+                if time.monotonic() >= deadline:
+                    raise make_error(ErrorCode.TIMEOUT, f"could not send to {self.addr} within "
+                                     f"{self.timeout}s (no connection)") from None
+                self._sock.poll(100, zmq.POLLOUT)
 
     def _recv(self, timeout: float) -> schema.Message | None | _Reconnected:
         """The next reply; None when `timeout` passes; RECONNECTED when the connection was
