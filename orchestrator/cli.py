@@ -17,12 +17,13 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from messages.errors import WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings,
                                  parse_failpoints)
+
+from orchestrator.tables import history_table, status_table
 
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
 
@@ -240,32 +241,6 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.replace("-", "_")] = value
     return out
-
-
-def status_table(st: dict[str, Any]) -> Table:
-    sync = st.get("sync")
-    title = (f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  "
-             f"dirty={st.get('dirty')}")
-    if sync:
-        title += f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets {sync['bytes']} B"
-    t = Table(title=title, title_justify="left")
-    for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
-        t.add_column(col)
-    for e in st.get("engines", []):
-        t.add_row(*[str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
-                    for c in ("engine_id", "backend", "state", "version", "finalize_count",
-                              "digest", "host", "pid")])
-    return t
-
-
-def history_table(st: dict[str, Any], n: int = 10) -> Table:
-    t = Table(title="recent transitions", title_justify="left")
-    for col in ("at", "from", "to", "trigger", "version", "code"):
-        t.add_column(col)
-    for h in st.get("history", [])[-n:]:
-        at = time.strftime("%H:%M:%S", time.localtime(h["at"])) if h.get("at") else ""
-        t.add_row(at, h["from"], h["to"], h["trigger"], str(h.get("version")), h.get("code") or "")
-    return t
 
 
 @app.command()

@@ -24,7 +24,8 @@ import zmq
 from messages import codec, schema
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.shm import Segment, ShmFull, frombuffer, shm_available, sweep_stale
+from messages.shm import ShmFull, shm_available, sweep_stale
+from orchestrator.rings import InlineRing, ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 from orchestrator.link import Link
@@ -74,52 +75,6 @@ class _InFlight:
     bucket: PackedBucket
     sent_at: float
     attempts: int = 1
-
-
-class InlineRing:
-    """`window` reusable bucket buffers for the inline transport; bucket `seq` is packed
-    into slot seq % window. Reuse keeps the trainer's memory at window x bucket and spares
-    the allocator (a fresh buffer per bucket costs page faults on every bucket)."""
-
-    def __init__(self, slots: int) -> None:
-        self.bufs: list[torch.Tensor | None] = [None] * slots
-
-    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
-        i = seq % len(self.bufs)
-        buf = self.bufs[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = self.bufs[i] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes]
-
-
-class ShmRing:
-    """`window` shared-memory slots; bucket `seq` is packed straight into slot seq % window."""
-
-    def __init__(self, slots: int, slot_bytes: int) -> None:
-        self.segments: list[Segment] = []
-        try:
-            for _ in range(slots):
-                self.segments.append(Segment(max(slot_bytes, 4096), kind="trainer"))
-        except BaseException:
-            self.close()
-            raise
-
-    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
-        seg = self.segments[seq % len(self.segments)]
-        try:
-            seg.resize(nbytes)  # a tensor larger than the bucket size gets its own bucket
-        except ShmFull as exc:
-            raise make_error(ErrorCode.TOO_LARGE, f"{exc}; a bucket of {nbytes} bytes needs that "
-                             f"much free shared memory per slot (window {len(self.segments)}), "
-                             f"or push with transport=inline") from None
-        return frombuffer(seg.view(0, nbytes))
-
-    def ref(self, seq: int, nbytes: int) -> schema.ShmRef:
-        return schema.ShmRef(self.segments[seq % len(self.segments)].name, 0, nbytes)
-
-    def close(self) -> None:
-        for seg in self.segments:
-            seg.close()
 
 
 class TrainerClient:

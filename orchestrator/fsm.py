@@ -28,7 +28,7 @@ from orchestrator.commands import (AckBucket, CatchUpAck, CatchUpDone, Command, 
                                    ForwardBucket, Journal, Result, SendAbort, SendFinalize,
                                    SpoolBegin, SpoolCommit, SpoolDiscard, StartCatchUp,
                                    StartRollback)
-from orchestrator.records import (BucketRecord, CatchUp, EngineRecord, EngineState, Limits,
+from orchestrator.records import (CatchUp, EngineRecord, EngineState, Limits,
                                   Spooled, SyncRecord)
 from orchestrator.states import ACTIVE, State
 
