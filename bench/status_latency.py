@@ -55,7 +55,7 @@ def _probe(client, seconds: float, every: float, stop: threading.Event | None = 
 
 def run(model_bytes: int, bucket_bytes: int, every: float, transport: str) -> dict:
     from engines.sink import synthetic_spec, write_spec
-    from orchestrator.launch import Cluster
+    from examples.launch import Cluster
 
     spec = synthetic_spec(model_bytes, tensor_bytes=16 * MiB)
     with tempfile.TemporaryDirectory(prefix="weightsync-status-") as tmp:

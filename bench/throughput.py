@@ -102,7 +102,7 @@ def push_once(client: Any, weights: list, version: int, bucket_bytes: int, windo
 def sweep(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines: Sequence[int],
           transports: Sequence[str], buckets: Sequence[int], window: int, repeats: int,
           baselines: dict[str, float], log: Any = print) -> list[Run]:
-    from orchestrator.launch import Cluster
+    from examples.launch import Cluster
 
     runs: list[Run] = []
     for n in engines:
@@ -135,7 +135,7 @@ def control_overhead(workdir: Path, count: int, window: int) -> dict[str, Any]:
     """Buckets per second with tiny buckets: the per-bucket cost of FSM, acks and relays."""
     from engines.sink import random_weights, write_spec
     from messages.schema import ParamSpec
-    from orchestrator.launch import Cluster
+    from examples.launch import Cluster
 
     spec = [ParamSpec(f"t.{i}", "float32", (16,)) for i in range(count)]
     spec_dir = write_spec(workdir / "tiny-spec", spec)

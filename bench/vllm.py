@@ -51,7 +51,7 @@ def direct_seconds(model_dir: Path, weights: dict, bucket_bytes: int, repeats: i
 
 def weightsync_seconds(workdir: Path, model_dir: Path, weights: dict, bucket_bytes: int,
                        repeats: int) -> list[float]:
-    from orchestrator.launch import Cluster
+    from examples.launch import Cluster
 
     out = []
     with Cluster(workdir, model_dir, engines=1, backend="vllm") as cluster, \
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from engines.tiny import build_tiny_llama, perturbed
+    from examples.tiny import build_tiny_llama, perturbed
     from engines.torch_engine import load_model
 
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as tmp:

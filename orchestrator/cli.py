@@ -371,7 +371,7 @@ def demo(
     backend: str = typer.Option("torch", help="torch | vllm"),
 ) -> None:
     """Everything on this machine: daemon, engines, a trainer pushing VERSIONS versions."""
-    from orchestrator.demo import run_demo
+    from examples.demo import run_demo
 
     try:
         ok = run_demo(versions=versions, engines=engines, size=size, bucket_bytes=bucket_bytes,

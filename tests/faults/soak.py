@@ -29,9 +29,9 @@ BUCKET = 128 * 1024
 
 class Soak:
     def __init__(self, workdir: Path, seed: int, fault_rate: float) -> None:
-        from engines.tiny import build_tiny_llama
+        from examples.tiny import build_tiny_llama
         from engines.torch_engine import load_model
-        from orchestrator.launch import Cluster
+        from examples.launch import Cluster
 
         self.rng = random.Random(seed)
         self.fault_rate = fault_rate
@@ -49,7 +49,7 @@ class Soak:
 
     # -- one sync -----------------------------------------------------------------------
     def weights(self, v: int) -> dict:
-        from engines.tiny import perturbed
+        from examples.tiny import perturbed
         from messages.buckets import digest
 
         w = dict(perturbed(self.state, v))

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.auth import client_keys, generate
 from orchestrator.client import TrainerClient
 
 from tests.integration.helpers import FAST_DAEMON
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 
 @pytest.fixture(scope="module")

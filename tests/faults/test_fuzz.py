@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from messages import codec, schema
 from messages.errors import ErrorCode
 
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 pytestmark = pytest.mark.slow
 CODES = {c.value for c in ErrorCode}

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from messages import schema
 from messages.errors import ErrorCode
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 

@@ -13,7 +13,7 @@ import pytest
 
 from messages import schema
 from messages.errors import ErrorCode
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 import zmq
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages import codec, schema
 from messages.buckets import iter_buckets
 from messages.errors import ErrorCode, WeightSyncError

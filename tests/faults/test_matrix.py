@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
 

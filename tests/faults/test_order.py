@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
 

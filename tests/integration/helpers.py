@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 FAST_DAEMON = ["--engine-timeout", "3", "--log-level", "debug"]
 
@@ -32,7 +32,7 @@ def running_daemon(workdir: Path, model_dir: Path | None, *, engines: int = 2,
 # tests that kill it mid-sync). argv: ADDR MODEL_DIR VERSION TRANSPORT
 STALLING_TRAINER = r"""
 import sys, time
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import load_model
 from orchestrator.client import TrainerClient
 addr, model, version, transport = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.torch import save_file
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages.buckets import digest
 
 from .helpers import running_daemon

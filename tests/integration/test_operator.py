@@ -18,9 +18,9 @@ import pytest
 from safetensors.torch import save_file
 
 from engines.sink import random_weights, synthetic_spec, write_spec
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.launch import Cluster, spawn
+from examples.launch import Cluster, spawn
 
 from .helpers import FAST_DAEMON, running_daemon
 

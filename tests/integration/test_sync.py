@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
 from messages import codec, schema
 from messages.buckets import digest, iter_buckets

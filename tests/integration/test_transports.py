@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from messages import schema
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, PeerError, WeightSyncError

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import TorchEngine, greedy, load_model
 from engines.worker import Worker
 from messages import codec, schema

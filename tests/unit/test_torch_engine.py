@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engines.base import Engine
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import TorchEngine, greedy, load_model
 from messages.buckets import digest
 from messages.errors import DataError, ErrorCode, WeightSyncError

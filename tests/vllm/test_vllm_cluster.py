@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import load_model
 from messages.canary import make_probes
 from messages.buckets import digest
 from messages.errors import EngineError, ErrorCode
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 

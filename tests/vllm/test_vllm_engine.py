@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
 from messages.buckets import digest, iter_buckets
 from messages.errors import DataError, ErrorCode, StateError
@@ -56,7 +56,7 @@ def test_second_finalize_is_refused_in_the_worker_and_outputs_stay_right(vllm_en
 
 HAZARD_SCRIPT = r"""
 import json, sys
-from engines.tiny import perturbed
+from examples.tiny import perturbed
 from engines.torch_engine import load_model
 from engines.vllm_engine import VllmEngine
 from messages.buckets import digest, iter_buckets

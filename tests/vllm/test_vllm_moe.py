@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from engines.tiny import build_tiny_moe, perturbed, save_checkpoint_like
+from examples.tiny import build_tiny_moe, perturbed, save_checkpoint_like
 from engines.torch_engine import greedy, load_model
 from messages.checkpoint import iter_safetensors
 from messages.errors import EngineError, ErrorCode
 from messages.schema import Probe
-from orchestrator.launch import Cluster
+from examples.launch import Cluster
 
 PROMPT = (1, 17, 42, 99, 7)
 

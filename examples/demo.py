@@ -20,11 +20,11 @@ PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
              bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None,
              backend: str = "torch") -> bool:
-    from engines.tiny import build_tiny_llama, perturbed
+    from examples.tiny import build_tiny_llama, perturbed
     from engines.torch_engine import load_model
     from messages.canary import make_probes
     from orchestrator.cli import history_table, status_table
-    from orchestrator.launch import Cluster
+    from examples.launch import Cluster
 
     console = Console(width=120)
     tmp = None
