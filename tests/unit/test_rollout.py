@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from messages.rollout import (
+from orchestrator.trainer.rollout import (
     DEFAULT_NON_THINKING_PREFIX,
     IGNORE_INDEX,
     AlignmentError,
