@@ -40,7 +40,7 @@ bench-vllm: $(VENV)/.test
 	$(PY) -m bench.vllm
 
 fuzz: $(VENV)/.test
-	$(PY) -m pytest tests/faults/test_fuzz.py --fuzz-cases 10000
+	$(PY) -m pytest tests/faults/test_fuzz.py tests/faults/test_fuzz_states.py --fuzz-cases 10000
 
 soak: $(VENV)/.test
 	$(PY) -m tests.faults.soak --syncs 500

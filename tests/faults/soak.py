@@ -181,6 +181,23 @@ def explained(err: Any) -> bool:
                                           "rolling"))
 
 
+def ours_or_orphaned(segment: str) -> bool:
+    """A segment this run leaked: made by this process (the trainer), or by one that is gone
+    and left it behind. Other live processes' segments (another test run) are theirs."""
+    import os
+
+    pid = int(segment.split(".")[2])
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def leaked_processes(workdir: Path) -> int:
     import psutil
 
@@ -210,7 +227,7 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
         doubles = soak.double_finalizes()
         time.sleep(0.5)
         leaked = leaked_processes(work)
-    leaked_shm = sorted(set(list_segments()) - shm_before)
+    leaked_shm = [n for n in sorted(set(list_segments()) - shm_before) if ours_or_orphaned(n)]
     return {"syncs": syncs, "ok": soak.counts["ok"], "failed": soak.counts["failed"],
             "rolled_back": soak.counts["rolled_back"], "unsettled": soak.counts["unsettled"],
             "double_finalizes": doubles, "ready_with_wrong_digest": soak.wrong_digest,
