@@ -186,7 +186,10 @@ def ours_or_orphaned(segment: str) -> bool:
     and left it behind. Other live processes' segments (another test run) are theirs."""
     import os
 
-    pid = int(segment.split(".")[2])
+    try:
+        pid = int(segment.split(".")[2])
+    except (IndexError, ValueError):
+        return True  # not a name we make: nobody else should have put it there
     if pid == os.getpid():
         return True
     try:
