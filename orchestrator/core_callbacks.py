@@ -207,7 +207,7 @@ def close_ready(self: Any, e: EventData) -> None:
 
 def close_failed(self: Any, e: EventData) -> None:
     s, err = self.sync, e.kwargs["error"]
-    rolled_back = self.state == State.READY  # the row's dest: back to the version served
+    rolled_back = e.transition.dest == State.READY  # this row goes back to the version served
     s.error = err
     if not rolled_back:
         self.dirty = True
@@ -247,10 +247,12 @@ def close_failed(self: Any, e: EventData) -> None:
 
 
 # -- engines ------------------------------------------------------------------------------
-def add_engine(self: Any, e: EventData) -> None:
+def add_engine(self: Any, e: EventData, ready: bool = False) -> None:
+    """A (re)registered engine; with `ready` (the READY row) it may already serve the
+    daemon's version, else it is stale and catches up from the spool."""
     m = e.kwargs["ev"].msg
-    current = (m.version is not None and m.version == self.served_version
-               and m.digest == self.served_digest and self.state == State.READY)
+    current = (ready and m.version is not None and m.version == self.served_version
+               and m.digest == self.served_digest)
     rec = EngineRecord(m.engine_id, m.backend, m.model, m.host, m.pid, tuple(m.transports),
                        version=m.version, digest=m.digest, finalize_count=m.finalize_count,
                        last_seen=self.now, spec={p.name: p for p in m.spec}, cast_ok=m.cast_ok)
@@ -262,10 +264,14 @@ def add_engine(self: Any, e: EventData) -> None:
         self.engine_machine.remove_model(old)
     self.engine_machine.add_model(rec, initial=E.READY if current else E.STALE)
     self.engines[m.engine_id] = rec
-    if rec.state == E.STALE:
+    if ready and rec.state == E.STALE:
         _start_catchup(self, m.engine_id)
     self.reply = {"engine_id": m.engine_id, "state": rec.state.value, "daemon_state": self.state.value,
                   "version": self.served_version}
+
+
+def add_engine_to_ready(self: Any, e: EventData) -> None:
+    add_engine(self, e, ready=True)
 
 
 def note_heartbeat(self: Any, e: EventData) -> None:
@@ -303,6 +309,9 @@ def note_trainer_gone(self: Any, e: EventData) -> None:
 
 def note_spooled(self: Any, e: EventData) -> None:
     self.spooled = e.kwargs["ev"].spooled
+
+
+def catch_up_stale(self: Any, e: EventData) -> None:
     _catch_up_stale(self)
 
 
@@ -315,7 +324,7 @@ def _catch_up_stale(self: Any) -> None:
 
 def _start_catchup(self: Any, engine_id: str) -> None:
     x = self.engines[engine_id]
-    if self.state != State.READY or not self.can_roll_back() or x.state != E.STALE:
+    if not self.can_roll_back() or x.state != E.STALE:  # called from READY rows only
         return
     self._own_syncs += 1
     sync_id = f"catchup-{engine_id}-{self.run_id}-{self._own_syncs}"

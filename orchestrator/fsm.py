@@ -54,6 +54,7 @@ TRANSITIONS: list[dict[str, Any]] = [
     # engines
     {"trigger": "register", "source": S.LOADING_BUCKETS, "dest": S.READY, "conditions": ["has_error", "untouched_and_was_ready"], "after": [FAILS, "add_engine"]},
     {"trigger": "register", "source": ACTIVE, "dest": S.IDLE, "conditions": "has_error", "after": [FAILS, "add_engine"]},
+    {"trigger": "register", "source": S.READY, "dest": None, "after": "add_engine_to_ready"},
     {"trigger": "register", "source": ANY, "dest": None, "after": "add_engine"},
     {"trigger": "heartbeat", "source": ANY, "dest": None, "after": "note_heartbeat"},
     {"trigger": "loaded", "source": ANY, "dest": None, "after": "note_loaded"},
@@ -66,8 +67,9 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "failed", "source": ANY, "dest": None, "after": "note_failed"},
     # the clock, the daemon's own observations, and recovery
     {"trigger": "tick", "source": S.IDLE, "dest": S.LOADING_BUCKETS, "conditions": "rollback_due", "after": ["mark_lost", "open_rollback"]},
-    {"trigger": "tick", "source": S.LOADING_BUCKETS, "dest": S.READY, "conditions": ["has_error", "untouched_and_was_ready"], "after": ["mark_lost", FAILS]},
-    {"trigger": "tick", "source": ACTIVE, "dest": S.IDLE, "conditions": "has_error", "after": ["mark_lost", FAILS]},
+    {"trigger": "tick", "source": S.LOADING_BUCKETS, "dest": S.READY, "conditions": ["loading_overdue", "untouched_and_was_ready"], "after": ["mark_lost", FAILS]},
+    {"trigger": "tick", "source": S.LOADING_BUCKETS, "dest": S.IDLE, "conditions": "loading_overdue", "after": ["mark_lost", FAILS]},
+    {"trigger": "tick", "source": S.FINALIZING, "dest": S.IDLE, "conditions": "finalizing_overdue", "after": ["mark_lost", FAILS]},
     {"trigger": "tick", "source": ANY, "dest": None, "after": ["mark_lost", "expire_catchups"]},
     {"trigger": "trainer_gone", "source": S.LOADING_BUCKETS, "dest": None, "conditions": "for_running_sync", "after": "note_trainer_gone"},
     {"trigger": "trainer_gone", "source": ANY, "dest": None},
@@ -76,6 +78,7 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "internal", "source": [S.IDLE, S.READY], "dest": None},
     {"trigger": "shutdown", "source": ACTIVE, "dest": S.IDLE, "after": FAILS},
     {"trigger": "shutdown", "source": [S.IDLE, S.READY], "dest": None},
+    {"trigger": "spool_changed", "source": S.READY, "dest": None, "after": ["note_spooled", "catch_up_stale"]},
     {"trigger": "spool_changed", "source": ANY, "dest": None, "after": "note_spooled"},
 ]
 TRIGGERS = ("begin", "bucket", "finish", "finalized", "failed", "abort")  # the trainer-visible grid
@@ -148,97 +151,27 @@ class Core(refusals.Explain):
         if fn is not None:
             fn(e, e.kwargs["ev"])
 
-    def assess_register(self, e: EventData, event: ev.EngineRegistered) -> None:
-        m, old, s = event.msg, self.engines.get(event.msg.engine_id), self.sync
-        if old is not None and s is not None and m.engine_id in s.participants and old.state != E.LOST:
-            # The same id registering mid-sync: the process restarted and lost its buckets.
-            e.kwargs["error"] = self._error(ErrorCode.ENGINE_FAILED,
-                                            f"engine {m.engine_id} re-registered during the sync",
-                                            engine_id=m.engine_id)
-
-    def assess_finalized(self, e: EventData, event: ev.EngineFinalized) -> None:
-        s, eid, m = self.sync, event.engine_id, event.msg
-        if s is None or self._participant(eid, m.sync_id) is None or eid in s.finalized:
-            return
-        if m.version != s.version:
-            e.kwargs["error"] = self._error(ErrorCode.ENGINE_FAILED, f"engine {eid} finalized version "
-                                            f"{m.version}, expected {s.version}", engine_id=eid)
-            return
-        want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
-        if want is not None and m.digest != want:
-            e.kwargs["error"] = self._error(ErrorCode.ENGINE_FAILED, f"engine {eid} holds digest "
-                                            f"{m.digest}, expected {want}", engine_id=eid,
-                                            digest=m.digest, expected=want)
-            return
-        mismatch = syncs.canary_mismatch(s.probes, m.probes)
-        if mismatch is not None:
-            idx, pos, got, exp = mismatch
-            e.kwargs["error"] = self._error(ErrorCode.CANARY_MISMATCH,
-                                            f"engine {eid}: probe {idx} differs at position {pos} "
-                                            f"(got {got}, expected {exp})", engine_id=eid, probe=idx,
-                                            position=pos, got=got, expected=exp)
-            return
-        e.kwargs["valid"] = True
-
-    def assess_failed(self, e: EventData, event: ev.EngineFailed) -> None:
-        m = event.msg
-        if self.catchups.get(event.engine_id) is not None or m.duplicate:
-            return  # a catch-up's failure, or the engine's finalize guard speaking
-        if self._participant(event.engine_id, m.sync_id) is None:
-            return
-        code = ErrorCode(m.code) if m.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED
-        e.kwargs["error"] = self._error(code, f"engine {event.engine_id} failed: {m.message}",
-                                        engine_id=event.engine_id, seq=m.seq)
-
-    def assess_tick(self, e: EventData, event: ev.Tick) -> None:
-        lim, now, s = self.limits, self.now, self.sync
-        lost = [x.engine_id for x in self.engines.values()
-                if x.state != E.LOST and now - x.last_seen > lim.engine_timeout]
-        e.kwargs["lost"] = lost
-        if s is None:
-            return
-        gone = [x for x in lost if x in s.participants]
-        err = None
-        if gone:
-            err = self._error(ErrorCode.ENGINE_FAILED, f"engine(s) {gone} missed heartbeats for "
-                              f"{lim.engine_timeout}s", engine_ids=gone)
-        elif self.state == S.LOADING_BUCKETS:
-            err = self._loading_deadline(s)
-        elif s.finalize_started is not None and now - s.finalize_started > lim.finalize_timeout:
-            slow = sorted(set(s.participants) - set(s.finalized))
-            err = self._error(ErrorCode.TIMEOUT, f"finalize not reported within "
-                              f"{lim.finalize_timeout}s by {slow}", engine_ids=slow)
-        if err is not None:
-            e.kwargs["error"] = err
-
-    def _loading_deadline(self, s: SyncRecord) -> WeightSyncError | None:
-        lim, now = self.limits, self.now
-        late = [k for k, b in s.buckets.items() if not b.done and now - b.forwarded_at > lim.bucket_timeout]
-        if late:
-            slow = sorted(set(s.participants) - s.buckets[late[0]].acked_by)
-            return self._error(ErrorCode.TIMEOUT, f"bucket seq {late[0][1]} not applied within "
-                               f"{lim.bucket_timeout}s by {slow}", engine_ids=slow)
-        if s.trainer_lost_at is not None and now - s.trainer_lost_at >= lim.trainer_grace:
-            return self._error(ErrorCode.ABORTED, f"the trainer's connection closed "
-                               f"{now - s.trainer_lost_at:.1f}s ago mid-sync (it exited or was "
-                               f"killed); sync abandoned", trainer_lost=True)
-        if now - s.last_activity > lim.sync_timeout:
-            return self._error(ErrorCode.TIMEOUT, f"no trainer message for {lim.sync_timeout}s")
-        return None
-
-    def assess_abort(self, e: EventData, event: ev.AbortSync) -> None:
-        e.kwargs["error"] = self._error(ErrorCode.ABORTED,
-                                        f"sync aborted by trainer: {event.reason or 'no reason'}")
-
-    def assess_internal(self, e: EventData, event: ev.InternalError) -> None:
-        e.kwargs["error"] = self._error(ErrorCode.INTERNAL, event.reason)
-
-    def assess_shutdown(self, e: EventData, event: ev.Shutdown) -> None:
-        e.kwargs["error"] = self._error(ErrorCode.INTERNAL, "daemon shutting down")
+    from orchestrator.core_assess import (assess_abort, assess_failed,  # noqa: E402
+                                          assess_finalized, assess_internal, assess_register,
+                                          assess_shutdown, assess_tick, _loading_deadline)
 
     # -- conditions (pure) --------------------------------------------------------------
     def has_error(self, e: EventData) -> bool:
         return "error" in e.kwargs
+
+    def loading_overdue(self, e: EventData) -> bool:
+        return self._fails_with(e, "loading_error")
+
+    def finalizing_overdue(self, e: EventData) -> bool:
+        return self._fails_with(e, "finalizing_error")
+
+    @staticmethod
+    def _fails_with(e: EventData, key: str) -> bool:
+        """The row fails the sync with the error `assess_tick` found for its state."""
+        if key in e.kwargs:
+            e.kwargs.setdefault("error", e.kwargs[key])
+            return True
+        return False
 
     def valid(self, e: EventData) -> bool:
         return e.kwargs.get("valid", False)
@@ -301,6 +234,7 @@ class Core(refusals.Explain):
                                              note_failed, note_finalized, note_heartbeat,
                                              note_loaded, note_spooled, note_trainer_gone,
                                              open_rollback, open_sync, record_finalized,
+                                             add_engine_to_ready, catch_up_stale,
                                              record_finish, record_transition, reply_resent,
                                              reply_running, send_finalize)
 

@@ -13,7 +13,6 @@ from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Bucket
 from orchestrator import events as ev
 from orchestrator import syncs
-from orchestrator.states import ACTIVE
 
 if TYPE_CHECKING:
     from orchestrator.records import SyncRecord
@@ -57,7 +56,7 @@ class Explain:
     def _why_bucket(self: Any, event: ev.BucketIn) -> WeightSyncError:
         m = event.msg
         s = self.require_sync(m.sync_id, "bucket")
-        if self.state not in (ACTIVE[0],):
+        if not self.allows("bucket"):
             return self._error(ErrorCode.INVALID_STATE, f"bucket is not allowed in state {self.state.value}")
         if m.sender >= s.senders:
             return self._error(ErrorCode.BAD_MESSAGE, f"sender {m.sender} out of range (senders={s.senders})")
@@ -69,7 +68,7 @@ class Explain:
 
     def _why_finish(self: Any, event: ev.FinishSync) -> WeightSyncError:
         m = event.msg
-        if self.state != ACTIVE[0] and (self.sync is None or self.sync.sync_id == m.sync_id):
+        if not self.allows("finish") and (self.sync is None or self.sync.sync_id == m.sync_id):
             return self._error(ErrorCode.INVALID_STATE, f"finish is only allowed in LOADING_BUCKETS, "
                                f"state is {self.state.value}{self._ended_note(m.sync_id)}")
         s = self.require_sync(m.sync_id, "finish")
@@ -90,6 +89,10 @@ class Explain:
         return self._error(ErrorCode.INVALID_STATE, f"abort is not allowed in state {self.state.value}")
 
     # -- shared checks ------------------------------------------------------------------
+    def allows(self: Any, trigger: str) -> bool:
+        """Whether the table has a row for `trigger` from the current state."""
+        return trigger in self.machine.get_triggers(self.state)
+
     def require_sync(self: Any, sync_id: str, what: str) -> SyncRecord:
         """The running sync `sync_id`, or raise why it is not running: its own failure if it
         ended (the real cause, not the state it left), else UNKNOWN_SYNC."""
