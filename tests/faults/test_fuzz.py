@@ -59,7 +59,8 @@ def mutated(draw, names):
             h[key] = draw(wild)
         elif op == "add":
             h[draw(st.text(max_size=8))] = draw(wild)
-        elif op == "tensor" and isinstance(h.get("tensors"), list) and h["tensors"]:
+        elif op == "tensor" and isinstance(h.get("tensors"), list) and h["tensors"] \
+                and isinstance(h["tensors"][0], dict):  # an earlier retype may have made it an int
             t = h["tensors"][0]
             field = draw(st.sampled_from(["offset", "nbytes", "shape", "dtype", "name"]))
             t[field] = draw(st.one_of(wild, st.just([2**40, 2**40]), st.just(2**62),
