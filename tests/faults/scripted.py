@@ -82,13 +82,21 @@ class ScriptedEngine(Peer):
     def heartbeat(self) -> None:
         self.send(schema.Heartbeat(engine_id=self.engine_id))
 
-    def ack_load(self, timeout: float = 5.0) -> schema.Load:
-        load = self.recv_type(schema.Load, timeout)
+    def ack_load(self, timeout: float = 5.0, sync_id: str | None = None) -> schema.Load:
+        """Acknowledge the next load (of `sync_id`: older syncs' loads are skipped)."""
+        while True:
+            load = self.recv_type(schema.Load, timeout)
+            if sync_id is None or load.sync_id == sync_id:
+                break
         self.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, sender=load.sender))
         return load
 
-    def finalize(self, digest: str = "abc123", timeout: float = 5.0) -> schema.Finalize:
-        fin = self.recv_type(schema.Finalize, timeout)
+    def finalize(self, digest: str = "abc123", timeout: float = 5.0,
+                 sync_id: str | None = None) -> schema.Finalize:
+        while True:
+            fin = self.recv_type(schema.Finalize, timeout)
+            if sync_id is None or fin.sync_id == sync_id:
+                break
         self.send(schema.Finalized(sync_id=fin.sync_id, version=fin.version, digest=digest,
                                    finalize_count=1))
         return fin

@@ -57,6 +57,9 @@ class Rig:
             self.eng.heartbeat()
             st_ = self.c.status(timeout=1.0)
             s = st_["sync"]
+            if s is None and st_["rollback_pending"]:  # the timer begins it within a tick
+                time.sleep(0.05)
+                continue
             if s is None:
                 self.trainer.drain()  # late replies of the sync that ended
                 return st_
@@ -79,12 +82,12 @@ class Rig:
         assert isinstance(ok, schema.Ok), ok
         msg, frame = bucket_frames(self.sync_id, value=float(self.version))
         self.trainer.send(msgspec.structs.replace(msg, id=77), (frame,))
-        self.eng.ack_load()
+        self.eng.ack_load(sync_id=self.sync_id)
         assert self.trainer.recv_type(schema.Ok).id == 77
         if finish:
             self.trainer.send(schema.Finish(sync_id=self.sync_id, buckets=1, id=78))
             if finalize:
-                self.eng.finalize(digest=f"{self.version:x}")
+                self.eng.finalize(digest=f"{self.version:x}", sync_id=self.sync_id)
                 done = self.trainer.recv_type(schema.Ok)
                 assert done.id == 78 and done.body["status"] == "READY", done
             else:
