@@ -8,7 +8,7 @@ The core (`fsm.Core.handle`) takes nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Register
 from orchestrator.records import Spooled
@@ -20,35 +20,33 @@ class Event:
     TRIGGER: ClassVar[str] = ""
 
 
-@dataclass(frozen=True, slots=True)
-class BeginSync(Event):
-    TRIGGER: ClassVar[str] = "begin"
-    msg: Begin
+class OfMessage(Event):
+    """An event carrying a decoded message: its sync is the message's."""
+
+    msg: Any
 
     @property
-    def sync_id(self) -> str:  # type: ignore[override]
+    def sync_id(self) -> str:
         return self.msg.sync_id
 
 
 @dataclass(frozen=True, slots=True)
-class BucketIn(Event):
+class BeginSync(OfMessage):
+    TRIGGER: ClassVar[str] = "begin"
+    msg: Begin
+
+
+@dataclass(frozen=True, slots=True)
+class BucketIn(OfMessage):
     TRIGGER: ClassVar[str] = "bucket"
     msg: Bucket
     nbytes: int  # the frame's size; the service verified its checksum
 
-    @property
-    def sync_id(self) -> str:  # type: ignore[override]
-        return self.msg.sync_id
-
 
 @dataclass(frozen=True, slots=True)
-class FinishSync(Event):
+class FinishSync(OfMessage):
     TRIGGER: ClassVar[str] = "finish"
     msg: Finish
-
-    @property
-    def sync_id(self) -> str:  # type: ignore[override]
-        return self.msg.sync_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,25 +77,17 @@ class Loaded(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineFinalized(Event):
+class EngineFinalized(OfMessage):
     TRIGGER: ClassVar[str] = "finalized"
     engine_id: str
     msg: Finalized
 
-    @property
-    def sync_id(self) -> str:  # type: ignore[override]
-        return self.msg.sync_id
-
 
 @dataclass(frozen=True, slots=True)
-class EngineFailed(Event):
+class EngineFailed(OfMessage):
     TRIGGER: ClassVar[str] = "failed"
     engine_id: str
     msg: Failed
-
-    @property
-    def sync_id(self) -> str:  # type: ignore[override]
-        return self.msg.sync_id
 
 
 @dataclass(frozen=True, slots=True)
