@@ -346,6 +346,30 @@ def test_every_transition_is_journaled_once():
     assert [(h["from"], h["to"]) for h in o.history] == [(j.data["from"], j.data["to"]) for j in journaled]
 
 
+class Model:
+    """The spec in a few lines: a sync that completes READY sets the served version and
+    clears dirty; one that fails leaves dirty set unless it never touched an engine of a
+    READY daemon (then READY again); every ended sync is remembered with its outcome."""
+
+    def __init__(self):
+        self.ready_version = None
+        self.dirty = False
+        self.ended: dict[str, str | None] = {}
+        self.touched: set[str] = set()  # syncs that forwarded a bucket or sent a finalize
+
+    def command(self, c):
+        if isinstance(c, (fsm.ForwardBucket, fsm.SendFinalize)):
+            self.touched.add(c.sync_id)
+        elif isinstance(c, fsm.CompleteSync) and c.error is None:
+            self.ready_version, self.dirty = c.body["version"], False
+            self.ended[c.sync_id] = None
+        elif isinstance(c, fsm.CompleteSync):
+            back_to_ready = c.sync_id not in self.touched and self.ready_version is not None \
+                and not self.dirty
+            self.dirty = not back_to_ready
+            self.ended[c.sync_id] = c.error.code.value
+
+
 class RandomOrders(RuleBasedStateMachine):
     """Random message orders never break the invariants."""
 
@@ -353,6 +377,7 @@ class RandomOrders(RuleBasedStateMachine):
         super().__init__()
         self.o = new()
         self.finalize_sent: dict[str, list[str]] = {}
+        self.model = Model()
         self.version = 0
         self.now = 1.0
 
@@ -367,6 +392,7 @@ class RandomOrders(RuleBasedStateMachine):
         for c in res.commands:
             if isinstance(c, fsm.SendFinalize):
                 self.finalize_sent.setdefault(c.sync_id, []).append(c.engine_id)
+            self.model.command(c)
 
     @rule(bump=st.integers(-1, 2))
     def do_begin(self, bump):
@@ -418,6 +444,16 @@ class RandomOrders(RuleBasedStateMachine):
     def finalize_at_most_once_per_engine_per_sync(self):
         for sid, engines in self.finalize_sent.items():
             assert len(engines) == len(set(engines)), (sid, engines)
+
+    @invariant()
+    def core_agrees_with_the_model(self):
+        """What the core's outputs said (which syncs completed READY, which failed after
+        touching engines) predicts its served version, its dirtiness and every ended id."""
+        assert self.o.last_ready_version == self.model.ready_version
+        assert self.o.dirty == self.model.dirty
+        assert {sid for sid, (code, _) in self.o.ended.items()} == set(self.model.ended)
+        for sid, code in self.model.ended.items():
+            assert self.o.ended[sid][0] == code
 
     @invariant()
     def state_matches_sync(self):
