@@ -401,6 +401,23 @@ class RandomOrders(RuleBasedStateMachine):
         if self.o.sync is not None:
             self.version = max(self.version, self.o.sync.version)
 
+    @precondition(lambda self: self.o.sync is None)
+    @rule()
+    def do_whole_sync(self):
+        """A complete sync in one step, so READY (and what follows it) is common."""
+        v = self.version + 1
+        sid = f"w{v}"
+        self._run(lambda: self.o.handle_begin(Begin(sync_id=sid, version=v), self.now))
+        if self.o.sync is None or self.o.sync.sync_id != sid:
+            return
+        self.version = v
+        self._run(lambda: self.o.handle_bucket(Bucket(sync_id=sid, seq=0, tensors=META, checksum=0), 16, self.now))
+        for e in ENGINES:
+            self._run(lambda e=e: self.o.handle_loaded(e, sid, (0, 0), self.now))
+        self._run(lambda: self.o.handle_finish(Finish(sync_id=sid, buckets=1), self.now))
+        for e in ENGINES:
+            self._run(lambda e=e: self.o.handle_finalized(e, Finalized(sync_id=sid, version=v, digest="d"), self.now))
+
     @rule(seq=st.integers(0, 3))
     def do_bucket(self, seq):
         sid = self.o.sync.sync_id if self.o.sync else "none"
