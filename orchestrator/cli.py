@@ -84,6 +84,7 @@ def serve(
     keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
     trainer_grace: Optional[float] = typer.Option(None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    metrics_bind: Optional[str] = typer.Option(None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
@@ -100,6 +101,7 @@ def serve(
                   bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
                   spool=spool, max_frame_bytes=max_frame_bytes, max_pending=max_pending, keys=keys,
                   failpoints=failpoint, trainer_grace=trainer_grace, shm_dir=shm_dir,
+                  metrics_bind=metrics_bind,
                   log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
     from messages import shm

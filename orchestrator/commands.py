@@ -43,6 +43,7 @@ class CompleteSync:
     sync_id: str
     body: dict[str, Any] | None  # ok body, or None with `error`
     error: WeightSyncError | None = None
+    summary: dict[str, Any] | None = None  # the sync's record as `status.last_sync` shows it
 
 
 @dataclass(frozen=True, slots=True)

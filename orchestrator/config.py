@@ -31,6 +31,7 @@ class Settings:
     tick_interval: float = 0.2
     trainer_grace: float = 2.0  # a sync outlives its trainer's closed connection this long
     shm_dir: str = "/dev/shm"  # shared-memory segments (a private tmpfs works too)
+    metrics_bind: str = ""  # HOST:PORT for Prometheus metrics over HTTP ("" = off)
     max_header_bytes: int = 16 * 1024 * 1024
     max_frame_bytes: int = 4 * 1024 ** 3  # one bucket's bytes; ZeroMQ drops a peer past 2x
     max_pending: int = 64  # unanswered bucket requests per trainer connection

@@ -198,7 +198,7 @@ def close_ready(self: Any, e: EventData) -> None:
     self.outbox.append(Journal("sync", {"sync_id": s.sync_id, "version": s.version, "status": "READY",
                                         "digest": digest, "buckets": len(s.buckets), "bytes": s.nbytes,
                                         "at": self.now}))
-    self.outbox.append(CompleteSync(s.sync_id, body))
+    self.outbox.append(CompleteSync(s.sync_id, body, summary=self.last_sync))
     self.remember_ended(s.sync_id, None, "READY")
     self.sync, self._closed = None, s
     self.want_rollback = False
@@ -240,7 +240,7 @@ def close_failed(self: Any, e: EventData) -> None:
                                         "code": err.code.value, "reason": err.message,
                                         "buckets": len(s.buckets), "bytes": s.nbytes, "at": self.now}))
     err.state, err.version, err.sync_id = self.state.value, self.served_version, s.sync_id
-    self.outbox.append(CompleteSync(s.sync_id, None, err))
+    self.outbox.append(CompleteSync(s.sync_id, None, err, summary=self.last_sync))
     self.remember_ended(s.sync_id, err.code.value, f"{status}: {err.message}")
     self.sync, self._closed = None, s
     self.reply = {"state": self.state.value, "version": self.served_version, "dirty": self.dirty}

@@ -138,6 +138,7 @@ class Dispatch:
             self.bucket_waiters[pkey].append(w)
         self.stats.buckets += 1
         self.stats.bytes_in += nbytes
+        self.metrics.received_bytes.inc(nbytes)
         await self._execute(res.commands)  # _forward drops the pending frame once sent
 
     async def _on_engine(self, ident: bytes, frames: list[Any]) -> None:
@@ -192,10 +193,12 @@ class Dispatch:
             return
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
+            self.metrics.apply_seconds.labels(engine_id).observe(msg.seconds)
             res = self.core.handle_loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), now)
         elif isinstance(msg, schema.Finalized):
             log.info("engine_finalized", engine_id=engine_id, sync_id=msg.sync_id,
                      version=msg.version, finalize_count=msg.finalize_count, seconds=msg.seconds)
+            self.metrics.finalize_seconds.labels(engine_id).observe(msg.seconds)
             res = self.core.handle_finalized(engine_id, msg, now)
         elif isinstance(msg, schema.Failed):
             log.warning("engine_reported_failure", engine_id=engine_id, sync_id=msg.sync_id,

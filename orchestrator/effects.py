@@ -171,6 +171,7 @@ class Effects:
         elif isinstance(cmd, fsm.CatchUpAck):
             rec.catchup_acked(cmd)
         elif isinstance(cmd, fsm.CatchUpDone):
+            self.metrics.catchups.labels("ok" if cmd.ok else "failed").inc()
             rec.catchup_done(cmd)
         else:
             raise make_error(ErrorCode.INTERNAL, f"unknown command {cmd!r}")
@@ -205,12 +206,15 @@ class Effects:
 
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
         self.sync_owners.pop(cmd.sync_id, None)
+        self.metrics.sync_ended(cmd.summary)
         if self.recovery is not None:
             self.recovery.sync_closed(cmd.sync_id)
         self.shm_reader.close()  # drop mappings of the trainer's segments (they may be unlinked)
         swept = sweep_stale()
         if swept:
             log.info("shm_segments_swept", segments=len(swept))
+        if self.metrics.server is not None:
+            self.metrics.publish(self.status())
         waiters = self.finish_waiters.pop(cmd.sync_id, [])
         for key in [k for k in self.bucket_waiters if k[0] == cmd.sync_id]:
             ws = self.bucket_waiters.pop(key)

@@ -35,6 +35,7 @@ from orchestrator.auth import ServerAuth
 from orchestrator.config import Settings, parse_failpoints
 from orchestrator.journal import Journal
 from orchestrator.locks import lock_state
+from orchestrator.metrics import Metrics
 from orchestrator.peers import PeerTracker
 from orchestrator.recovery import Recovery
 from orchestrator.spool import Spool
@@ -103,6 +104,7 @@ class Service(Transport, Dispatch, Effects):
         self._effects: set[asyncio.Task] = set()
         self._batch_trigger = ""
         self.failpoints = parse_failpoints(settings.failpoints)
+        self.metrics = Metrics()
 
     # -- lifecycle ----------------------------------------------------------------------
     def startup(self) -> None:
@@ -121,7 +123,11 @@ class Service(Transport, Dispatch, Effects):
             "trainer": self.trainer_sock.getsockopt_string(zmq.LAST_ENDPOINT),
             "engine": self.engine_sock.getsockopt_string(zmq.LAST_ENDPOINT),
         }
+        if s.metrics_bind:
+            self.bound["metrics"] = self.metrics.serve(s.metrics_bind)
+            self.metrics.publish(self.status())
         log.info("daemon_started", trainer=self.bound["trainer"], engine=self.bound["engine"],
+                 metrics=self.bound.get("metrics"),
                  auth="curve" if self.auth else "none", spool=s.spool or None,
                  state=self.core.state.value, version=self.core.served_version,
                  dirty=self.core.dirty, state_db=self.settings.state_db)
@@ -178,6 +184,8 @@ class Service(Transport, Dispatch, Effects):
 
     async def _on_tick(self, now: float) -> None:
         await self._execute(self.core.tick(now).commands)  # deadlines, lost engines, rollback
+        if self.metrics.server is not None:
+            self.metrics.publish(self.status())
 
     async def _drain_socket(self, sock: zmq.Socket, handler: Any, budget: int = 256) -> None:
         src = "engine" if sock is self.engine_sock else "trainer"
@@ -246,6 +254,7 @@ class Service(Transport, Dispatch, Effects):
             self._release_locks()
             if self.auth is not None:
                 self.auth.stop()
+            self.metrics.stop()
             log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
 
     def _set_spooled(self) -> fsm.Result:
@@ -261,10 +270,17 @@ class Service(Transport, Dispatch, Effects):
             if isinstance(h.get("at"), (int, float)) and h["at"] < 1e9:
                 h["at"] = round(h["at"] + wall_offset, 3)
         snap["spool"] = self.spool.view() if self.spool else None
+        for e in snap["engines"]:
+            rec = self.core.engines.get(e["engine_id"])
+            e["heartbeat_age_s"] = round(now_mono - rec.last_seen, 3) if rec is not None else None
+        snap["queues"] = {"pending_buckets": len(self.pending),
+                          "unacked_bucket_requests": sum(len(w) for w in self.bucket_waiters.values()),
+                          "effect_batches": len(self._effects)}
         snap["daemon"] = {"version": DAEMON_VERSION, "protocol": schema.PROTOCOL_VERSION,
                           "uptime_s": round(time.time() - self.started, 3),
                           "trainer_addr": self.bound.get("trainer"),
                           "engine_addr": self.bound.get("engine"),
+                          "metrics_addr": self.bound.get("metrics"),
                           "state_db": self.settings.state_db,
                           "buckets_received": self.stats.buckets,
                           "bytes_received": self.stats.bytes_in,

@@ -78,4 +78,4 @@ def plan_transport(msg: Begin, participants: tuple[str, ...], engines: dict[str,
 def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
     return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
             "buckets": len(s.buckets), "bytes": s.nbytes, "seconds": round(now - s.started_at, 6),
-            "engine_ids": list(s.participants)}
+            "engine_ids": list(s.participants), "transport": s.transport}

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the daemon, served over HTTP with `serve --metrics-bind HOST:PORT`.
+
+Rules: two kinds. Events (a sync closed, a bucket applied, an engine finalized) update
+prometheus-client counters and histograms from the loop thread as they happen. State
+(engines by state, versions, skew, heartbeat age, spool size, queue depths) is read at
+scrape time from the last status snapshot the loop published (`publish`): the HTTP
+thread only ever reads a dict the loop no longer touches, so scrapes never race the
+loop and their values are the status object's. Names follow Prometheus conventions
+(`weightsync_..._seconds`, `_bytes_total`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+ENGINE_STATES = ("STALE", "JOINING", "LOADING", "FINALIZING", "READY", "LOST")
+
+
+class _Snapshot:
+    """Gauges computed from the published status snapshot, at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Any:
+        st, mono = self.m.snapshot, self.m.snapshot_mono
+        served = st.get("version")
+        g = GaugeMetricFamily("weightsync_served_version", "Version the daemon serves (-1: none, dirty)")
+        g.add_metric([], -1 if served is None else served)
+        yield g
+        g = GaugeMetricFamily("weightsync_state", "1 for the daemon's current state", labels=["state"])
+        for s in ("IDLE", "LOADING_BUCKETS", "FINALIZING", "READY"):
+            g.add_metric([s], 1 if st.get("state") == s else 0)
+        yield g
+        g = GaugeMetricFamily("weightsync_dirty", "1 when engines may hold mixed weights")
+        g.add_metric([], 1 if st.get("dirty") else 0)
+        yield g
+        engines = st.get("engines", [])
+        g = GaugeMetricFamily("weightsync_engines", "Registered engines by state", labels=["state"])
+        for s in ENGINE_STATES:
+            g.add_metric([s], sum(1 for e in engines if e["state"] == s))
+        yield g
+        ver = GaugeMetricFamily("weightsync_engine_version", "Version an engine holds (-1: none)",
+                                labels=["engine_id"])
+        skew = GaugeMetricFamily("weightsync_engine_version_skew",
+                                 "Served version minus the engine's (versions behind)", labels=["engine_id"])
+        fin = GaugeMetricFamily("weightsync_engine_finalize_count",
+                                "Post-load steps the engine process ran", labels=["engine_id"])
+        age = GaugeMetricFamily("weightsync_engine_heartbeat_age_seconds",
+                                "Seconds since the engine was last heard from", labels=["engine_id"])
+        for e in engines:
+            eid = e["engine_id"]
+            ver.add_metric([eid], -1 if e["version"] is None else e["version"])
+            if served is not None:
+                skew.add_metric([eid], served - (e["version"] if e["version"] is not None else 0))
+            fin.add_metric([eid], e["finalize_count"])
+            if e.get("heartbeat_age_s") is not None:
+                age.add_metric([eid], max(0.0, time.monotonic() - mono + e["heartbeat_age_s"]))
+        yield from (ver, skew, fin, age)
+        spool = st.get("spool") or {}
+        g = GaugeMetricFamily("weightsync_spool_bytes", "Bytes of the version held in the spool")
+        g.add_metric([], spool.get("bytes", 0))
+        yield g
+        g = GaugeMetricFamily("weightsync_queue_depth", "Items waiting, by queue", labels=["queue"])
+        for k, v in sorted(st.get("queues", {}).items()):
+            g.add_metric([k], v)
+        yield g
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sync_seconds = Histogram("weightsync_sync_duration_seconds", "Begin to end of a sync",
+                                      ["transport", "outcome", "kind"], buckets=DURATION_BUCKETS, registry=r)
+        self.sync_bytes = Counter("weightsync_sync_bytes_total", "Weight bytes of ended syncs",
+                                  ["outcome"], registry=r)
+        self.sync_buckets = Counter("weightsync_sync_buckets_total", "Buckets of ended syncs",
+                                    ["outcome"], registry=r)
+        self.syncs = Counter("weightsync_syncs_total", "Ended syncs", ["outcome", "kind"], registry=r)
+        self.failures = Counter("weightsync_sync_failures_total", "Failed syncs by error code",
+                                ["code"], registry=r)
+        self.rollbacks = Counter("weightsync_rollbacks_total", "Rollbacks from the spool, by outcome",
+                                 ["outcome"], registry=r)
+        self.catchups = Counter("weightsync_catchups_total", "Engines brought to the served version",
+                                ["outcome"], registry=r)
+        self.apply_seconds = Histogram("weightsync_bucket_apply_seconds",
+                                       "An engine's time to verify and apply one bucket", ["engine_id"],
+                                       buckets=APPLY_BUCKETS, registry=r)
+        self.finalize_seconds = Histogram("weightsync_engine_finalize_seconds",
+                                          "An engine's post-load step (and probes)", ["engine_id"],
+                                          buckets=DURATION_BUCKETS, registry=r)
+        self.received_bytes = Counter("weightsync_received_bytes_total",
+                                      "Bucket bytes the daemon received from trainers", registry=r)
+        self.snapshot: dict[str, Any] = {}
+        self.snapshot_mono = time.monotonic()
+        r.register(_Snapshot(self))
+        self.server: Any = None
+
+    def serve(self, bind: str) -> str:
+        """Start the HTTP endpoint on `HOST:PORT` (port 0: any); returns the bound address."""
+        host, _, port = bind.rpartition(":")
+        self.server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        return f"{host or '127.0.0.1'}:{self.server.server_port}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
+
+    def publish(self, status: dict[str, Any]) -> None:
+        """The loop hands over a fresh status dict (never mutated afterwards)."""
+        self.snapshot, self.snapshot_mono = status, time.monotonic()
+
+    def sync_ended(self, summary: dict[str, Any] | None) -> None:
+        if not summary:
+            return
+        outcome = {"READY": "ready", "ROLLED_BACK": "ready", "ABORTED": "aborted"}.get(summary["status"], "failed")
+        kind = summary.get("kind", "sync")
+        self.sync_seconds.labels(summary.get("transport", "inline"), outcome, kind).observe(summary["seconds"])
+        self.sync_bytes.labels(outcome).inc(summary.get("bytes", 0))
+        self.sync_buckets.labels(outcome).inc(summary.get("buckets", 0))
+        self.syncs.labels(outcome, kind).inc()
+        if summary.get("code"):
+            self.failures.labels(summary["code"]).inc()
+        if kind == "rollback":
+            self.rollbacks.labels(outcome).inc()
