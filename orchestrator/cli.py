@@ -20,52 +20,42 @@ from rich.markup import escape
 
 from messages.errors import WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
-from orchestrator.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, load_settings,
-                                 parse_failpoints)
+from orchestrator.config import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, parse_failpoints
 
+from orchestrator import cliconfig
 from orchestrator.tables import history_table, status_table
-
-EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
+from orchestrator.cliutil import (EXIT_OK, EXIT_STARTUP, EXIT_SYNC, EXIT_USAGE, _check_endpoint,
+                                  _client, _client_keys, _fail, _parse_kv, _settings, _usage,
+                                  err_console)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Weight sync between RL trainers and inference engines.")
-err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
+                  help="Weight sync between RL trainers and inference engines. Every option can "
+                       "also come from WEIGHTSYNC_<OPTION> or a TOML --config file.")
 
 
-def _settings(**kw: Any):
-    try:
-        return load_settings(**kw)
-    except ConfigError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
+@app.callback()
+def root(ctx: typer.Context,
+         config: Optional[Path] = typer.Option(None, "--config", envvar="WEIGHTSYNC_CONFIG",
+                                               help="TOML file of option defaults: top-level keys "
+                                                    "for every command, [serve], [push] ... tables")) -> None:
+    """Weight sync between RL trainers and inference engines."""
+    if config is not None:
+        try:
+            ctx.default_map = cliconfig.default_map(cliconfig.load(config), ctx.command)
+        except cliconfig.ConfigFileError as exc:
+            _usage(str(exc))
 
 
-def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
-    if as_json:  # scripts read stdout: the failure is a JSON object there too
-        print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
-    where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
-    text = " ".join(err.message.split())
-    err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")
-    raise typer.Exit(EXIT_SYNC)
+config_app = typer.Typer(help="Settings: what each option is and where it came from.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 
 
-def _usage(message: str) -> None:
-    """A bad argument, file or address: one line, exit 2."""
-    err_console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}")
-    raise typer.Exit(EXIT_USAGE)
-
-
-def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
-    from orchestrator.client import TrainerClient
-    from orchestrator.logs import configure_logging
-
-    # stdout is the command's answer (a table, or JSON for scripts); warnings go to stderr
-    configure_logging("warning", json=False)
-    curve = _client_keys(keys, key_name)
-    try:
-        return TrainerClient(addr, keys=curve, **kw)
-    except ValueError as exc:
-        _usage(f"--addr: {exc}")
+@config_app.command("show")
+def config_show(ctx: typer.Context,
+                command: Optional[list[str]] = typer.Argument(None, help="only these commands"),
+                as_json: bool = typer.Option(False, "--json", help="a JSON list on stdout")) -> None:
+    """Print every option's effective value and its source (flag, env, config file, default)."""
+    cliconfig.show(ctx.find_root(), tuple(command or ()), as_json)
 
 
 @app.command()
@@ -185,31 +175,6 @@ def engine(
         raise typer.Exit(EXIT_STARTUP)
 
 
-def _check_endpoint(addr: str, flag: str) -> None:
-    """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.connect(addr)
-    except zmq.ZMQError as exc:
-        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); e.g. tcp://HOST:PORT or ipc:///PATH")
-    finally:
-        sock.close(linger=0)
-
-
-def _client_keys(directory: Optional[Path], name: str) -> Any:
-    if directory is None:
-        return None
-    from orchestrator.auth import KeysError, client_keys
-
-    try:
-        return client_keys(directory, name)
-    except KeysError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
-
-
 keys_app = typer.Typer(help="CURVE keys for `serve --keys`.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
@@ -230,19 +195,6 @@ def keys_generate(
         raise typer.Exit(EXIT_USAGE) from None
     for p in made:
         print(p)
-
-
-def _parse_kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--vllm-arg expects KEY=VALUE, got {item!r}")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.replace("-", "_")] = value
-    return out
 
 
 @app.command()
@@ -392,8 +344,15 @@ def bench(ctx: typer.Context) -> None:
     bench_main(list(ctx.args))
 
 
+def command() -> Any:
+    """The click command behind `weightsync`, each option wired to its WEIGHTSYNC_* variable."""
+    cmd = typer.main.get_command(app)
+    cliconfig.wire_envvars(cmd)  # type: ignore[arg-type]
+    return cmd
+
+
 def main() -> None:
     try:
-        app()
+        command()(prog_name="weightsync")
     except KeyboardInterrupt:
         sys.exit(130)

@@ -1,0 +1,139 @@
+"""Where each option of the `weightsync` command comes from: a flag, a `WEIGHTSYNC_*`
+environment variable, or a TOML config file, in that order (then the built-in default).
+
+Rules: this is click's own machinery, not a layering of our own. Every option of every
+command gets `envvar=WEIGHTSYNC_<LONG_FLAG>` (`--min-engines` -> `WEIGHTSYNC_MIN_ENGINES`);
+the config file (`--config FILE` or `WEIGHTSYNC_CONFIG`) becomes click's `default_map`:
+top-level keys apply to every command that has that option, `[serve]`, `[push]`,
+`[keys.generate]` ... tables to one command. Keys are the long flag without dashes
+(`min-engines` or `min_engines`). `weightsync config show` makes each command's context
+the way a run would and prints every value with click's parameter source.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from dataclasses import fields
+from typing import Any
+
+from orchestrator.config import Settings
+
+ENV_PREFIX = "WEIGHTSYNC_"
+SETTINGS_DEFAULTS = {f.name: f.default for f in fields(Settings)}
+SKIP = {"help", "config"}
+
+
+# Typer carries its own copy of click (typer._click), so this module goes by what click's
+# objects have (`commands`, `param_type_name`, `make_context`), not by their classes.
+Command = Any
+
+
+def key_of(p: Any) -> str:
+    """The option's name for env and config: its long flag, e.g. `log_json`, `json`."""
+    longs = [o for o in p.opts if o.startswith("--")]
+    return (longs[0][2:] if longs else p.name or "").replace("-", "_")
+
+
+def commands(group: Command, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Command]]:
+    for name, cmd in sorted(group.commands.items()):
+        if hasattr(cmd, "commands"):
+            yield from commands(cmd, (*prefix, name))
+        else:
+            yield (*prefix, name), cmd
+
+
+def options(cmd: Command) -> list[Any]:
+    return [p for p in cmd.params
+            if p.param_type_name == "option" and p.name not in SKIP and not getattr(p, "hidden", False)]
+
+
+def wire_envvars(group: Command) -> None:
+    for _, cmd in commands(group):
+        for p in options(cmd):
+            if p.envvar is None:
+                p.envvar = ENV_PREFIX + key_of(p).upper()
+                p.show_envvar = True
+
+
+class ConfigFileError(ValueError):
+    """The config file cannot be read or names an option no command has (exit 2)."""
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigFileError(f"config file {path}: {exc}") from None
+
+
+def default_map(cfg: dict[str, Any], group: Command) -> dict[str, Any]:
+    """Click's nested default_map from the file; unknown keys are an error (exit 2)."""
+    out: dict[str, Any] = {}
+    common = {k: v for k, v in cfg.items() if not isinstance(v, dict)}
+    used: set[str] = set()
+    sections: set[str] = set()
+    for path, cmd in commands(group):
+        by_key = {key_of(p): p.name for p in options(cmd)}
+        section: Any = cfg
+        for part in path:
+            section = section.get(part, {}) if isinstance(section, dict) else {}
+        if isinstance(section, dict) and section is not cfg:
+            sections.add(".".join(path))
+        values = {}
+        for k, v in common.items():
+            if k.replace("-", "_") in by_key:
+                values[by_key[k.replace("-", "_")]] = v
+                used.add(k)
+        for k, v in (section.items() if isinstance(section, dict) and section is not cfg else ()):
+            if isinstance(v, dict):
+                continue
+            name = by_key.get(k.replace("-", "_"))
+            if name is None:
+                raise ConfigFileError(f"config [{'.'.join(path)}]: {cmd.name} has no option {k!r}")
+            values[name] = v
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = values
+    unknown = set(common) - used
+    if unknown:
+        raise ConfigFileError(f"config: no command has the option(s) {sorted(unknown)}")
+    return out
+
+
+def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
+    """Every option of every command (or of `only`), its effective value and its source."""
+    group = root.command
+    rows = []
+    for path, cmd in commands(group):
+        name = " ".join(path)
+        if path[0] == "config" or (only and name not in only and path[0] not in only):
+            continue
+        dm: Any = root.default_map or {}
+        for part in path:
+            dm = dm.get(part, {}) if isinstance(dm, dict) else {}
+        ctx = cmd.make_context(path[-1], [], parent=root, default_map=dm or None, resilient_parsing=True)
+        for p in options(cmd):
+            source = ctx.get_parameter_source(p.name)
+            value = ctx.params.get(p.name)
+            if value is None and p.name in SETTINGS_DEFAULTS:  # unset: the daemon's own default
+                value = SETTINGS_DEFAULTS[p.name]
+            rows.append({"command": name, "option": "--" + key_of(p).replace("_", "-"),
+                         "env": p.envvar, "value": str(value) if isinstance(value, Path) else value,
+                         "source": {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "config file",
+                                    "DEFAULT": "default"}.get(source.name if source else "DEFAULT", "default")})
+    if as_json:
+        print(json.dumps(rows, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="effective settings (flag > WEIGHTSYNC_* env > config file > default)", title_justify="left")
+    for col in ("command", "option", "value", "source", "env"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["command"], r["option"], "" if r["value"] is None else str(r["value"]), r["source"], r["env"])
+    Console().print(t)

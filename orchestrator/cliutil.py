@@ -1,0 +1,96 @@
+"""Helpers shared by the `weightsync` subcommands: one-line errors with documented exit
+codes, settings, clients, addresses and keys.
+
+Exit codes: 0 ok, 2 usage or configuration error, 3 startup failure, 4 sync failed (or a
+request refused: the message carries the error code), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from messages.errors import WeightSyncError
+from orchestrator.config import ConfigError, load_settings
+
+EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
+err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
+
+
+def _settings(**kw: Any):
+    try:
+        return load_settings(**kw)
+    except ConfigError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
+    if as_json:  # scripts read stdout: the failure is a JSON object there too
+        print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
+    where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
+    text = " ".join(err.message.split())
+    err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")
+    raise typer.Exit(EXIT_SYNC)
+
+
+def _usage(message: str) -> None:
+    """A bad argument, file or address: one line, exit 2."""
+    err_console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}")
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
+    from orchestrator.client import TrainerClient
+    from orchestrator.logs import configure_logging
+
+    # stdout is the command's answer (a table, or JSON for scripts); warnings go to stderr
+    configure_logging("warning", json=False)
+    curve = _client_keys(keys, key_name)
+    try:
+        return TrainerClient(addr, keys=curve, **kw)
+    except ValueError as exc:
+        _usage(f"--addr: {exc}")
+
+
+def _check_endpoint(addr: str, flag: str) -> None:
+    """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(addr)
+    except zmq.ZMQError as exc:
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); e.g. tcp://HOST:PORT or ipc:///PATH")
+    finally:
+        sock.close(linger=0)
+
+
+def _client_keys(directory: Optional[Path], name: str) -> Any:
+    if directory is None:
+        return None
+    from orchestrator.auth import KeysError, client_keys
+
+    try:
+        return client_keys(directory, name)
+    except KeysError as exc:
+        err_console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out

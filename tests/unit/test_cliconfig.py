@@ -1,0 +1,123 @@
+"""Every option of every command can come from its flag, its WEIGHTSYNC_* variable or a
+TOML config file, in that order; `weightsync config show` says which one won."""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import io
+import os
+from contextlib import redirect_stderr, redirect_stdout
+
+from orchestrator import cliconfig
+from orchestrator.cli import command
+
+CLI = command()
+
+
+def run(args, env=None):
+    """(exit code, stdout, stderr) of `weightsync ARGS` in this process, under `env`."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                rv = CLI.main(list(args), prog_name="weightsync", standalone_mode=False)
+                code = rv if isinstance(rv, int) else 0  # an Exit comes back as its code
+            except Exception as exc:  # click's UsageError carries its exit code and message
+                code = getattr(exc, "exit_code", 1)
+                err.write(str(exc))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return code, out.getvalue(), err.getvalue()
+ALL = [(path, p) for path, cmd in cliconfig.commands(CLI) if path[0] != "config"
+       for p in cliconfig.options(cmd)]
+
+
+def sample(p, tmp_path):
+    """A valid value for option `p`: as env text, as TOML value, as `config show` reports it."""
+    ann = p.type_descriptor.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    base = args[0] if typing.get_origin(ann) in (typing.Union, types.UnionType) and args else ann
+    if p.is_flag or base is bool:
+        return "true", True, True
+    if base is int:
+        v = max(7, getattr(p.type_descriptor.parameter_info, "min", None) or 0)
+        return str(v), v, v
+    if base is float:
+        return "1.5", 1.5, 1.5
+    if base is Path:
+        return str(tmp_path), str(tmp_path), str(tmp_path)
+    if p.multiple:
+        return "alpha", ["alpha"], ["alpha"]
+    return "alpha", "alpha", "alpha"
+
+
+def show(env=None, args=()):
+    code, out, err = run([*args, "config", "show", "--json"], env)
+    assert code == 0, err
+    return {(row["command"], row["option"]): row for row in json.loads(out)}
+
+
+def norm(v):
+    return list(v) if isinstance(v, (tuple, list)) else v
+
+
+@pytest.mark.parametrize("path,opt", ALL, ids=[f"{' '.join(p)}:{o.name}" for p, o in ALL])
+def test_each_option_from_env_and_from_the_config_file(path, opt, tmp_path):
+    key = cliconfig.key_of(opt)
+    flag = "--" + key.replace("_", "-")
+    env_text, toml_value, shown = sample(opt, tmp_path)
+    name = " ".join(path)
+
+    row = show({opt.envvar: env_text})[(name, flag)]
+    assert opt.envvar == "WEIGHTSYNC_" + key.upper()
+    assert (row["source"], norm(row["value"])) == ("env", shown)
+
+    table = "[" + ".".join(path) + "]"
+    toml_text = json.dumps(toml_value) if not isinstance(toml_value, bool) else str(toml_value).lower()
+    cfg = tmp_path / "weightsync.toml"
+    cfg.write_text(f"{table}\n{key} = {toml_text}\n")
+    row = show(args=["--config", str(cfg)])[(name, flag)]
+    assert (row["source"], norm(row["value"])) == ("config file", shown)
+
+    row = show({opt.envvar: env_text}, args=["--config", str(cfg)])[(name, flag)]
+    assert row["source"] == "env"  # the variable beats the file
+
+
+def test_top_level_keys_apply_to_every_command_that_has_the_option(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('addr = "tcp://10.0.0.5:5555"\n')
+    rows = show(args=["--config", str(cfg)])
+    for cmd in ("push", "status", "abort"):
+        assert rows[(cmd, "--addr")]["value"] == "tcp://10.0.0.5:5555"
+        assert rows[(cmd, "--addr")]["source"] == "config file"
+
+
+def test_a_flag_beats_the_environment(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    code, out, err = run(["push", str(tmp_path / "ckpt"), "--version", "1", "--window", "0"],
+                         {"WEIGHTSYNC_WINDOW": "3"})
+    # the flag's 0 was used (and refused), not the variable's 3 (which would have gone on
+    # to read the empty checkpoint directory)
+    assert code == 2 and "greater than or equal to 1" in err and "checkpoint" not in err.lower(), err
+    code, out, err = run(["push", str(tmp_path / "ckpt"), "--version", "1"], {"WEIGHTSYNC_WINDOW": "3"})
+    assert code == 2 and "checkpoint" in err.lower(), err
+    code, out, err = run(["push", str(tmp_path / "ckpt"), "--version", "1"], {"WEIGHTSYNC_WINDOW": "0"})
+    assert code == 2 and "greater than or equal to 1" in err, err  # validated like the flag
+
+
+def test_an_unknown_config_key_is_a_one_line_usage_error(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[push]\nwindoww = 3\n")
+    code, out, err = run(["--config", str(cfg), "config", "show"])
+    assert code == 2 and "windoww" in err
