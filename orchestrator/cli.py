@@ -23,7 +23,7 @@ from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.config import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, parse_failpoints
 
 from orchestrator import cliconfig
-from orchestrator.tables import history_table, status_table
+from orchestrator.tables import history_table, push_progress, status_table
 from orchestrator.cliutil import (EXIT_OK, EXIT_STARTUP, EXIT_SYNC, EXIT_USAGE, _check_endpoint,
                                   _client, _client_keys, _fail, _parse_kv, _settings, _usage,
                                   err_console)
@@ -273,6 +273,7 @@ def push(
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     transport: str = typer.Option("auto", help="auto | shm | inline"),
     partial: bool = typer.Option(False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"),
+    engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     as_json: bool = typer.Option(False, "--json"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
@@ -293,10 +294,12 @@ def push(
         _usage(f"cannot read checkpoint: {exc}")
     # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with _client(addr, keys, key_name, timeout=timeout) as c:
+    with _client(addr, keys, key_name, timeout=timeout) as c, \
+            push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress:
         try:
             r = c.push(named, version, bucket_bytes=bucket_bytes, window=window,
-                       transport=transport, partial=partial)
+                       transport=transport, partial=partial, progress=progress,
+                       engines_wait=engines_wait)
         except WeightSyncError as err:
             _fail(err, "push", as_json)
             return

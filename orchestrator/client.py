@@ -28,7 +28,7 @@ from messages.shm import ShmFull, shm_available, sweep_stale
 from orchestrator.rings import InlineRing, ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
-from orchestrator.link import Link
+from orchestrator.link import RECONNECTED, Link, _Reconnected
 
 log = structlog.get_logger()
 
@@ -61,13 +61,6 @@ def error_from_reply(msg: schema.Error) -> WeightSyncError:
         code = ErrorCode.INTERNAL
     return make_error(code, msg.message, state=msg.state, version=msg.version,
                       sync_id=msg.sync_id, details=msg.details)
-
-
-class _Reconnected:
-    """`_recv`'s answer when the connection came back: resend what is in flight."""
-
-
-RECONNECTED = _Reconnected()
 
 
 @dataclass(slots=True)
@@ -235,7 +228,7 @@ class TrainerClient:
              probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
              abort_on_error: bool = True, progress: Any = None,
              transport: str = "auto", rollback_wait: float = 120.0,
-             partial: bool = False) -> SyncResult:
+             partial: bool = False, engines_wait: float = 0.0) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
         transport: "auto" uses shared memory for the engines on this host that can read it
@@ -259,7 +252,7 @@ class TrainerClient:
         try:
             try:
                 started = self._begin_after_rollback(version, sync_id, probes, transport,
-                                                     rollback_wait)
+                                                     rollback_wait, engines_wait)
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
                     self._abort_quietly(sync_id, err)  # the begin may have landed unanswered
@@ -308,15 +301,24 @@ class TrainerClient:
 
     def _begin_after_rollback(self, version: int, sync_id: str | None,
                               probes: Sequence[schema.Probe], transport: str,
-                              wait: float) -> dict[str, Any]:
-        deadline = time.monotonic() + wait
+                              wait: float, engines_wait: float = 0.0) -> dict[str, Any]:
+        """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
+        engines still registering, up to `wait` / `engines_wait` seconds."""
+        t0 = time.monotonic()
+        said = 0.0
         while True:
             try:
                 return self.begin(version, sync_id, probes=probes, transport=transport)
             except WeightSyncError as err:
-                if not (err.details.get("rollback_running") and time.monotonic() < deadline):
+                waited = time.monotonic() - t0
+                rolling = err.details.get("rollback_running") and waited < wait
+                engines = err.code is ErrorCode.NO_ENGINES and waited < engines_wait
+                if not (rolling or engines):
                     raise
-                log.info("waiting_for_rollback", version=version, reason=err.message)
+                if waited >= said:
+                    what = "the daemon's rollback" if rolling else "engines to register"
+                    log.warning("waiting", what=what, waited_s=round(waited, 1), reason=err.message)
+                    said = waited + 5.0
                 time.sleep(0.2)
 
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:

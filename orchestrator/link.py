@@ -25,6 +25,13 @@ _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROT
            zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+class _Reconnected:
+    """`_recv`'s answer when the connection came back: resend what is in flight."""
+
+
+RECONNECTED = _Reconnected()
+
+
 class Link:
     def __init__(self, sock: zmq.Socket, addr: str, connect_timeout: float,
                  reconnect_timeout: float) -> None:

@@ -1,8 +1,12 @@
-"""Rich tables for `weightsync status`: the daemon and its engines, recent transitions."""
+"""What `weightsync` shows a person: the status tables (daemon, engines, transitions) and
+the progress of a push on a terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -32,3 +36,37 @@ def history_table(st: dict[str, Any], n: int = 10) -> Table:
         at = time.strftime("%H:%M:%S", time.localtime(h["at"])) if h.get("at") else ""
         t.add_row(at, h["from"], h["to"], h["trigger"], str(h.get("version")), h.get("code") or "")
     return t
+
+
+@contextlib.contextmanager
+def push_progress(checkpoint: Path, version: int, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A progress bar on a terminal (bytes acknowledged by every engine, GB/s, ETA); None
+    (no output at all) otherwise, e.g. with --json or when stdout is a pipe."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    from messages.checkpoint import checkpoint_spec
+    from messages.dtypes import ITEMSIZE
+
+    total = 0
+    for p in checkpoint_spec(checkpoint).values():
+        n = ITEMSIZE[p.dtype]
+        for d in p.shape:
+            n *= d
+        total += n
+    columns = (TextColumn("[bold]v{task.fields[version]}[/bold] {task.description}"), BarColumn(),
+               DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[buckets]} buckets applied by every engine"))
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("pushing", total=total, version=version, buckets=0)
+        state = {"buckets": 0}
+
+        def advance(nbytes: int) -> None:
+            state["buckets"] += 1
+            bar.update(task, advance=nbytes, buckets=state["buckets"])
+
+        yield advance
+        bar.update(task, description="done")
