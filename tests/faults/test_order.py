@@ -3,6 +3,7 @@ restarts consistent, and no trainer ever holds an `ok` for a state its journal l
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 
@@ -65,7 +66,13 @@ def test_killed_after_engines_were_told_to_finalize_never_claims_ready(tmp_path,
         with c.client(timeout=30.0) as client:
             w = dict(perturbed(tiny_state, 2))
             r = client.push(w.items(), 2, bucket_bytes=BUCKET)
-        assert r.state == "READY" and r.engines[0]["finalize_count"] == 2  # once per sync
+        assert r.state == "READY"
+        # The kill may land before ZeroMQ flushed the finalize to the engine ("told" is
+        # handed to the socket, not yet delivered): the engine ran v1's post-load step or
+        # not, but never any step twice.
+        finalized = [json.loads(line)["sync_id"] for line in
+                     (c.log_dir / "engine-0.log").read_text().splitlines() if '"engine_finalized"' in line]
+        assert len(finalized) == len(set(finalized)) == r.engines[0]["finalize_count"] in (1, 2)
 
 
 def test_killed_after_ready_is_journaled_serves_it_after_restart(tmp_path, tiny_model_dir, tiny_state):
