@@ -104,4 +104,10 @@ def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_d
             time.sleep(0.2)
         last = cluster.status()["last_sync"]
         assert last["code"] == "ABORTED" and "connection closed" in last["reason"], last
-        assert not [s for s in trainer_segments() if f".{p.pid}." in s]  # swept by the daemon
+        # The sweep is one of the ended sync's effects, which follow its journal write: the
+        # state is IDLE a moment before; give the effects the same bounded wait.
+        leftover = [s for s in trainer_segments() if f".{p.pid}." in s]
+        while leftover and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leftover = [s for s in trainer_segments() if f".{p.pid}." in s]
+        assert not leftover  # swept by the daemon
