@@ -45,10 +45,6 @@ def configure(directory: str | Path | None) -> None:
         _DIR = Path(directory)
 
 
-def directory() -> Path:
-    return _DIR
-
-
 def segment_name(kind: str) -> str:
     """`weightsync.KIND.PID.RANDOM`: the pid lets `sweep_stale` find a dead owner's segments."""
     return f"{PREFIX}.{kind}.{os.getpid()}.{uuid.uuid4().hex[:12]}"

@@ -100,11 +100,6 @@ class Effects:
         if then is not None:
             then()
 
-    async def drain_effects(self) -> None:
-        """Wait until every pending batch has run (shutdown, tests)."""
-        while self._tail is not None:
-            await asyncio.shield(self._tail)
-
     def _persist_job(self, cmd: fsm.Command) -> Callable[[], None]:
         """A closure for the storage thread: it captures now what it needs from the loop."""
         if isinstance(cmd, fsm.Journal):

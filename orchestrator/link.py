@@ -16,7 +16,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.errors import ErrorCode, make_error
 
 _EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -95,12 +95,13 @@ class Link:
         return hit
 
     def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
+        close_monitor(self.sock, self.monitor)
 
 
-def is_link_error(err: WeightSyncError) -> bool:
-    return err.code in (ErrorCode.UNAUTHORIZED, ErrorCode.UNREACHABLE)
+def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop a socket's monitor and close its PAIR end (before the socket itself closes)."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)

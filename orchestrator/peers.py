@@ -15,6 +15,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from orchestrator.link import close_monitor
+
 
 class PeerTracker:
     def __init__(self, sock: zmq.Socket) -> None:
@@ -57,8 +59,4 @@ class PeerTracker:
                 gone.append(ident)
 
     def close(self) -> None:
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
+        close_monitor(self._sock, self.monitor)
