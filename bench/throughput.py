@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--control-buckets", type=int, default=5000,
                     help="tiny buckets for the control-overhead run (0 skips it)")
     ap.add_argument("--control-window", type=int, default=32)
+    ap.add_argument("--collective-engines", default="1,2,4",
+                    help="engine counts for the collective-vs-raw-broadcast run ('' skips it)")
+    ap.add_argument("--collective-repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=Path("bench-out/throughput.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench-out/throughput.png"))
     args = ap.parse_args(argv)
@@ -243,11 +246,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, memcpy {baselines['memcpy_gbps']:.2f} GB/s")
         runs = sweep(work, spec_dir, weights, model_bytes, engines, transports, buckets,
                      args.window, args.repeats, baselines)
+        coll_engines = [int(x) for x in args.collective_engines.split(",") if x]
+        collective = None
+        if coll_engines:
+            from bench.collective import run as run_collective
+            collective = run_collective(work, spec_dir, weights, model_bytes, coll_engines,
+                                        ref_bucket, args.window, args.collective_repeats)
         del weights
         control = (control_overhead(work, args.control_buckets, args.control_window)
                    if args.control_buckets else None)
     print(table(runs, baselines, control))
-    result = {"baselines": baselines, "runs": [asdict(r) for r in runs], "control": control}
+    if collective is not None:
+        from bench.collective import table as collective_table
+        print(collective_table(collective))
+    result = {"baselines": baselines, "runs": [asdict(r) for r in runs], "control": control,
+              "collective": collective}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

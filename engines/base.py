@@ -7,7 +7,9 @@ is the backend's post-load step and is NOT idempotent, exactly like vLLM's
 `process_weights_after_loading`; the worker guarantees it runs once per sync. `begin`
 prepares a new sync (undoes what finalize did to the checkpoint-format weights).
 An engine may also offer `load_bucket(metas, buf)`, taking the received bucket frame
-as is (the vLLM engine hands it to its workers through shared memory without unpacking).
+as is (the vLLM engine hands it to its workers through shared memory without unpacking),
+and `load_collective(metas, group, size, checksum, bind)`, receiving a collective bucket
+itself (the vLLM engine's workers each join the group and receive inside vLLM).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class EngineInfo:
     backend: str
     model: str
     spec: tuple[ParamSpec, ...]
-    transports: tuple[str, ...] = ("inline", "shm")
+    transports: tuple[str, ...] = ("inline", "shm", "collective")
     cast_ok: bool = False
+    collective_ranks: int = 1  # group members it brings (a vLLM engine: one per TP/PP worker)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -66,7 +66,11 @@ class _VllmBase:
 
     def describe(self) -> EngineInfo:
         return EngineInfo(backend=self.backend, model=self.model_dir, spec=tuple(self.spec.values()),
-                          cast_ok=True, extra=self._extra())
+                          cast_ok=True, extra=self._extra(), collective_ranks=self._workers())
+
+    def _workers(self) -> int:
+        """Group members this engine brings: one per vLLM worker (TP x PP)."""
+        return 1
 
     def begin(self, sync_id: str, version: int) -> None:
         self.rpc("ws_begin", _arg(sync_id=sync_id, version=version))
@@ -86,6 +90,18 @@ class _VllmBase:
         validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
         self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=bucket_checksum,
                                  shm=ref.to_wire(), tensors=[m.to_wire() for m in metas]))
+
+    def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
+                        bucket_checksum: int, bind: str) -> None:
+        """collective transport: every vLLM worker joins the group and receives the bucket
+        itself (rank = group rank + worker rank), verifies it and loads it."""
+        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self.rpc("ws_collective_load", _arg(sync_id=self.sync_id, group=group, size=size,
+                                            checksum=bucket_checksum, bind=bind,
+                                            tensors=[m.to_wire() for m in metas]))
+
+    def close_collective(self) -> None:
+        self.rpc("ws_collective_close")
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         validate_bucket(self.spec, tensors, cast_ok=True)
@@ -151,6 +167,10 @@ class VllmEngine(_VllmBase):
     def _extra(self) -> dict[str, Any]:
         return {"llm_args": self.llm_args, "multiprocessing": self.multiprocessing}
 
+    def _workers(self) -> int:
+        return (int(self.llm_args.get("tensor_parallel_size", 1))
+                * int(self.llm_args.get("pipeline_parallel_size", 1)))
+
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
         return self.llm.collective_rpc(method, args=(arg,))
 
@@ -192,4 +212,5 @@ def make_server_engine(options: dict[str, Any]) -> _VllmBase:
     if not options.get("url"):
         raise ValueError("--backend vllm-server needs --url http://HOST:PORT")
     return VllmServerEngine(options["model"], options["url"],
-                            pause_mode=options.get("pause_mode") or "keep")
+                            pause_mode=options.get("pause_mode") or "keep",
+                            bind=options.get("collective_host") or "")

@@ -81,14 +81,52 @@ class WeightSyncExtension:
         mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
         if a.get("checksum") is not None and checksum(mv) != a["checksum"]:
             raise ValueError(f"CHECKSUM_MISMATCH: shared-memory bucket {ref['name']} is corrupted")
-        flat = frombuffer(mv)
+        self._ws_apply(frombuffer(mv), a["tensors"])
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
+
+    def ws_collective_load(self, arg: str) -> dict[str, Any]:
+        """arg: {sync_id, group: GroupRef, size, checksum, tensors, bind}: this worker joins
+        the group (rank = group rank + its vLLM rank) and receives the bucket by broadcast
+        into its own buffer; no tensor crosses `collective_rpc`."""
+        t0 = time.perf_counter()
+        a = json.loads(arg)
+        st = self._ws()
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"ws_collective_load for sync {a['sync_id']!r} but the running "
+                               f"reload is {st['sync_id']!r}")
+        from messages.collective import Member
+        member = st.get("member")
+        if member is None:
+            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0))
+        buf = member.receive(a["group"], a["size"])
+        host = buf if buf.device.type == "cpu" else buf.cpu()
+        if checksum(host.numpy()) != a["checksum"]:
+            raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
+        self._ws_apply(buf, a["tensors"])
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
+
+    def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
+        """What vLLM's weight-transfer engine (backend weightsync) holds: digest, count."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "info"):
+            return {"native": False}
+        return {"native": True, **engine.info()}
+
+    def ws_collective_close(self, arg: str = "{}") -> str:
+        member = self._ws().pop("member", None)
+        if member is not None:
+            member.close()
+        return "ok"
+
+    def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]]) -> None:
+        st = self._ws()
         tensors = []
-        for m in a["tensors"]:
+        for m in metas:
             t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
             t = t.view(m["shape"]) if m["shape"] else t.reshape(())
             # Layerwise reload keeps references to the tensors of a layer until all of
-            # that layer's weights have arrived, possibly buckets later; the staging
-            # segment is reused for the next bucket, so hand vLLM its own copy.
+            # that layer's weights have arrived, possibly buckets later; the receive
+            # buffer is reused for the next bucket, so hand vLLM its own copy.
             tensors.append((m["name"], t.clone()))
         model = self._ws_model()
         with torch.no_grad():
@@ -96,8 +134,6 @@ class WeightSyncExtension:
         for name, t in tensors:
             st["digester"].update(name, t)
         st["loaded"] += len(tensors)
-        del tensors, flat
-        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
 
     def ws_finalize(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)

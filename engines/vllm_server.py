@@ -8,6 +8,13 @@ over HTTP. Generation is paused from `begin` until finalize is done, with the co
 mode for in-flight requests (keep: frozen and resumed; wait: drained first; abort).
 Probes run after `resume` (a paused server cannot generate), so between resume and the
 orchestrator's READY the server already answers with the new, finalized weights.
+
+vLLM's own weight-transfer API: a server started with `--weight-transfer-config
+'{"backend": "weightsync"}'` (engines.vllm_transfer) takes collective syncs through its
+routes instead: `/start_weight_update`, one `/update_weights` per bucket (each worker
+receives the bucket by broadcast), `/finish_weight_update`. Which path a sync takes is
+decided by its first bucket (collective or not), so begin is deferred until then; inline,
+shm, rollback and catch-up buckets keep the extension's path.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class VllmServerEngine(_VllmBase):
     backend = "vllm-server"
 
     def __init__(self, model_dir: str | Path, url: str, *, pause_mode: str = "keep",
-                 timeout: float = 600.0, staging_bytes: int = 64 << 20) -> None:
+                 timeout: float = 600.0, staging_bytes: int = 64 << 20, bind: str = "") -> None:
+        self.bind = bind  # this host's address for the collective group's sockets
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.url = url.rstrip("/")
@@ -52,6 +60,10 @@ class VllmServerEngine(_VllmBase):
         self._setup(model_dir, staging_bytes)
         self.finalize_count = min(w["finalize_count"] for w in self.workers)
         self.paused = False
+        self.native = self._init_native()
+        self._native_finalizes = 0
+        self._pending: tuple[str, int] | None = None  # begin deferred to the first bucket
+        self._mode: str | None = None  # "native" | "extension" for the running sync
         log.info("vllm_server_attached", url=self.url, model=self.served_model,
                  workers=len(self.workers), pause_mode=pause_mode)
 
@@ -71,7 +83,78 @@ class VllmServerEngine(_VllmBase):
 
     def _extra(self) -> dict[str, Any]:
         return {"url": self.url, "served_model": self.served_model, "pause_mode": self.pause_mode,
-                "workers": len(self.workers)}
+                "workers": len(self.workers), "native_weight_transfer": self.native}
+
+    def _workers(self) -> int:
+        return len(self.workers)
+
+    def _init_native(self) -> bool:
+        """True when the server runs vLLM's weight-transfer engine with our backend."""
+        infos = self.rpc("ws_native_info")
+        if not infos or not all(i.get("native") for i in infos):
+            return False
+        self._http("POST", "/init_weight_transfer_engine", {"init_info": {"bind": self.bind}})
+        return True
+
+    # -- a sync: begin deferred until the first bucket says which path it takes ---------
+    def begin(self, sync_id: str, version: int) -> None:
+        self._pause()
+        self.sync_id, self._digest, self._mode = sync_id, None, None
+        self._pending = (sync_id, version)
+
+    def _start(self, mode: str) -> None:
+        if self._pending is None:
+            return
+        sync_id, version = self._pending
+        self._pending = None
+        self._mode = mode
+        if mode == "native":
+            self._http("POST", "/start_weight_update", {})
+        else:
+            super().begin(sync_id, version)
+
+    def load_bucket(self, metas: Any, buf: Any) -> None:
+        self._start("extension")
+        super().load_bucket(metas, buf)
+
+    def load_shm(self, metas: Any, ref: Any, bucket_checksum: int) -> None:
+        self._start("extension")
+        super().load_shm(metas, ref, bucket_checksum)
+
+    def load_collective(self, metas: Any, group: dict[str, Any], size: int,
+                        bucket_checksum: int, bind: str) -> None:
+        if not self.native:
+            self._start("extension")
+            super().load_collective(metas, group, size, bucket_checksum, bind)
+            return
+        from engines.vllm_engine import _meta_tensor
+        from engines.base import validate_bucket
+        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self._start("native")
+        self._http("POST", "/update_weights", {"update_info": {
+            "sync_id": self.sync_id, "group": group, "size": size, "checksum": bucket_checksum,
+            "tensors": [m.to_wire() for m in metas]}})
+
+    def finalize(self, sync_id: str) -> str:
+        self._start("extension")  # a sync with no bucket (all-partial) still finalizes once
+        if self._mode != "native":
+            digest = super().finalize(sync_id)
+            self.finalize_count += self._native_finalizes  # the worker counts only its own path
+            return digest
+        self._http("POST", "/finish_weight_update", {})
+        infos = self.rpc("ws_native_info")
+        digests = {i["digest"] for i in infos}
+        if len(digests) != 1 or None in digests:
+            raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
+        self._after_finalize()
+        self._native_finalizes = min(i["finalize_count"] for i in infos)
+        self.finalize_count += 1
+        self._digest = digests.pop()
+        return self._digest
+
+    def close_collective(self) -> None:
+        if not self.native:
+            super().close_collective()
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
         out = self._http("POST", "/collective_rpc", {"method": method, "args": [arg]})
@@ -87,10 +170,6 @@ class VllmServerEngine(_VllmBase):
             self._http("POST", "/resume")
             self.paused = False
 
-    def begin(self, sync_id: str, version: int) -> None:
-        self._pause()
-        super().begin(sync_id, version)
-
     def _after_finalize(self) -> None:
         for _ in range(50):  # refused while blocks are held by requests kept across the pause
             if self._http("POST", "/reset_prefix_cache?reset_running_requests=true").get("success"):
@@ -102,7 +181,12 @@ class VllmServerEngine(_VllmBase):
 
     def abort(self) -> None:
         try:
-            super().abort()
+            if self._mode == "native":  # vLLM has no abort: finish leaves update mode (mixed weights)
+                self._http("POST", "/finish_weight_update", {})
+                self._digest = None
+            elif self._mode == "extension":
+                super().abort()
+            self._pending, self._mode = None, None
         finally:
             self._resume()
 

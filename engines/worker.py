@@ -27,11 +27,11 @@ from typing import Any
 import structlog
 import zmq
 
+from engines.applier import Applier
 from engines.base import Engine
 from messages import codec, schema
-from messages.buckets import checksum, unpack
-from messages.errors import ErrorCode, MessageError, WeightSyncError
-from messages.shm import Reader, shm_available
+from messages.errors import ErrorCode, MessageError
+from messages.shm import shm_available
 from orchestrator.link import Link
 
 log = structlog.get_logger()
@@ -51,122 +51,15 @@ class SyncTrack:
     failed: bool = False
 
 
-class Applier(threading.Thread):
-    """Runs engine operations in order on one thread; results go back via `out` + pipe."""
-
-    def __init__(self, engine: Engine, wake_fd: int, failpoints: dict[str, float] | None = None) -> None:
-        super().__init__(name="engine-applier", daemon=True)
-        self.engine = engine
-        self.failpoints = failpoints or {}
-        self.jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self.out: queue.Queue[schema.Message | tuple[str, Any]] = queue.Queue()
-        self.wake_fd = wake_fd
-        self.current: str | None = None
-        self.failed: set[str] = set()
-        self.reader = Reader()  # the trainer's shared-memory slots (shm transport)
-
-    def submit(self, kind: str, arg: Any) -> None:
-        self.jobs.put((kind, arg))
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def _emit(self, item: schema.Message | tuple[str, Any]) -> None:
-        self.out.put(item)
-        os.write(self.wake_fd, b"x")
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            kind, arg = job
-            try:
-                getattr(self, "_do_" + kind)(arg)
-            except WeightSyncError as err:
-                self._fail(arg, err.code.value, err.message)
-            except Exception as exc:  # an engine bug: report it as a typed failure, loudly
-                log.exception("engine_operation_crashed", op=kind)
-                self._fail(arg, ErrorCode.ENGINE_FAILED.value, f"{kind}: {type(exc).__name__}: {exc}")
-
-    def _fail(self, arg: Any, code: str, message: str) -> None:
-        msg = arg[0] if isinstance(arg, tuple) else arg
-        sync_id = getattr(msg, "sync_id", None) or ""
-        self.failed.add(sync_id)
-        seq = getattr(msg, "seq", None)
-        log.warning("engine_operation_failed", sync_id=sync_id, seq=seq, code=code, reason=message)
-        self._emit(schema.Failed(sync_id=sync_id, code=code, message=message[:4000], seq=seq,
-                                 sender=getattr(msg, "sender", None)))
-
-    def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
-        self.engine.begin(msg.sync_id, msg.version)
-        self.current = msg.sync_id
-        log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
-
-    def _do_load(self, arg: tuple[schema.Load, Any]) -> None:
-        msg, frame = arg
-        if msg.sync_id in self.failed:
-            return  # already reported; the orchestrator is aborting this sync
-        t0 = time.perf_counter()
-        if msg.shm is not None:
-            load_shm = getattr(self.engine, "load_shm", None)
-            if load_shm is not None:  # the engine's workers read the slot themselves
-                load_shm(msg.tensors, msg.shm, msg.checksum)
-                self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                         seconds=time.perf_counter() - t0))
-                return
-            try:
-                buf = self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
-            except MessageError as exc:
-                raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
-        else:
-            buf = frame.buffer if hasattr(frame, "buffer") else frame
-        if checksum(buf) != msg.checksum:
-            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        load_bucket = getattr(self.engine, "load_bucket", None)
-        if load_bucket is not None:
-            load_bucket(msg.tensors, buf)
-        else:
-            tensors = list(unpack(msg.tensors, buf))
-            self.engine.load(tensors)
-            del tensors  # drop the views before acknowledging (the frame can be freed)
-        del buf
-        seconds = time.perf_counter() - t0
-        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                 seconds=seconds))
-
-    def _do_finalize(self, msg: schema.Finalize) -> None:
-        self.reader.close()  # every bucket is in; the trainer may unlink its slots
-        if msg.sync_id in self.failed:
-            return
-        t0 = time.perf_counter()
-        if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
-            time.sleep(self.failpoints["finalize_sleep"])
-        digest = self.engine.finalize(msg.sync_id)
-        probes = self.engine.probe(msg.probes) if msg.probes else ()
-        seconds = time.perf_counter() - t0
-        self._emit(("finalized", (msg.version, digest)))
-        self._emit(schema.Finalized(sync_id=msg.sync_id, version=msg.version, digest=digest,
-                                    finalize_count=self.engine.finalize_count, probes=probes,
-                                    seconds=seconds))
-        log.info("engine_finalized", sync_id=msg.sync_id, version=msg.version, digest=digest,
-                 finalize_count=self.engine.finalize_count, seconds=round(seconds, 4))
-
-    def _do_abort(self, msg: schema.Abort) -> None:
-        self.reader.close()
-        if self.current == msg.sync_id:
-            self.engine.abort()
-            self.current = None
-            self._emit(("aborted", msg.sync_id))
-            log.info("sync_aborted", sync_id=msg.sync_id)
-
-
 class Worker:
     def __init__(self, engine: Engine, connect: str, engine_id: str, *,
                  heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None,
                  close_engine: bool = True, allow_shm: bool = True, keys: Any = None,
-                 failpoints: dict[str, float] | None = None) -> None:
+                 failpoints: dict[str, float] | None = None, collective: bool = True,
+                 collective_bind: str = "") -> None:
         self.engine = engine
+        self.collective = collective and "collective" in engine.describe().transports
+        self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
         self.keys = keys  # orchestrator.auth.ClientKeys for a CURVE daemon
         self.allow_shm = allow_shm
@@ -200,16 +93,25 @@ class Worker:
         return schema.Register(engine_id=self.engine_id, backend=self.info.backend, id=self._id(),
                                model=self.info.model,
                                transports=tuple(t for t in self.info.transports
-                                                if t != "shm" or (self.allow_shm and shm_available())),
+                                                if (t != "shm" or (self.allow_shm and shm_available()))
+                                                and (t != "collective" or self.collective)),
                                version=self.version, digest=self.digest,
                                finalize_count=self.engine.finalize_count, pid=os.getpid(),
                                host=pysocket.gethostname(), spec=self.info.spec,
-                               cast_ok=self.info.cast_ok)
+                               cast_ok=self.info.cast_ok,
+                               collective_ranks=self.info.collective_ranks if self.collective else 0,
+                               collective_backends=self._backends())
+
+    def _backends(self) -> tuple[str, ...]:
+        if not self.collective:
+            return ()
+        from messages.collective import available_backends
+        return available_backends()
 
     def run(self) -> None:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
-        applier = Applier(self.engine, wfd, self.failpoints)
+        applier = Applier(self.engine, wfd, self.failpoints, self.collective_bind)
         applier.start()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -266,6 +168,7 @@ class Worker:
         finally:
             applier.stop()
             applier.join(timeout=30)
+            applier._close_group()
             link.close()
             sock.close(linger=1000)
             os.close(rfd)

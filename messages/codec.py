@@ -117,8 +117,17 @@ def frame_len(frame: Any) -> int:
 
 def _validate(msg: Message, payload: list[Any]) -> None:
     if msg.PAYLOAD == "bucket":
-        shm = msg.shm  # type: ignore[attr-defined]
-        if shm is None:
+        shm, size = msg.shm, msg.size  # type: ignore[attr-defined]
+        if shm is not None and size is not None:
+            raise _bad(f"{msg.TYPE}: a bucket travels by shm or by the collective, not both")
+        if getattr(msg, "group", None) is not None and size is None:
+            raise _bad(f"{msg.TYPE}: a collective load needs its size")
+        if size is not None:  # collective: the bytes come by broadcast (a copy may ride along)
+            if len(payload) > 1 or (payload and frame_len(payload[0]) != size):
+                raise _bad(f"{msg.TYPE}: a collective bucket carries at most one payload frame "
+                           f"of exactly its size {size}")
+            _check_tensors(msg.tensors, size)  # type: ignore[attr-defined]
+        elif shm is None:
             if len(payload) != 1:
                 raise _bad(f"{msg.TYPE}: expected exactly 1 payload frame, got {len(payload)}")
             _check_tensors(msg.tensors, frame_len(payload[0]))  # type: ignore[attr-defined]

@@ -25,7 +25,8 @@ SECTIONS = [
     ("Engine -> orchestrator", (schema.Register, schema.Heartbeat, schema.Loaded,
                                 schema.Finalized, schema.Failed)),
     ("Orchestrator -> engine", (schema.Load, schema.Finalize, schema.Abort)),
-    ("Nested", (schema.TensorMeta, schema.ParamSpec, schema.Probe, schema.ShmRef)),
+    ("Nested", (schema.TensorMeta, schema.ParamSpec, schema.Probe, schema.ShmRef,
+                schema.CollectiveOffer, schema.GroupRef)),
 ]
 
 

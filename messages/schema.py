@@ -68,7 +68,11 @@ Digest = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\
 # accepted (messages.shm.SEGMENT_PATTERN); never a path, never a dot-name.
 SegmentName = Annotated[str, Meta(max_length=96, pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
                                   description="weightsync.KIND.PID.HEX12 (made by messages.shm)")]
-Transport = Literal["inline", "shm", "auto"]
+Transport = Literal["inline", "shm", "collective", "auto"]
+Backend = Literal["gloo", "nccl"]
+Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
+MAX_GROUP = 4096
+Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}")]
 
 
 class _Wire(msgspec.Struct, frozen=True):
@@ -112,6 +116,30 @@ class ShmRef(_Wire, frozen=True):
     size: Size
 
 
+class CollectiveOffer(_Wire, frozen=True):
+    """Trainer -> orchestrator in `begin`: the trainer (rank 0) hosts the group's TCPStore
+    at host:port for as long as its client lives (`session`), and can speak `backends`."""
+
+    host: Host
+    port: Port
+    session: Id
+    backends: Annotated[tuple[Backend, ...], Meta(min_length=1, max_length=2)] = ("gloo",)
+
+
+class GroupRef(_Wire, frozen=True):
+    """Orchestrator -> engine in each collective `load`: the bucket's bytes arrive by a
+    broadcast from rank 0 of group `id`, whose store is at host:port. `rank` is this
+    engine's first rank (a vLLM engine's TP worker r is rank + r)."""
+
+    id: Id
+    host: Host
+    port: Port
+    rank: Annotated[int, Meta(ge=1, lt=MAX_GROUP, description=f"1..{MAX_GROUP - 1}")]
+    world_size: Annotated[int, Meta(ge=2, le=MAX_GROUP, description=f"2..{MAX_GROUP}")]
+    backend: Backend
+    timeout: Seconds
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every message: `v` and `type` (the tag) lead each header."""
 
@@ -135,7 +163,8 @@ class Begin(Message, frozen=True, tag="begin"):
     expected_buckets: Count | None = None
     probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
     host: Host = ""  # the trainer's host: engines on it may read buckets from shared memory
-    transport: Transport = "inline"  # "auto": shm where every engine can
+    transport: Transport = "inline"  # "auto": collective if offered and every engine can, else shm
+    collective: CollectiveOffer | None = None
 
 
 class Bucket(Message, frozen=True, tag="bucket"):
@@ -147,6 +176,9 @@ class Bucket(Message, frozen=True, tag="bucket"):
     id: RequestId = 0
     sender: Sender = 0
     shm: ShmRef | None = None
+    # Set on the collective path: the bucket's `size` bytes travel by the group's
+    # broadcast; a payload frame comes too only when the daemon spools (begin says so).
+    size: Size | None = None
 
 
 class Finish(Message, frozen=True, tag="finish"):
@@ -206,6 +238,9 @@ class Register(Message, frozen=True, tag="register"):
     host: Host = ""
     spec: Annotated[tuple[ParamSpec, ...], Meta(max_length=MAX_SPEC)] = ()
     cast_ok: bool = False
+    # Members this engine brings to a collective group (its TP workers); 0: none.
+    collective_ranks: Annotated[int, Meta(ge=0, le=MAX_GROUP - 1)] = 0
+    collective_backends: Annotated[tuple[Backend, ...], Meta(max_length=2)] = ()
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
@@ -253,6 +288,8 @@ class Load(Message, frozen=True, tag="load"):
     id: RequestId = 0
     sender: Sender = 0
     shm: ShmRef | None = None
+    group: GroupRef | None = None  # collective: receive `size` bytes by broadcast
+    size: Size | None = None
 
 
 class Finalize(Message, frozen=True, tag="finalize"):

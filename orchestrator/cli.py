@@ -131,6 +131,10 @@ def engine(
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    collective: bool = typer.Option(True, "--collective/--no-collective",
+                                    help="offer the collective transport (torch.distributed)"),
+    collective_host: str = typer.Option("", help="this host's address for the collective group's "
+                                        "sockets [default: the route to the trainer's store]"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory (needs server.key, NAME.key_secret)"),
     key_name: str = typer.Option("engine", help="identity in the keys directory"),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
@@ -160,13 +164,14 @@ def engine(
     try:
         llm_args = _parse_kv(vllm_arg)
         eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
-                                    "llm_args": llm_args, "url": url, "pause_mode": pause_mode})
+                                    "llm_args": llm_args, "url": url, "pause_mode": pause_mode,
+                                    "collective_host": collective_host})
     except Exception as exc:  # any backend failing to start is exit 3, with its reason
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
     worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
                     heartbeat_interval=s.heartbeat_interval, allow_shm=shm, keys=curve,
-                    failpoints=failpoints)
+                    failpoints=failpoints, collective=collective, collective_bind=collective_host)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()
@@ -271,7 +276,9 @@ def push(
     bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
     window: int = typer.Option(2, min=1, max=64, help="unacknowledged buckets in flight"),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
-    transport: str = typer.Option("auto", help="auto | shm | inline"),
+    transport: str = typer.Option("auto", help="auto | shm | inline | collective"),
+    collective_host: str = typer.Option("", help="collective: this host's address for the group's "
+                                        "store [default: the route to the daemon]"),
     partial: bool = typer.Option(False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"),
     engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
@@ -285,8 +292,8 @@ def push(
     from messages import shm
     from messages.checkpoint import CheckpointError, iter_safetensors
 
-    if transport not in ("auto", "shm", "inline"):
-        _usage(f"--transport must be auto, shm or inline, got {transport!r}")
+    if transport not in ("auto", "shm", "inline", "collective"):
+        _usage(f"--transport must be auto, shm, inline or collective, got {transport!r}")
     shm.configure(_settings(shm_dir=shm_dir).shm_dir)
     try:
         named = iter_safetensors(checkpoint)
@@ -294,7 +301,7 @@ def push(
         _usage(f"cannot read checkpoint: {exc}")
     # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with _client(addr, keys, key_name, timeout=timeout) as c, \
+    with _client(addr, keys, key_name, timeout=timeout, collective_host=collective_host) as c, \
             push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress:
         try:
             r = c.push(named, version, bucket_bytes=bucket_bytes, window=window,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +23,15 @@ import torch
 import zmq
 
 from messages import codec, schema
-from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket, iter_buckets
+from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.shm import ShmFull, shm_available, sweep_stale
-from orchestrator.rings import InlineRing, ShmRing
+from orchestrator.rings import ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 from orchestrator.link import RECONNECTED, Link, _Reconnected
+from orchestrator.stream import StreamMixin, error_from_reply
+from orchestrator.trainer_group import TrainerGroup
 
 log = structlog.get_logger()
 
@@ -54,28 +57,13 @@ class SyncResult:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def error_from_reply(msg: schema.Error) -> WeightSyncError:
-    try:
-        code = ErrorCode(msg.code)
-    except ValueError:
-        code = ErrorCode.INTERNAL
-    return make_error(code, msg.message, state=msg.state, version=msg.version,
-                      sync_id=msg.sync_id, details=msg.details)
-
-
-@dataclass(slots=True)
-class _InFlight:
-    bucket: PackedBucket
-    sent_at: float
-    attempts: int = 1
-
-
-class TrainerClient:
+class TrainerClient(StreamMixin):
     def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float = 30.0, retries: int = 3,
                  finish_timeout: float = 900.0, ctx: zmq.Context | None = None,
                  sender: int = 0, keys: ClientKeys | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, collective_host: str = "") -> None:
         self.addr = addr
+        self.collective_host = collective_host  # this host's address for the group's store
         self.timeout = timeout
         self.retries = retries
         self.finish_timeout = finish_timeout
@@ -97,9 +85,14 @@ class TrainerClient:
             raise ValueError(f"invalid address {addr!r}: {exc}") from None
         self._next_id = 0
         self._stray: dict[int, schema.Message] = {}
+        self._early: deque[schema.Message] = deque()  # replies read while a broadcast ran
+        self._collective: TrainerGroup | None = None
 
     # -- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
+        coll = getattr(self, "_collective", None)
+        if coll is not None:
+            coll.close()
         self._link.close()
         self._sock.close(linger=0)
 
@@ -134,6 +127,8 @@ class TrainerClient:
         """The next reply; None when `timeout` passes; RECONNECTED when the connection was
         re-established (requests in flight died with the old one: resend them now).
         Raises UNREACHABLE / UNAUTHORIZED as soon as the socket monitor shows it."""
+        if self._early:
+            return self._early.popleft()
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -186,16 +181,18 @@ class TrainerClient:
 
     def begin(self, version: int, sync_id: str | None = None, *, senders: int = 1,
               expected_buckets: int | None = None, probes: Sequence[schema.Probe] = (),
-              transport: str = "inline") -> dict[str, Any]:
-        """Start a sync. `transport` "shm"/"auto" offers shared memory; the reply's
-        `transport` says what the daemon chose ("inline", "shm" or "mixed")."""
+              transport: str = "inline", collective: schema.CollectiveOffer | None = None
+              ) -> dict[str, Any]:
+        """Start a sync. `transport` "shm"/"auto" offers shared memory, "collective" (with
+        `collective`, this trainer's store) a torch.distributed group; the reply's
+        `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective")."""
         sync_id = sync_id or uuid.uuid4().hex
-        host = socket.gethostname() if transport != "inline" else ""
+        host = socket.gethostname() if transport not in ("inline", "collective") else ""
         body = self._request(lambda i: schema.Begin(sync_id=sync_id, version=version, id=i,
                                                     senders=senders,
                                                     expected_buckets=expected_buckets,
                                                     probes=tuple(probes), host=host,
-                                                    transport=transport))
+                                                    transport=transport, collective=collective))
         return {**body, "sync_id": sync_id}
 
     def send_bucket(self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
@@ -216,12 +213,6 @@ class TrainerClient:
         return self._request(lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason),
                              timeout, retries=retries)
 
-    def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
-                    checksum: int | None = None, shm: schema.ShmRef | None = None) -> schema.Bucket:
-        return schema.Bucket(sync_id=sync_id, seq=b.seq, tensors=b.tensors,
-                             checksum=b.checksum if checksum is None else checksum, id=rid,
-                             sender=self.sender, shm=shm)
-
     # -- the whole sync -----------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
@@ -233,7 +224,9 @@ class TrainerClient:
 
         transport: "auto" uses shared memory for the engines on this host that can read it
         (one write here, one read per engine) and inline frames otherwise; "inline" and
-        "shm" force a choice ("shm" still falls back where the daemon says so).
+        "shm" force a choice ("shm" still falls back where the daemon says so);
+        "collective" broadcasts each bucket to the engines over a torch.distributed group
+        (the daemon only sees metadata; inline where some engine cannot join).
         rollback_wait: seconds to wait, before beginning, for a rollback the daemon is
         running after an earlier failure (0: raise its INVALID_STATE at once).
         partial: the tensors are a subset of the engines' on purpose (otherwise `finish`
@@ -242,17 +235,18 @@ class TrainerClient:
         exception) aborts the sync it began, so the daemon is free for the next push."""
         if window < 1:
             raise ValueError("window must be >= 1")
-        if transport not in ("inline", "shm", "auto"):
-            raise ValueError("transport must be inline, shm or auto")
+        if transport not in ("inline", "shm", "auto", "collective"):
+            raise ValueError("transport must be inline, shm, auto or collective")
         t0 = time.perf_counter()
         sync_id = sync_id or uuid.uuid4().hex
-        ring = self._reserve_ring(window, bucket_bytes) if transport != "inline" else None
-        if ring is None:
+        offer = self._collective_offer() if transport == "collective" else None
+        ring = self._reserve_ring(window, bucket_bytes) if transport in ("shm", "auto") else None
+        if ring is None and offer is None:
             transport = "inline"
         try:
             try:
                 started = self._begin_after_rollback(version, sync_id, probes, transport,
-                                                     rollback_wait, engines_wait)
+                                                     rollback_wait, engines_wait, offer)
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
                     self._abort_quietly(sync_id, err)  # the begin may have landed unanswered
@@ -264,16 +258,21 @@ class TrainerClient:
             if started.get("transport") not in ("shm", "mixed") and ring is not None:
                 ring.close()
                 ring = None
+            coll = self._collective_for(started, transport)
             digester = Digester()
             try:
                 count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
-                                                      progress, ring, digester)
+                                                      progress, ring, digester, coll)
                 body = self.finish(sync_id, count, digest=digester.hexdigest(), partial=partial)
             except WeightSyncError as err:
+                if coll is not None:
+                    coll.fail()
                 if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING", None):
                     self._abort_quietly(sync_id, err)
                 raise
             except BaseException as exc:  # KeyboardInterrupt, a broken iterator: do not wedge
+                if coll is not None:
+                    coll.fail()
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
@@ -299,16 +298,32 @@ class TrainerClient:
                         bucket_bytes=bucket_bytes)
             return None
 
+    def _collective_offer(self) -> schema.CollectiveOffer:
+        if self._collective is None:
+            self._collective = TrainerGroup(self.addr, self.collective_host)
+        return self._collective.offer()
+
+    def _collective_for(self, started: dict[str, Any], asked: str) -> TrainerGroup | None:
+        if started.get("transport") == "collective" and self._collective is not None:
+            self._collective.plan({**started["collective"], "spool_copy": started.get("spool_copy", False)})
+            return self._collective
+        if asked == "collective":
+            log.warning("collective_not_used", transport=started.get("transport"),
+                        reason="some engine cannot join a group with this trainer")
+        return None
+
     def _begin_after_rollback(self, version: int, sync_id: str | None,
                               probes: Sequence[schema.Probe], transport: str,
-                              wait: float, engines_wait: float = 0.0) -> dict[str, Any]:
+                              wait: float, engines_wait: float = 0.0,
+                              offer: schema.CollectiveOffer | None = None) -> dict[str, Any]:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
         t0 = time.monotonic()
         said = 0.0
         while True:
             try:
-                return self.begin(version, sync_id, probes=probes, transport=transport)
+                return self.begin(version, sync_id, probes=probes, transport=transport,
+                                  collective=offer)
             except WeightSyncError as err:
                 waited = time.monotonic() - t0
                 rolling = err.details.get("rollback_running") and waited < wait
@@ -327,70 +342,3 @@ class TrainerClient:
                        timeout=min(self.timeout, 5.0), retries=0)
         except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
             log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)
-
-    def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
-                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None,
-                digester: Digester | None = None) -> tuple[int, int, int]:
-        inflight: dict[int, _InFlight] = {}  # seq -> bucket
-        by_id: dict[int, int] = {}  # request id -> seq
-        count = nbytes = retries = 0
-
-        def send(f: _InFlight) -> None:
-            rid = self._new_id()
-            by_id[rid] = f.bucket.seq
-            if ring is not None:
-                ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
-                self._send(self._bucket_msg(sync_id, f.bucket, rid, shm=ref))
-            else:
-                self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
-
-        def wait_one() -> None:
-            nonlocal retries
-            oldest = min(inflight.values(), key=lambda f: f.sent_at)
-            reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
-            if reply is RECONNECTED:  # what was in flight died with the old connection
-                for f in sorted(inflight.values(), key=lambda f: f.bucket.seq):
-                    f.sent_at = time.monotonic()
-                    send(f)
-                log.warning("buckets_resent_after_reconnect", sync_id=sync_id, buckets=len(inflight))
-                return
-            if reply is None:  # the oldest timed out: resend it (same sync_id and seq)
-                if oldest.attempts > self.retries:
-                    raise make_error(ErrorCode.TIMEOUT,
-                                     f"bucket seq {oldest.bucket.seq} not acknowledged after "
-                                     f"{oldest.attempts} attempt(s) of {self.timeout}s",
-                                     sync_id=sync_id, state="LOADING_BUCKETS")
-                oldest.attempts += 1
-                oldest.sent_at = time.monotonic()
-                retries += 1
-                log.warning("bucket_resent", sync_id=sync_id, seq=oldest.bucket.seq,
-                            attempt=oldest.attempts)
-                send(oldest)
-                return
-            seq = by_id.pop(reply.id, None)
-            if seq is None:
-                return  # a reply to an earlier attempt already handled
-            if isinstance(reply, schema.Error):
-                raise error_from_reply(reply)
-            f = inflight.pop(seq, None)
-            if f is not None and progress is not None:
-                progress(f.bucket.nbytes)
-
-        slots = ring if ring is not None else InlineRing(window)
-
-        def alloc(seq: int, n: int) -> torch.Tensor:
-            # Room first: slot seq % window belongs to bucket seq - window until that bucket
-            # is acknowledged (every engine has copied it out), whatever order acks come in.
-            while len(inflight) >= window or (seq - window) in inflight:
-                wait_one()
-            return slots.slot(seq, n)
-
-        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
-            f = _InFlight(bucket, time.monotonic())
-            inflight[bucket.seq] = f
-            send(f)
-            count += 1
-            nbytes += bucket.nbytes
-        while inflight:
-            wait_one()
-        return count, nbytes, retries

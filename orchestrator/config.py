@@ -87,6 +87,8 @@ FAILPOINTS = {
                             "caused by this message type (begin, finish, loaded, ...) are durable",
     "kill_after_told": "daemon: SIGKILL itself once the engines were told of that batch, "
                        "before any reply",
+    "kill_in_broadcast": "engine: SIGKILL itself as it joins the broadcast of bucket seq N "
+                         "(collective transport), leaving the trainer mid-broadcast",
 }
 
 

@@ -71,8 +71,8 @@ def assess_tick(self: Any, e: EventData, event: ev.Tick) -> None:
         return
     gone = [x for x in lost if x in s.participants]
     if gone:  # whatever the state: a participant is gone
-        err = self._error(ErrorCode.ENGINE_FAILED, f"engine(s) {gone} missed heartbeats for "
-                          f"{lim.engine_timeout}s", engine_ids=gone)
+        err = self._error(ErrorCode.ENGINE_FAILED, f"engine(s) {gone} lost: disconnected, or "
+                          f"no heartbeat for {lim.engine_timeout}s", engine_ids=gone)
         e.kwargs["loading_error"] = e.kwargs["finalizing_error"] = err
         return
     err = self._loading_deadline(s)

@@ -60,12 +60,23 @@ def _open(self: Any, sync_id: str, version: int, *, senders: int = 1, expected: 
 def open_sync(self: Any, e: EventData) -> None:
     m = e.kwargs["ev"].msg
     s = _open(self, m.sync_id, m.version, senders=m.senders, expected=m.expected_buckets, probes=m.probes)
-    s.shm_engines, s.transport = syncs.plan_transport(m, s.participants, self.engines, self.limits.host)
+    group = syncs.plan_group(m, s.participants, self.engines, self.group,
+                             f"g{self._groups + 1}.{self.run_id}"[:128],
+                             self.limits.bucket_timeout)
+    if group is not None:
+        if group is not self.group:
+            self._groups += 1
+        self.group = s.group = group
+        s.transport = "collective"
+    else:
+        s.shm_engines, s.transport = syncs.plan_transport(m, s.participants, self.engines, self.limits.host)
     if self.limits.spool:
         self.outbox.append(SpoolBegin(m.sync_id, m.version))
     self.outbox.append(Journal("sync", {"sync_id": m.sync_id, "version": m.version,
                                         "status": "LOADING_BUCKETS", "kind": "sync", "at": self.now}))
     self.reply = {**s.view(), "state": State.LOADING_BUCKETS.value}
+    if s.group is not None:  # the trainer sends the daemon a copy of each bucket to spool
+        self.reply["spool_copy"] = self.limits.spool
 
 
 def open_rollback(self: Any, e: EventData) -> None:
@@ -85,6 +96,8 @@ def reply_running(self: Any, e: EventData) -> None:
     s = self.sync
     s.last_activity, s.trainer_lost_at = self.now, None
     self.reply = {**s.view(), "state": self.state.value, "repeated": True}
+    if s.group is not None:
+        self.reply["spool_copy"] = self.limits.spool
 
 
 # -- buckets ----------------------------------------------------------------------------
@@ -209,6 +222,8 @@ def close_failed(self: Any, e: EventData) -> None:
     s, err = self.sync, e.kwargs["error"]
     rolled_back = e.transition.dest == State.READY  # this row goes back to the version served
     s.error = err
+    if s.group is not None:
+        self.group = None  # members may have died or hold a half-done broadcast: a new group next time
     if not rolled_back:
         self.dirty = True
     for eid in s.participants:
@@ -255,10 +270,13 @@ def add_engine(self: Any, e: EventData, ready: bool = False) -> None:
                and m.digest == self.served_digest)
     rec = EngineRecord(m.engine_id, m.backend, m.model, m.host, m.pid, tuple(m.transports),
                        version=m.version, digest=m.digest, finalize_count=m.finalize_count,
-                       last_seen=self.now, spec={p.name: p for p in m.spec}, cast_ok=m.cast_ok)
+                       last_seen=self.now, spec={p.name: p for p in m.spec}, cast_ok=m.cast_ok,
+                       collective_ranks=m.collective_ranks,
+                       collective_backends=tuple(m.collective_backends))
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.
     _end_catchup(self, m.engine_id, False, "engine registered again")
+    _leave_group(self, m.engine_id)  # a new process: the group's ranks for it are gone
     old = self.engines.get(m.engine_id)
     if old is not None:
         self.engine_machine.remove_model(old)
@@ -292,6 +310,13 @@ def note_failed(self: Any, e: EventData) -> None:
 def mark_lost(self: Any, e: EventData) -> None:
     for eid in e.kwargs.get("lost", ()):
         self.engines[eid].lose()
+        _leave_group(self, eid)
+
+
+def _leave_group(self: Any, engine_id: str) -> None:
+    g = self.group
+    if g is not None and any(eid == engine_id for eid, _, _ in g.members):
+        self.group = None  # the next collective sync plans a new group without stale ranks
 
 
 def expire_catchups(self: Any, e: EventData) -> None:
@@ -301,6 +326,14 @@ def expire_catchups(self: Any, e: EventData) -> None:
             _end_catchup(self, eid, False, "engine lost")
         elif self.now - c.last_progress > (lim.finalize_timeout if c.finalize_sent else lim.bucket_timeout):
             _end_catchup(self, eid, False, "no progress before the deadline")
+
+
+def expire_engine(self: Any, e: EventData) -> None:
+    """Counted lost at the next tick, without waiting out its heartbeats: a collective
+    group cannot go on without a member. A live process re-registers and catches up."""
+    x = self.engines.get(e.kwargs["ev"].engine_id)
+    if x is not None:
+        x.last_seen = float("-inf")
 
 
 def note_trainer_gone(self: Any, e: EventData) -> None:

@@ -80,7 +80,8 @@ class Dispatch:
 
     def _check_limits(self, ident: bytes, msg: schema.Bucket, payload: list[Any]) -> None:
         s = self.settings
-        sizes = [msg.shm.size] if msg.shm is not None else [len(f) for f in payload]
+        sizes = [msg.shm.size] if msg.shm is not None else (
+            [msg.size] if msg.size is not None else [len(f) for f in payload])
         big = [n for n in sizes if n > s.max_frame_bytes]
         if big:
             raise make_error(ErrorCode.TOO_LARGE, f"bucket frame of {big[0]} bytes exceeds "
@@ -94,7 +95,13 @@ class Dispatch:
 
     async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
         sync = self.core.require_sync(msg.sync_id, "bucket")  # a typed cause if it is not running
-        if msg.shm is not None:
+        if msg.size is not None:
+            frame, nbytes = self._collective_bucket(sync, msg, payload), msg.size
+        elif sync.transport == "collective":
+            raise make_error(ErrorCode.BAD_MESSAGE, "this sync's buckets travel by the collective: "
+                             "send their size, not their bytes or a shm slot",
+                             state=self.core.state.value, sync_id=msg.sync_id)
+        elif msg.shm is not None:
             if sync.transport == "inline":
                 raise make_error(ErrorCode.BAD_MESSAGE,
                                  "shm bucket, but this sync did not negotiate shared memory "
@@ -137,9 +144,32 @@ class Dispatch:
         else:
             self.bucket_waiters[pkey].append(w)
         self.stats.buckets += 1
-        self.stats.bytes_in += nbytes
-        self.metrics.received_bytes.inc(nbytes)
+        self.stats.bytes_announced += nbytes
+        if frame is not None:  # bytes that passed through this process (not shm, not broadcast)
+            self.stats.bytes_in += nbytes
+            self.metrics.received_bytes.inc(nbytes)
         await self._execute(res.commands)  # _forward drops the pending frame once sent
+
+    def _collective_bucket(self, sync: Any, msg: schema.Bucket, payload: list[Any]) -> Any:
+        """The frame the daemon keeps of a collective bucket: the spool copy when this daemon
+        spools (the trainer sends it along, and the checksum is checked here as for inline),
+        else nothing: the bytes reach the engines by broadcast and never pass through here."""
+        if sync.transport != "collective":
+            raise make_error(ErrorCode.BAD_MESSAGE, "collective bucket, but this sync did not "
+                             "negotiate a collective group (begin with transport=collective|auto "
+                             "and a collective offer)", state=self.core.state.value, sync_id=msg.sync_id)
+        if self.spool is None or sync.kind != "sync":
+            return None
+        if not payload:
+            raise make_error(ErrorCode.BAD_MESSAGE, "this daemon spools: a collective bucket must "
+                             "carry a copy of its bytes (begin's reply says spool_copy)",
+                             state=self.core.state.value, sync_id=msg.sync_id)
+        frame = payload[0]
+        if checksum(frame.buffer) != msg.checksum:
+            raise make_error(ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq}: checksum does not "
+                             "match the spool copy; nothing applied",
+                             state=self.core.state.value, sync_id=msg.sync_id)
+        return frame
 
     async def _on_engine(self, ident: bytes, frames: list[Any]) -> None:
         try:

@@ -10,6 +10,8 @@ the steps (tests).
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import contextvars
 import os
@@ -128,6 +130,8 @@ class Effects:
         if spool is None or sync is None or sync.kind != "sync" or p is None:
             return []
         m, data = p.msg, p.frame
+        if data is None and m.shm is None:  # a collective bucket the FSM asked no copy of
+            return []
         if data is None:  # pure shm: the bytes are in the trainer's slot, valid until acked
             try:
                 data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
@@ -184,6 +188,9 @@ class Effects:
             raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {cmd.key}")
         m = p.msg
         sync = self.core.sync
+        if m.size is not None and sync is not None and sync.group is not None:
+            self._forward_collective(cmd, m, sync.group, sync.version)
+            return
         shm_engines = set(sync.shm_engines) if sync and m.shm is not None else set()
         load = schema.Load(sync_id=m.sync_id, version=sync.version if sync else 0, seq=m.seq,
                            tensors=m.tensors, checksum=m.checksum, sender=m.sender)
@@ -198,6 +205,19 @@ class Effects:
         log.debug("bucket_forwarded", sync_id=m.sync_id, seq=m.seq,
                   nbytes=m.shm.size if m.shm else len(p.frame), engines=len(cmd.engine_ids),
                   shm_engines=len(shm_engines))
+
+    def _forward_collective(self, cmd: fsm.ForwardBucket, m: schema.Bucket, g: Any, version: int) -> None:
+        """Each engine hears of the bucket (its metadata and its own rank); the bytes come
+        to it from the trainer by broadcast, never through this process."""
+        for eid in cmd.engine_ids:
+            ref = schema.GroupRef(id=g.id, host=g.host, port=g.port, rank=g.rank_of(eid),
+                                  world_size=g.world_size, backend=g.backend, timeout=g.timeout)
+            load = schema.Load(sync_id=m.sync_id, version=version, seq=m.seq, tensors=m.tensors,
+                               checksum=m.checksum, sender=m.sender, group=ref, size=m.size)
+            self._send_engine(eid, [codec.encode_header(load)])
+        self.pending.pop((cmd.sync_id, cmd.key), None)
+        log.debug("bucket_announced", sync_id=m.sync_id, seq=m.seq, nbytes=m.size,
+                  engines=len(cmd.engine_ids), group=g.id)
 
     def _complete_sync_nowait(self, cmd: fsm.CompleteSync) -> None:
         self.sync_owners.pop(cmd.sync_id, None)

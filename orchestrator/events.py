@@ -104,6 +104,14 @@ class TrainerGone(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineGone(Event):
+    """An engine's connection closed (its process exited or was killed)."""
+
+    TRIGGER: ClassVar[str] = "engine_gone"
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class InternalError(Event):
     """A bug surfaced while the service handled an input: the running sync fails."""
 

@@ -28,7 +28,7 @@ from orchestrator.commands import (AckBucket, CatchUpAck, CatchUpDone, Command, 
                                    ForwardBucket, Journal, Result, SendAbort, SendFinalize,
                                    SpoolBegin, SpoolCommit, SpoolDiscard, StartCatchUp,
                                    StartRollback)
-from orchestrator.records import (CatchUp, EngineRecord, EngineState, Limits,
+from orchestrator.records import (CatchUp, EngineRecord, EngineState, GroupPlan, Limits,
                                   Spooled, SyncRecord)
 from orchestrator.states import ACTIVE, State
 
@@ -73,6 +73,8 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "tick", "source": ANY, "dest": None, "after": ["mark_lost", "expire_catchups"]},
     {"trigger": "trainer_gone", "source": S.LOADING_BUCKETS, "dest": None, "conditions": "for_running_sync", "after": "note_trainer_gone"},
     {"trigger": "trainer_gone", "source": ANY, "dest": None},
+    {"trigger": "engine_gone", "source": ACTIVE, "dest": None, "conditions": "in_collective_sync", "after": "expire_engine"},
+    {"trigger": "engine_gone", "source": ANY, "dest": None},
     {"trigger": "internal", "source": S.LOADING_BUCKETS, "dest": S.READY, "conditions": "untouched_and_was_ready", "after": FAILS},
     {"trigger": "internal", "source": ACTIVE, "dest": S.IDLE, "after": FAILS},
     {"trigger": "internal", "source": [S.IDLE, S.READY], "dest": None},
@@ -123,6 +125,8 @@ class Core(refusals.Explain):
         # Outcome (code, reason; None for READY) of ended syncs: a late message for one is
         # answered with it, and its id is never begun again.
         self.ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        self.group: GroupPlan | None = None  # the collective group syncs reuse (records.GroupPlan)
+        self._groups = 0
         self._own_syncs = 0
         self.machine = Machine(model=self, states=State, transitions=TRANSITIONS, initial=initial,
                                auto_transitions=False, send_event=True,
@@ -204,6 +208,11 @@ class Core(refusals.Explain):
         return (m.sender < s.senders and (m.sender, m.seq) not in s.buckets
                 and self.spec_refusal(m) is None)
 
+    def in_collective_sync(self, e: EventData) -> bool:
+        """A participant of a collective sync closed its connection: the group is broken."""
+        s = self.sync
+        return s is not None and s.group is not None and e.kwargs["ev"].engine_id in s.participants
+
     def sender_ok(self, e: EventData) -> bool:
         return e.kwargs["ev"].msg.sender < self.sync.senders
 
@@ -233,6 +242,7 @@ class Core(refusals.Explain):
                                              expire_catchups, forward_bucket, mark_lost,
                                              note_failed, note_finalized, note_heartbeat,
                                              note_loaded, note_spooled, note_trainer_gone,
+                                             expire_engine,
                                              open_rollback, open_sync, record_finalized,
                                              add_engine_to_ready, catch_up_stale,
                                              record_finish, record_transition, reply_resent,
@@ -281,7 +291,8 @@ class Core(refusals.Explain):
                 "last_sync": dict(self.last_sync) if self.last_sync else None,
                 "engines": [x.view() for x in sorted(self.engines.values(), key=lambda x: x.engine_id)],
                 "history": [dict(h) for h in self.history], "min_engines": self.limits.min_engines,
-                "rollback_pending": self.want_rollback and self.can_roll_back()}
+                "rollback_pending": self.want_rollback and self.can_roll_back(),
+                "collective": self.group.view() if self.group else None}
 
     # -- named entry points (sugar over handle) ------------------------------------------
     def handle_begin(self, msg: Any, now: float) -> Result:
@@ -318,6 +329,9 @@ class Core(refusals.Explain):
 
     def handle_trainer_gone(self, sync_id: str, now: float) -> Result:
         return self.handle(ev.TrainerGone(sync_id), now)
+
+    def handle_engine_gone(self, engine_id: str, now: float) -> Result:
+        return self.handle(ev.EngineGone(engine_id), now)
 
     def handle_internal(self, reason: str, now: float) -> Result:
         return self.handle(ev.InternalError(reason), now)

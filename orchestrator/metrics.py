@@ -97,7 +97,7 @@ class Metrics:
                                           "An engine's post-load step (and probes)", ["engine_id"],
                                           buckets=DURATION_BUCKETS, registry=r)
         self.received_bytes = Counter("weightsync_received_bytes_total",
-                                      "Bucket bytes the daemon received from trainers", registry=r)
+                                      "Bucket bytes that passed through the daemon (inline frames, spool copies)", registry=r)
         self.snapshot: dict[str, Any] = {}
         self.snapshot_mono = time.monotonic()
         r.register(_Snapshot(self))

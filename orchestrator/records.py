@@ -37,12 +37,42 @@ class EngineRecord:
     spec: dict[str, ParamSpec] = field(default_factory=dict)
     cast_ok: bool = False
     probes: tuple[tuple[int, ...], ...] = ()
+    collective_ranks: int = 0  # members it brings to a collective group (0: cannot join)
+    collective_backends: tuple[str, ...] = ()
 
     def view(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state.value,
                 "version": self.version, "digest": self.digest,
                 "finalize_count": self.finalize_count, "model": self.model,
-                "host": self.host, "pid": self.pid, "transports": list(self.transports)}
+                "host": self.host, "pid": self.pid, "transports": list(self.transports),
+                "collective_ranks": self.collective_ranks}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """The collective group of a trainer session and a set of engines: reused while both
+    stay the same, replaced (a new id) when an engine joins or is lost, or a sync on it
+    fails. Rank 0 is the trainer; each engine holds `ranks` consecutive ranks."""
+
+    id: str
+    session: str
+    host: str  # the trainer's store
+    port: int
+    backend: str
+    members: tuple[tuple[str, int, int], ...]  # (engine_id, first rank, ranks)
+    timeout: float
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(n for _, _, n in self.members)
+
+    def rank_of(self, engine_id: str) -> int:
+        return next(r for eid, r, _ in self.members if eid == engine_id)
+
+    def view(self) -> dict[str, Any]:
+        return {"group": self.id, "backend": self.backend, "world_size": self.world_size,
+                "store": f"{self.host}:{self.port}", "timeout_s": self.timeout,
+                "members": {eid: {"rank": r, "ranks": n} for eid, r, n in self.members}}
 
 
 @dataclass(slots=True)
@@ -72,6 +102,7 @@ class SyncRecord:
     nbytes: int = 0
     shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
     transport: str = "inline"
+    group: GroupPlan | None = None  # the collective group this sync's bytes travel on
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)
@@ -84,6 +115,7 @@ class SyncRecord:
                 "acked": sum(1 for b in self.buckets.values() if b.done),
                 "engines": list(self.participants), "transport": self.transport,
                 "shm_engines": list(self.shm_engines), "started_at": self.started_at,
+                "collective": self.group.view() if self.group else None,
                 "trainer_connected": self.trainer_lost_at is None}
 
 

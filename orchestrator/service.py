@@ -214,6 +214,8 @@ class Service(Transport, Dispatch, Effects):
                 eid = self.ident_engine.get(ident)
                 if eid is not None:
                     log.info("engine_disconnected", engine_id=eid)
+                    await self._execute(self.core.handle_engine_gone(eid, now).commands)
+                    await self._execute(self.core.tick(now).commands)
 
     async def _guarded(self, src: str, handler: Any, *args: Any) -> None:
         """The exception boundary of one input (a message or a timer): a bug fails the
@@ -284,5 +286,6 @@ class Service(Transport, Dispatch, Effects):
                           "state_db": self.settings.state_db,
                           "buckets_received": self.stats.buckets,
                           "bytes_received": self.stats.bytes_in,
+                          "bytes_announced": self.stats.bytes_announced,
                           "errors": dict(self.stats.errors)}
         return snap

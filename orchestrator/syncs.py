@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from messages.schema import Begin, Probe
-from orchestrator.records import EngineRecord, SyncRecord
+from orchestrator.records import EngineRecord, GroupPlan, SyncRecord
 
 
 def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:
@@ -75,7 +75,37 @@ def plan_transport(msg: Begin, participants: tuple[str, ...], engines: dict[str,
     return able, "shm" if len(able) == len(participants) else "mixed"
 
 
+def plan_group(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord],
+               current: GroupPlan | None, new_id: str, timeout: float) -> GroupPlan | None:
+    """The collective group for this sync, or None when it cannot be used: the trainer
+    offered a store and every participant can join with a backend all of them speak (NCCL
+    only when every member has a GPU). The current group is reused when its session and
+    members are the same; otherwise a new one, with a new id, is planned."""
+    offer = msg.collective
+    if msg.transport not in ("collective", "auto") or offer is None or not participants:
+        return None
+    if any(engines[e].collective_ranks < 1 for e in participants):
+        return None
+    common = [b for b in offer.backends if all(b in engines[e].collective_backends for e in participants)]
+    if not common:
+        return None
+    backend = "nccl" if "nccl" in common else common[0]
+    members, rank = [], 1
+    for eid in participants:
+        n = engines[eid].collective_ranks
+        members.append((eid, rank, n))
+        rank += n
+    plan = GroupPlan(new_id, offer.session, offer.host, offer.port, backend, tuple(members), timeout)
+    if current is not None and (current.session, current.host, current.port, current.backend,
+                                current.members, current.timeout) == (
+            plan.session, plan.host, plan.port, plan.backend, plan.members, plan.timeout):
+        return current
+    return plan
+
+
 def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
     return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
             "buckets": len(s.buckets), "bytes": s.nbytes, "seconds": round(now - s.started_at, 6),
-            "engine_ids": list(s.participants), "transport": s.transport}
+            "engine_ids": list(s.participants), "transport": s.transport,
+            **({"group": s.group.id, "world_size": s.group.world_size, "backend": s.group.backend}
+               if s.group else {})}

@@ -42,7 +42,8 @@ class Pending:
 @dataclass(slots=True)
 class Stats:
     buckets: int = 0
-    bytes_in: int = 0
+    bytes_in: int = 0  # bucket bytes that passed through the daemon
+    bytes_announced: int = 0  # bucket bytes of every sync, however they travelled
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 

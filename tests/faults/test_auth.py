@@ -89,3 +89,16 @@ def test_unlisted_engine_cannot_register(secured, tmp_path):
         assert "rogue-engine" not in ids and ids == ["engine-0"]
     finally:
         p.stop()
+
+
+def test_collective_push_keeps_curve_on_the_control_plane(secured, tiny_state):
+    """The bytes travel by broadcast, but begin and every bucket's metadata still need an
+    allowlisted key: an unlisted trainer cannot even begin a collective sync."""
+    with secured.client(timeout=30.0) as c:
+        w = dict(perturbed(tiny_state, 7))
+        v = (c.status()["last_ready_version"] or 0) + 1
+        r = c.push(w.items(), v, transport="collective", bucket_bytes=128 * 1024)
+        assert r.detail["transport"] == "collective"
+        assert {e["digest"] for e in r.engines} == {digest(w.items())}
+    err = refused(secured)  # no keys at all
+    assert err.code is ErrorCode.UNAUTHORIZED

@@ -22,7 +22,8 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     r = subprocess.run([sys.executable, "-m", "bench", "--model-bytes", "8MiB", "--tensor-bytes",
                         "1MiB", "--engines", "1,2", "--bucket-bytes", "2MiB", "--repeats", "1",
-                        "--control-buckets", "300", "--json", str(out), "--plot", str(png)],
+                        "--control-buckets", "300", "--collective-engines", "1,2",
+                        "--collective-repeats", "2", "--json", str(out), "--plot", str(png)],
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -41,6 +42,14 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     assert data["control"]["buckets"] == 300 and data["control"]["buckets_per_s"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "x zmq" in r.stdout and "control overhead" in r.stdout
+    coll = data["collective"]
+    assert [p["engines"] for p in coll["points"]] == [1, 2]
+    for p in coll["points"]:
+        assert len(p["raw_seconds"]) == len(p["weightsync_seconds"]) == 2
+        assert p["ratio_vs_raw"] == pytest.approx(p["raw_median_s"] / p["weightsync_median_s"])
+        assert p["daemon_bytes_received"] == 0 and p["world_size"] == p["engines"] + 1
+    assert coll["wall_vs_one_engine"]["1"] == 1.0
+    assert "x raw" in r.stdout
     assert not [s for s in list_segments() if s.startswith("weightsync.trainer.")]
 
 

@@ -62,7 +62,8 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
 
         result = {}
         with c.client(timeout=30.0) as trainer:
-            t = threading.Thread(target=lambda: result.update(r=trainer.push(slow(), 1, bucket_bytes=32 * 1024)))
+            t = threading.Thread(target=lambda: result.update(r=trainer.push(slow(), 1, bucket_bytes=32 * 1024,
+                                                                             transport="inline")))
             t.start()
             try:
                 def loading():

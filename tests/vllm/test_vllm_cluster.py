@@ -56,6 +56,24 @@ def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_
         ("vllm-inproc", "vllm", 3, 3), ("vllm-mp", "vllm", 3, 3)]
 
 
+def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(vllm_cluster, tiny_model_dir,
+                                                                            tiny_state):
+    """Each vLLM worker (in the engine process, or in vLLM's own worker process) joins the
+    group and receives every bucket itself; no tensor crosses collective_rpc."""
+    with vllm_cluster.client(timeout=120.0) as client:
+        before = client.status()
+        base = before["last_ready_version"] or 0
+        for v in (base + 1, base + 2, base + 3):
+            weights = dict(perturbed(tiny_state, v))
+            r = client.push(weights.items(), v, bucket_bytes=256 * 1024, transport="collective",
+                            probes=probes_for(tiny_model_dir, weights))
+            assert r.state == "READY" and r.detail["transport"] == "collective"
+            assert {e["digest"] for e in r.engines} == {digest(weights.items())}
+        st = client.status()
+    assert st["collective"]["world_size"] == 3
+    assert st["daemon"]["bytes_received"] == before["daemon"]["bytes_received"]
+
+
 def test_wrong_canary_expectation_fails_with_canary_mismatch(vllm_cluster, tiny_model_dir, tiny_state):
     with vllm_cluster.client(timeout=120.0) as client:
         v = client.status()["last_ready_version"] + 1

@@ -51,7 +51,8 @@ def server(tmp_path_factory, tiny_model_dir):
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
              "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
              "--host", "127.0.0.1", "--port", str(port),
-             "--worker-extension-cls", "engines.vllm_extension.WeightSyncExtension"],
+             "--worker-extension-cls", "engines.vllm_extension.WeightSyncExtension",
+             "--weight-transfer-config", json.dumps({"backend": "weightsync"})],
             stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -121,3 +122,26 @@ def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(cluster,
         st = client.status()
     (e,) = st["engines"]
     assert (e["backend"], e["finalize_count"], e["version"]) == ("vllm-server", 2, 2)
+
+
+def test_collective_sync_goes_through_vllms_own_weight_transfer_routes(cluster, server, tiny_model_dir,
+                                                                       tiny_state):
+    """A server started with --weight-transfer-config backend=weightsync: the engine drives
+    /start_weight_update, /update_weights (each worker receives the bucket by broadcast)
+    and /finish_weight_update; the FSM still finalizes once and checks the digest."""
+    with cluster.client(timeout=120.0) as client:
+        before = client.status()
+        count0 = before["engines"][0]["finalize_count"]
+        v = (before["last_ready_version"] or 0) + 1
+        weights = dict(perturbed(tiny_state, v))
+        expected = hf(tiny_model_dir, weights, PROMPTS)
+        r = client.push(weights.items(), v, bucket_bytes=256 * 1024, transport="collective",
+                        probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)])
+        assert r.detail["transport"] == "collective" and r.state == "READY"
+        assert {e["digest"] for e in r.engines} == {digest(weights.items())}
+        st = client.status()
+    native = _post(server + "/collective_rpc", {"method": "ws_native_info", "args": ["{}"]})["results"]
+    assert [(n["native"], n["finalize_count"], n["digest"]) for n in native] == [
+        (True, 1, digest(weights.items()))]
+    assert st["engines"][0]["finalize_count"] == count0 + 1
+    assert st["daemon"]["bytes_received"] == before["daemon"]["bytes_received"]

@@ -1,0 +1,185 @@
+"""The engine's applier thread: every engine operation (begin, load, finalize, abort) runs
+here, in order, so the worker's main thread (which alone owns the socket) keeps
+heartbeats flowing while a long load or finalize runs.
+
+Rules: results go back through `out` and a wake-up pipe, never through the socket. Every
+received bucket is verified against its checksum before use (inline frame, shm slot or
+collective broadcast). An engine exception becomes a typed `failed`, logged loudly; it
+never escapes the thread.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from engines.base import Engine
+from messages import schema
+from messages.buckets import checksum, unpack
+from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.shm import Reader
+
+log = structlog.get_logger()
+
+
+class Applier(threading.Thread):
+    """Runs engine operations in order on one thread; results go back via `out` + pipe."""
+
+    def __init__(self, engine: Engine, wake_fd: int, failpoints: dict[str, float] | None = None,
+                 collective_bind: str = "") -> None:
+        super().__init__(name="engine-applier", daemon=True)
+        self.engine = engine
+        self.failpoints = failpoints or {}
+        self.jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self.out: queue.Queue[schema.Message | tuple[str, Any]] = queue.Queue()
+        self.wake_fd = wake_fd
+        self.current: str | None = None
+        self.failed: set[str] = set()
+        self.reader = Reader()  # the trainer's shared-memory slots (shm transport)
+        self.collective_bind = collective_bind
+        self._member: Any = None  # messages.collective.Member, made on the first collective load
+
+    def submit(self, kind: str, arg: Any) -> None:
+        self.jobs.put((kind, arg))
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _emit(self, item: schema.Message | tuple[str, Any]) -> None:
+        self.out.put(item)
+        os.write(self.wake_fd, b"x")
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            kind, arg = job
+            try:
+                getattr(self, "_do_" + kind)(arg)
+            except WeightSyncError as err:
+                self._fail(arg, err.code.value, err.message)
+            except Exception as exc:  # an engine bug: report it as a typed failure, loudly
+                log.exception("engine_operation_crashed", op=kind)
+                self._fail(arg, ErrorCode.ENGINE_FAILED.value, f"{kind}: {type(exc).__name__}: {exc}")
+
+    def _fail(self, arg: Any, code: str, message: str) -> None:
+        msg = arg[0] if isinstance(arg, tuple) else arg
+        sync_id = getattr(msg, "sync_id", None) or ""
+        self.failed.add(sync_id)
+        seq = getattr(msg, "seq", None)
+        log.warning("engine_operation_failed", sync_id=sync_id, seq=seq, code=code, reason=message)
+        self._emit(schema.Failed(sync_id=sync_id, code=code, message=message[:4000], seq=seq,
+                                 sender=getattr(msg, "sender", None)))
+
+    def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
+        self.engine.begin(msg.sync_id, msg.version)
+        self.current = msg.sync_id
+        log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
+
+    def _do_load(self, arg: tuple[schema.Load, Any]) -> None:
+        msg, frame = arg
+        if msg.sync_id in self.failed:
+            return  # already reported; the orchestrator is aborting this sync
+        t0 = time.perf_counter()
+        if msg.group is not None:
+            self._load_collective(msg)
+            self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
+                                     seconds=time.perf_counter() - t0))
+            return
+        if msg.shm is not None:
+            load_shm = getattr(self.engine, "load_shm", None)
+            if load_shm is not None:  # the engine's workers read the slot themselves
+                load_shm(msg.tensors, msg.shm, msg.checksum)
+                self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
+                                         seconds=time.perf_counter() - t0))
+                return
+            try:
+                buf = self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+            except MessageError as exc:
+                raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
+        else:
+            buf = frame.buffer if hasattr(frame, "buffer") else frame
+        if checksum(buf) != msg.checksum:
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
+        load_bucket = getattr(self.engine, "load_bucket", None)
+        if load_bucket is not None:
+            load_bucket(msg.tensors, buf)
+        else:
+            tensors = list(unpack(msg.tensors, buf))
+            self.engine.load(tensors)
+            del tensors  # drop the views before acknowledging (the frame can be freed)
+        del buf
+        seconds = time.perf_counter() - t0
+        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
+                                 seconds=seconds))
+
+    def _load_collective(self, msg: schema.Load) -> None:
+        """Receive the bucket by the group's broadcast, verify it, apply it."""
+        from messages.collective import CollectiveError, Member
+
+        load_collective = getattr(self.engine, "load_collective", None)
+        try:
+            if load_collective is not None:  # the engine's own workers receive (vLLM)
+                load_collective(msg.tensors, msg.group.to_wire(), msg.size, msg.checksum,
+                                self.collective_bind)
+                return
+            if self._member is None:
+                self._member = Member(self.collective_bind)
+            if self.failpoints.get("kill_in_broadcast", -1) == msg.seq:  # fault injection (tests)
+                self._member.ensure(msg.group.to_wire())
+                os.kill(os.getpid(), signal.SIGKILL)
+            buf = self._member.receive(msg.group.to_wire(), msg.size)
+        except CollectiveError as exc:
+            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
+            raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=code) from None
+        host = buf if buf.device.type == "cpu" else buf.cpu()
+        if checksum(host.numpy()) != msg.checksum:
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted (collective)",
+                                  code=ErrorCode.CHECKSUM_MISMATCH)
+        load_bucket = getattr(self.engine, "load_bucket", None)
+        if load_bucket is not None:
+            load_bucket(msg.tensors, host.numpy())
+        else:
+            tensors = list(unpack(msg.tensors, host.numpy()))
+            self.engine.load(tensors)
+            del tensors
+
+    def _close_group(self) -> None:
+        if self._member is not None:
+            self._member.close()
+        close = getattr(self.engine, "close_collective", None)
+        if close is not None:
+            close()
+
+    def _do_finalize(self, msg: schema.Finalize) -> None:
+        self.reader.close()  # every bucket is in; the trainer may unlink its slots
+        if msg.sync_id in self.failed:
+            return
+        t0 = time.perf_counter()
+        if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
+            time.sleep(self.failpoints["finalize_sleep"])
+        digest = self.engine.finalize(msg.sync_id)
+        probes = self.engine.probe(msg.probes) if msg.probes else ()
+        seconds = time.perf_counter() - t0
+        self._emit(("finalized", (msg.version, digest)))
+        self._emit(schema.Finalized(sync_id=msg.sync_id, version=msg.version, digest=digest,
+                                    finalize_count=self.engine.finalize_count, probes=probes,
+                                    seconds=seconds))
+        log.info("engine_finalized", sync_id=msg.sync_id, version=msg.version, digest=digest,
+                 finalize_count=self.engine.finalize_count, seconds=round(seconds, 4))
+
+    def _do_abort(self, msg: schema.Abort) -> None:
+        self.reader.close()
+        self._close_group()  # the daemon plans a new group after a failed sync
+        if self.current == msg.sync_id:
+            self.engine.abort()
+            self.current = None
+            self._emit(("aborted", msg.sync_id))
+            log.info("sync_aborted", sync_id=msg.sync_id)

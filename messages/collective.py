@@ -1,0 +1,206 @@
+"""The collective data plane: one torch.distributed group per membership, built beside
+(never as) the default group, so it lives next to vLLM's own groups in the same process.
+
+Rules:
+- Rank 0 is the trainer. It hosts the group's `TCPStore` for as long as its client lives;
+  every group gets its own key prefix in that store (`weightsync/<group id>/`), so a
+  rebuilt group never meets the keys of the last one.
+- The process group object is created directly (`ProcessGroupGloo` / `ProcessGroupNCCL`
+  on a `PrefixStore`), never through `init_process_group`, and each member binds its gloo
+  device to the address it was given (no guessing of interfaces on multi-homed hosts).
+- Every collective call has a deadline (the group's timeout). `broadcast` polls while it
+  waits, so its caller can give up early when the control plane says the sync is over;
+  giving up shuts the group down, which releases the peers blocked in the same call.
+- A group that failed once is never reused: `broken` is set and the owner builds anew.
+- torch is imported here, not in `messages/__init__`: the daemon never imports this
+  module, so it stays out of the byte path and light.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+
+log = structlog.get_logger()
+
+PREFIX = "weightsync"
+
+
+class CollectiveError(RuntimeError):
+    """A collective call failed or passed its deadline (a member died, hung or left)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def local_host_for(remote: str) -> str:
+    """The address of the interface this host uses to reach `remote` (no packet is sent:
+    a UDP connect only asks the kernel for its route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((remote, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def available_backends() -> tuple[str, ...]:
+    """What this process can join: gloo always; NCCL when a CUDA device is present."""
+    out = ["gloo"]
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        out.append("nccl")
+    return tuple(out)
+
+
+def host_store(host: str, timeout: float) -> dist.TCPStore:
+    """The trainer's store (rank 0): bound on `host`, an ephemeral port (read `.port`)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """Everything a member needs to join: which group, where its store is, who it is."""
+
+    id: str
+    host: str  # the store's host (the trainer's)
+    port: int
+    rank: int
+    world_size: int
+    backend: str  # "gloo" | "nccl"
+    timeout: float
+    bind: str = ""  # this member's own address for gloo ("" = the route to the store)
+
+
+class Group:
+    """One member's handle on one process group; `broadcast` is the only data call."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store | None = None) -> None:
+        self.spec = spec
+        self.broken = False
+        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" \
+            else torch.device("cpu")
+        td = datetime.timedelta(seconds=spec.timeout)
+        t0 = time.perf_counter()
+        try:
+            base = store if store is not None else dist.TCPStore(
+                spec.host, spec.port, is_master=False, timeout=td)
+            prefixed = dist.PrefixStore(f"{PREFIX}/{spec.id}/", base)
+            self.pg = self._make_pg(prefixed, td)
+        except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
+            raise CollectiveError(f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
+                                  f"join ({type(exc).__name__}: {_short(exc)})",
+                                  timed_out="timeout" in str(exc).lower()) from None
+        self._store = base  # keep the client connection for the group's lifetime
+        log.info("group_joined", group=spec.id, rank=spec.rank, world_size=spec.world_size,
+                 backend=spec.backend, seconds=round(time.perf_counter() - t0, 3))
+
+    def _make_pg(self, store: dist.Store, td: datetime.timedelta) -> dist.ProcessGroup:
+        s = self.spec
+        if s.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            return dist.ProcessGroupNCCL(store, s.rank, s.world_size, opts)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = td
+        opts._devices = [dist.ProcessGroupGloo.create_device(
+            hostname=s.bind or local_host_for(s.host))]
+        return dist.ProcessGroupGloo(store, s.rank, s.world_size, opts)
+
+    def broadcast(self, tensor: torch.Tensor, *, give_up: Callable[[], str | None] | None = None,
+                  poll: float = 0.002) -> None:
+        """Broadcast `tensor` from rank 0 (in place on the others). Raises CollectiveError
+        when a member fails, after the group's timeout, or as soon as `give_up()` returns a
+        reason; in each case the group is shut down and marked broken."""
+        if self.broken:
+            raise CollectiveError(f"group {self.spec.id} is broken; build a new one")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        deadline = time.monotonic() + self.spec.timeout
+        try:
+            work = self.pg.broadcast([tensor], opts)
+            if give_up is None:
+                work.wait(datetime.timedelta(seconds=self.spec.timeout))
+                return
+            while not work.is_completed():
+                reason = give_up()
+                if reason is not None:
+                    raise CollectiveError(f"broadcast abandoned: {reason}")
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"broadcast passed its {self.spec.timeout}s deadline",
+                                          timed_out=True)
+                time.sleep(poll)
+            work.wait()  # raises the member's failure, if that is how it completed
+        except CollectiveError:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}",
+                                  timed_out="timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+                                  ) from None
+
+    def close(self) -> None:
+        """Shut the group down (peers blocked in a call with us get an error at once)."""
+        if self.broken:
+            return
+        self.broken = True
+        try:
+            self.pg.shutdown()
+        except Exception as exc:  # already torn down by a failure: nothing left to release
+            log.debug("group_shutdown_error", group=self.spec.id, error=_short(exc))
+        log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:300]
+
+
+class Member:
+    """An engine's (or a vLLM worker's) side: joins the group a `load` names, reuses it
+    while the id stays the same, and receives each bucket into one reusable buffer."""
+
+    def __init__(self, bind: str = "", rank_offset: int = 0) -> None:
+        self.bind = bind
+        self.rank_offset = rank_offset
+        self.group: Group | None = None
+        self._buf: torch.Tensor | None = None
+
+    def ensure(self, ref: dict) -> Group:
+        g = self.group
+        if g is not None and g.spec.id == ref["id"] and not g.broken:
+            return g
+        if g is not None:
+            g.close()
+        self.group = None
+        spec = GroupSpec(id=ref["id"], host=ref["host"], port=ref["port"],
+                         rank=ref["rank"] + self.rank_offset, world_size=ref["world_size"],
+                         backend=ref["backend"], timeout=ref["timeout"], bind=self.bind)
+        self.group = Group(spec)
+        return self.group
+
+    def receive(self, ref: dict, size: int) -> torch.Tensor:
+        """The bucket's `size` bytes, received in place into a buffer kept for the next one
+        (a view of it: valid until the next `receive`)."""
+        g = self.ensure(ref)
+        buf = self._buf
+        if buf is None or buf.numel() < size or buf.device != g.device:
+            buf = self._buf = torch.empty(max(size, 1), dtype=torch.uint8, device=g.device)
+        view = buf[:size]
+        g.broadcast(view)
+        return view
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._buf = None

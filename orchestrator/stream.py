@@ -1,0 +1,165 @@
+"""The bucket pipeline of a push: pack, send (inline, shm or collective), keep at most
+`window` buckets unacknowledged, resend on timeout. Mixed into `TrainerClient`, whose
+socket and request plumbing it uses; the same thread owns the socket.
+
+Rules: a bucket's slot is reused only after that bucket was acknowledged by every engine
+(through the daemon). On the collective path the bucket's metadata goes to the daemon
+first, then its bytes go to the engines by broadcast; replies that arrive while a
+broadcast runs are kept, in order, for the stream, and an error for this sync stops the
+broadcast at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+import zmq
+
+from messages import codec, schema
+from messages.buckets import Digester, PackedBucket, iter_buckets
+from messages.collective import CollectiveError
+from messages.errors import ErrorCode, WeightSyncError, make_error
+from orchestrator.link import RECONNECTED
+from orchestrator.rings import InlineRing, ShmRing
+from orchestrator.trainer_group import TrainerGroup
+
+log = structlog.get_logger()
+
+REPLY_TYPES = ("ok", "error")
+
+
+def error_from_reply(msg: schema.Error) -> WeightSyncError:
+    try:
+        code = ErrorCode(msg.code)
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return make_error(code, msg.message, state=msg.state, version=msg.version,
+                      sync_id=msg.sync_id, details=msg.details)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    bucket: PackedBucket
+    sent_at: float
+    attempts: int = 1
+
+
+class StreamMixin:
+    """Needs the client's `_send`, `_recv`, `_new_id`, `_sock`, `_early`, `timeout`, `retries`, `sender`."""
+
+    def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
+                    checksum: int | None = None, shm: schema.ShmRef | None = None) -> schema.Bucket:
+        return schema.Bucket(sync_id=sync_id, seq=b.seq, tensors=b.tensors,
+                             checksum=b.checksum if checksum is None else checksum, id=rid,
+                             sender=self.sender, shm=shm)
+
+    def _broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket) -> None:
+        """Broadcast one bucket; replies that arrive meanwhile are kept for the stream. An
+        error from the daemon for this sync ends the broadcast at once; a failed broadcast
+        raises the daemon's account of it (it names the engine) if one comes within 5 s."""
+        failure: list[schema.Error] = []
+
+        def take_replies() -> str | None:
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    return None
+                reply = codec.decode(frames, allowed=REPLY_TYPES).msg
+                self._early.append(reply)
+                if isinstance(reply, schema.Error) and reply.sync_id in (sync_id, None):
+                    failure.append(reply)
+                    return f"{reply.code}: {reply.message}"
+
+        try:
+            coll.broadcast(bucket.data, take_replies)
+        except CollectiveError as exc:
+            deadline = time.monotonic() + 5.0
+            while not failure and time.monotonic() < deadline:
+                self._sock.poll(50)
+                take_replies()
+            if failure:
+                raise error_from_reply(failure[0]) from None
+            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
+            raise make_error(code, f"bucket seq {bucket.seq}: {exc}", sync_id=sync_id,
+                             state="LOADING_BUCKETS") from None
+
+    def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
+                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None,
+                digester: Digester | None = None, coll: TrainerGroup | None = None
+                ) -> tuple[int, int, int]:
+        inflight: dict[int, _InFlight] = {}  # seq -> bucket
+        by_id: dict[int, int] = {}  # request id -> seq
+        count = nbytes = retries = 0
+
+        def send(f: _InFlight) -> None:
+            rid = self._new_id()
+            by_id[rid] = f.bucket.seq
+            if coll is not None:
+                b = f.bucket
+                msg = msgspec.structs.replace(self._bucket_msg(sync_id, b, rid), size=b.nbytes)
+                self._send(msg, [b.frame()] if coll.planned.get("spool_copy") else [])
+                if f.attempts == 1:  # a resend is for the daemon; the engines have the bytes
+                    self._broadcast(sync_id, coll, b)
+            elif ring is not None:
+                ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
+                self._send(self._bucket_msg(sync_id, f.bucket, rid, shm=ref))
+            else:
+                self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
+
+        def wait_one() -> None:
+            nonlocal retries
+            oldest = min(inflight.values(), key=lambda f: f.sent_at)
+            reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
+            if reply is RECONNECTED:  # what was in flight died with the old connection
+                for f in sorted(inflight.values(), key=lambda f: f.bucket.seq):
+                    f.sent_at = time.monotonic()
+                    send(f)
+                log.warning("buckets_resent_after_reconnect", sync_id=sync_id, buckets=len(inflight))
+                return
+            if reply is None:  # the oldest timed out: resend it (same sync_id and seq)
+                if oldest.attempts > self.retries:
+                    raise make_error(ErrorCode.TIMEOUT,
+                                     f"bucket seq {oldest.bucket.seq} not acknowledged after "
+                                     f"{oldest.attempts} attempt(s) of {self.timeout}s",
+                                     sync_id=sync_id, state="LOADING_BUCKETS")
+                oldest.attempts += 1
+                oldest.sent_at = time.monotonic()
+                retries += 1
+                log.warning("bucket_resent", sync_id=sync_id, seq=oldest.bucket.seq,
+                            attempt=oldest.attempts)
+                send(oldest)
+                return
+            seq = by_id.pop(reply.id, None)
+            if seq is None:
+                return  # a reply to an earlier attempt already handled
+            if isinstance(reply, schema.Error):
+                raise error_from_reply(reply)
+            f = inflight.pop(seq, None)
+            if f is not None and progress is not None:
+                progress(f.bucket.nbytes)
+
+        slots = ring if ring is not None else InlineRing(window)
+
+        def alloc(seq: int, n: int) -> torch.Tensor:
+            # Room first: slot seq % window belongs to bucket seq - window until that bucket
+            # is acknowledged (every engine has copied it out), whatever order acks come in.
+            while len(inflight) >= window or (seq - window) in inflight:
+                wait_one()
+            return slots.slot(seq, n)
+
+        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
+            f = _InFlight(bucket, time.monotonic())
+            inflight[bucket.seq] = f
+            send(f)
+            count += 1
+            nbytes += bucket.nbytes
+        while inflight:
+            wait_one()
+        return count, nbytes, retries

@@ -1,0 +1,82 @@
+"""The trainer's side of the collective transport: rank 0 of the group.
+
+Rules: the trainer hosts the group's TCPStore for as long as its client lives (one store,
+one session id; each group the daemon plans gets its own key prefix in it). The daemon
+plans the group at `begin` and says so in its reply; the trainer joins lazily, after it
+has announced the first bucket (the engines join when the daemon forwards that bucket,
+so joining earlier would wait on them). A group that failed once is closed and never
+reused; the daemon plans a new one for the next sync.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from messages import schema
+from messages.collective import CollectiveError, Group, GroupSpec, available_backends, host_store, local_host_for
+
+log = structlog.get_logger()
+
+
+def _daemon_host(addr: str) -> str:
+    """The host part of a tcp:// address ("" for ipc:// and inproc://)."""
+    if not addr.startswith("tcp://"):
+        return ""
+    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return "127.0.0.1" if host in ("*", "localhost", "") else host
+
+
+class TrainerGroup:
+    """Rank 0: the store, the current group, and the broadcast of each bucket."""
+
+    def __init__(self, daemon_addr: str, host: str = "", timeout: float = 300.0) -> None:
+        self.host = host or local_host_for(_daemon_host(daemon_addr) or "127.0.0.1")
+        self.session = uuid.uuid4().hex[:16]
+        self.timeout = timeout
+        self._store: Any = None
+        self.group: Group | None = None
+        self.planned: dict[str, Any] | None = None
+
+    def offer(self) -> schema.CollectiveOffer:
+        if self._store is None:
+            self._store = host_store(self.host, self.timeout)
+            log.info("collective_store_started", host=self.host, port=self._store.port,
+                     session=self.session)
+        return schema.CollectiveOffer(host=self.host, port=self._store.port, session=self.session,
+                                      backends=available_backends())
+
+    def plan(self, view: dict[str, Any]) -> None:
+        """The daemon's group for this sync (its begin reply's `collective`)."""
+        if self.group is not None and (self.group.spec.id != view["group"] or self.group.broken):
+            self.group.close()
+            self.group = None
+        self.planned = view
+
+    def broadcast(self, data: torch.Tensor, give_up: Callable[[], str | None]) -> None:
+        """Send one bucket's bytes to every engine (joining the group first if new)."""
+        v = self.planned
+        if v is None:
+            raise CollectiveError("no collective group planned for this sync")
+        if self.group is None:
+            spec = GroupSpec(id=v["group"], host=self.host, port=self._store.port, rank=0,
+                             world_size=v["world_size"], backend=v["backend"],
+                             timeout=float(v["timeout_s"]), bind=self.host)
+            self.group = Group(spec, store=self._store)
+        if self.group.device.type != "cpu":
+            data = data.to(self.group.device, non_blocking=False)
+        self.group.broadcast(data, give_up=give_up)
+
+    def fail(self) -> None:
+        """A sync on this group failed: close it so blocked engines return at once."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self) -> None:
+        self.fail()
+        self._store = None

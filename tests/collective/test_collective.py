@@ -1,0 +1,145 @@
+"""The collective transport with real processes and real gloo: the daemon plans the group
+and stays out of the byte path; engines receive by broadcast, verify, apply, ack."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.tiny import perturbed
+from messages.buckets import digest
+from messages.canary import make_probes
+
+from engines.torch_engine import load_model
+from tests.integration.helpers import running_daemon
+
+
+def probes_for(model_dir, weights, n=6):
+    """Greedy canaries computed by the trainer's own model: the engines must match them."""
+    m = load_model(model_dir)
+    m.load_state_dict(weights)
+    return make_probes(m, [(1, 17, 42, 99, 7), (1, 250, 3, 64)], n)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    with running_daemon(tmp_path_factory.mktemp("collective"), tiny_model_dir) as c:
+        yield c
+
+
+def wait_for(client, ok, timeout=30.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if ok(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def test_three_versions_reach_two_torch_engines_by_broadcast_with_exact_outputs(cluster, tiny_state):
+    with cluster.client(timeout=30.0) as client:
+        base = client.status()["last_ready_version"] or 0
+        groups = set()
+        for i in range(3):
+            v = base + 1 + i
+            w = dict(perturbed(tiny_state, v))
+            probes = probes_for(cluster.model_dir, w)
+            before = client.status()["daemon"]["bytes_received"]
+            r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective",
+                            probes=probes)
+            st = client.status()
+            assert r.detail["transport"] == "collective"
+            assert {e["digest"] for e in r.engines} == {digest(w.items())}
+            assert st["version"] == v and st["state"] == "READY"
+            # the daemon never received a weight byte (no spool: no copy either)
+            assert st["daemon"]["bytes_received"] == before
+            assert st["collective"]["world_size"] == 3 and st["collective"]["backend"] == "gloo"
+            groups.add(st["collective"]["group"])
+        assert len(groups) == 1, "the group is built once per membership and reused"
+
+
+def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_next_push_is_ready(
+        tmp_path, tiny_model_dir, tiny_state):
+    """The top complaint against NCCL weight sync: a dead member hangs everyone. Here the
+    trainer gets ENGINE_FAILED naming the engine, the survivors are rolled back from the
+    spool, and a new group carries the next push."""
+    import time
+
+    from messages.errors import ErrorCode, WeightSyncError
+
+    bucket_timeout = 20.0
+    args = ["--engine-timeout", "3", "--bucket-timeout", str(bucket_timeout),
+            "--spool", str(tmp_path / "spool")]
+    with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args, min_engines=1) as c:
+        with c.client(timeout=30.0) as client:
+            w1 = dict(perturbed(tiny_state, 1))
+            r1 = client.push(w1.items(), 1, bucket_bytes=64 * 1024, transport="collective")
+            st = client.status()
+            assert r1.detail["transport"] == "collective"
+            assert st["daemon"]["bytes_received"] == r1.bytes  # the spool's copy, nothing more
+            g1 = st["collective"]["group"]
+            c.procs[-1].stop()  # engine-1 comes back with a failpoint: it dies in broadcast 3
+            victim = c.start_engine("engine-1", ["--failpoint", "kill_in_broadcast=3"])
+            wait_for(client, lambda st: any(e["engine_id"] == "engine-1" and e["pid"] == victim.popen.pid
+                                            and e["state"] == "READY" for e in st["engines"]))
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError) as ei:
+                client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024,
+                            transport="collective", rollback_wait=0)
+            took = time.monotonic() - t0
+            assert ei.value.code in (ErrorCode.ENGINE_FAILED, ErrorCode.TIMEOUT)
+            assert "engine-1" in ei.value.message, ei.value.message
+            assert took < bucket_timeout + 5, took
+            assert victim.popen.wait(10) == -9
+            # rollback from the spool puts version 1 back on the survivor
+            st = wait_for(client, lambda st: st["state"] == "READY" and not st["dirty"])
+            assert st["version"] == 1, st
+            survivor = next(e for e in st["engines"] if e["engine_id"] == "engine-0")
+            assert survivor["digest"] == digest(w1.items())
+            # the next push builds a new group without the dead member
+            w3 = dict(perturbed(tiny_state, 3))
+            r3 = client.push(w3.items(), 3, bucket_bytes=64 * 1024, transport="collective")
+            st = client.status()
+            assert r3.detail["transport"] == "collective" and st["version"] == 3
+            assert st["collective"]["group"] != g1 and st["collective"]["world_size"] == 2
+            assert {e["digest"] for e in r3.engines} == {digest(w3.items())}
+
+
+def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_model_dir, tiny_state):
+    """Nothing assumes one host: the daemon listens on 127.0.0.1, the trainer connects from
+    127.0.0.2 and hosts the group's store there, the engines connect from 127.0.0.3 and
+    bind their gloo sockets there."""
+    import socket
+
+    from examples.launch import Cluster
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    tport, eport = free_port(), free_port()
+    c = Cluster(tmp_path, tiny_model_dir, engines=2,
+                daemon_args=["--engine-timeout", "3", "--log-level", "debug"],
+                engine_args=["--threads", "1", "--heartbeat-interval", "0.5",
+                             "--collective-host", "127.0.0.3"])
+    c.addr = f"tcp://127.0.0.1:{tport}"
+    c.engine_addr = f"tcp://127.0.0.3:0;127.0.0.1:{eport}"  # connect from 127.0.0.3
+    c.daemon_args += ["--bind", f"tcp://127.0.0.1:{tport}", "--engine-bind", f"tcp://127.0.0.1:{eport}"]
+    with c:
+        with c.client(timeout=30.0) as plain:
+            st = plain.status()
+        assert all(e["collective_ranks"] == 1 for e in st["engines"])
+        from orchestrator.client import TrainerClient
+        with TrainerClient(f"tcp://127.0.0.2:0;127.0.0.1:{tport}", timeout=30.0,
+                           collective_host="127.0.0.2") as client:
+            for v in (1, 2):
+                w = dict(perturbed(tiny_state, v))
+                r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective")
+                assert r.detail["transport"] == "collective"
+                assert {e["digest"] for e in r.engines} == {digest(w.items())}
+            st = client.status()
+            assert st["collective"]["store"].startswith("127.0.0.2:")
+            assert st["daemon"]["bytes_received"] == 0
+    logs = "".join((tmp_path / "logs" / f"engine-{i}.log").read_text() for i in range(2))
+    assert '"group_joined"' in logs
