@@ -143,3 +143,57 @@ def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_m
             assert st["daemon"]["bytes_received"] == 0
     logs = "".join((tmp_path / "logs" / f"engine-{i}.log").read_text() for i in range(2))
     assert '"group_joined"' in logs
+
+
+DYING_TRAINER = r"""
+import os, signal, sys
+from examples.tiny import perturbed
+from engines.torch_engine import load_model
+from orchestrator.client import TrainerClient
+from orchestrator.trainer_group import TrainerGroup
+addr, model = sys.argv[1], sys.argv[2]
+real = TrainerGroup.broadcast
+calls = []
+def broadcast(self, data, give_up):
+    calls.append(1)
+    if len(calls) == 4:  # bucket 3 is announced: the engines wait in its broadcast
+        print("DYING", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(self, data, give_up)
+TrainerGroup.broadcast = broadcast
+state = load_model(model).state_dict()
+TrainerClient(addr, timeout=30).push(perturbed(state, 2), 2, bucket_bytes=64 * 1024, transport="collective")
+"""
+
+
+def test_trainer_killed_mid_broadcast_frees_the_engines_rolls_back_and_next_push_is_ready(
+        tmp_path, tiny_model_dir, tiny_state):
+    """The engines wait inside a broadcast whose root dies: they fail fast (the root's
+    sockets close), the daemon rolls them back from the spool, and a new trainer pushes."""
+    import subprocess
+    import sys
+    import time
+
+    args = ["--engine-timeout", "3", "--bucket-timeout", "60", "--spool", str(tmp_path / "spool")]
+    with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args) as c:
+        with c.client(timeout=30.0) as client:
+            w1 = dict(perturbed(tiny_state, 1))
+            client.push(w1.items(), 1, bucket_bytes=64 * 1024, transport="collective")
+        p = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, c.addr, str(tiny_model_dir)],
+                             stdout=subprocess.PIPE, text=True)
+        lines = []
+        while (line := p.stdout.readline()) and line.strip() != "DYING":
+            lines.append(line)  # the client's own log lines come first
+        assert line.strip() == "DYING", lines
+        assert p.wait(10) == -9
+        t0 = time.monotonic()
+        with c.client(timeout=30.0) as client:
+            st = wait_for(client, lambda st: st["state"] == "READY" and not st["dirty"]
+                          and (st.get("last_sync") or {}).get("kind") == "rollback", timeout=30)
+            took = time.monotonic() - t0
+            assert st["version"] == 1 and took < 20, (took, st)
+            assert {e["digest"] for e in st["engines"]} == {digest(w1.items())}
+            w3 = dict(perturbed(tiny_state, 3))
+            r3 = client.push(w3.items(), 3, bucket_bytes=64 * 1024, transport="collective")
+            assert r3.detail["transport"] == "collective"
+            assert {e["digest"] for e in r3.engines} == {digest(w3.items())}
