@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import structlog
@@ -43,7 +43,24 @@ class Applier(threading.Thread):
         self.failed: set[str] = set()
         self.reader = Reader()  # the trainer's shared-memory slots (shm transport)
         self.collective_bind = collective_bind
-        self._member: Any = None  # messages.collective.Member, made on the first collective load
+        self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
+
+    def prefetch(self, msg: schema.Load) -> Any:
+        """Called by the main thread as a collective `load` arrives: start receiving it now
+        (the applier may still be busy with earlier buckets). None: the engine receives
+        by itself (vLLM workers)."""
+        if getattr(self.engine, "load_collective", None) is not None:
+            return None
+        if self.prefetcher is None:
+            from engines.prefetch import Prefetcher
+            self.prefetcher = Prefetcher(self.collective_bind, depth=2, failpoints=self.failpoints)
+            self.prefetcher.start()
+        return self.prefetcher.submit(msg)
+
+    def _release(self, fut: Any) -> None:
+        """The bucket's buffer may be reused once its receive ended and we are done with it."""
+        if fut is not None and self.prefetcher is not None:
+            fut.add_done_callback(lambda _f: self.prefetcher.release())
 
     def submit(self, kind: str, arg: Any) -> None:
         self.jobs.put((kind, arg))
@@ -86,10 +103,15 @@ class Applier(threading.Thread):
     def _do_load(self, arg: tuple[schema.Load, Any]) -> None:
         msg, frame = arg
         if msg.sync_id in self.failed:
+            if msg.group is not None:
+                self._release(frame)
             return  # already reported; the orchestrator is aborting this sync
         t0 = time.perf_counter()
         if msg.group is not None:
-            self._load_collective(msg)
+            try:
+                self._load_collective(msg, frame)
+            finally:
+                self._release(frame)
             self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
                                      seconds=time.perf_counter() - t0))
             return
@@ -120,9 +142,9 @@ class Applier(threading.Thread):
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
                                  seconds=seconds))
 
-    def _load_collective(self, msg: schema.Load) -> None:
-        """Receive the bucket by the group's broadcast, verify it, apply it."""
-        from messages.collective import CollectiveError, Member
+    def _load_collective(self, msg: schema.Load, fut: Any) -> None:
+        """Take the bucket the prefetcher received by broadcast, verify it, apply it."""
+        from messages.collective import CollectiveError
 
         load_collective = getattr(self.engine, "load_collective", None)
         try:
@@ -130,15 +152,13 @@ class Applier(threading.Thread):
                 load_collective(msg.tensors, msg.group.to_wire(), msg.size, msg.checksum,
                                 self.collective_bind)
                 return
-            if self._member is None:
-                self._member = Member(self.collective_bind)
-            if self.failpoints.get("kill_in_broadcast", -1) == msg.seq:  # fault injection (tests)
-                self._member.ensure(msg.group.to_wire())
-                os.kill(os.getpid(), signal.SIGKILL)
-            buf = self._member.receive(msg.group.to_wire(), msg.size)
+            buf = fut.result(timeout=msg.group.timeout + 5.0)
         except CollectiveError as exc:
             code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
             raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=code) from None
+        except FutureTimeout:
+            raise WeightSyncError(f"bucket seq {msg.seq}: not received within "
+                                  f"{msg.group.timeout + 5.0}s", code=ErrorCode.TIMEOUT) from None
         host = buf if buf.device.type == "cpu" else buf.cpu()
         if checksum(host.numpy()) != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted (collective)",
@@ -152,8 +172,16 @@ class Applier(threading.Thread):
             del tensors
 
     def _close_group(self) -> None:
-        if self._member is not None:
-            self._member.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close_group()
+        close = getattr(self.engine, "close_collective", None)
+        if close is not None:
+            close()
+
+    def shutdown_collective(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+            self.prefetcher.join(timeout=10)
         close = getattr(self.engine, "close_collective", None)
         if close is not None:
             close()

@@ -168,7 +168,7 @@ class Worker:
         finally:
             applier.stop()
             applier.join(timeout=30)
-            applier._close_group()
+            applier.shutdown_collective()
             link.close()
             sock.close(linger=1000)
             os.close(rfd)
@@ -243,7 +243,10 @@ class Worker:
             if key in t.queued or t.failed:
                 return
             t.queued.add(key)
-            applier.submit("load", (msg, decoded.payload[0] if decoded.payload else None))
+            if msg.group is not None:  # the bytes come by broadcast: start receiving now
+                applier.submit("load", (msg, applier.prefetch(msg)))
+            else:
+                applier.submit("load", (msg, decoded.payload[0] if decoded.payload else None))
         elif isinstance(msg, schema.Finalize):
             if msg.sync_id in self.finalized_syncs:
                 self.duplicates_refused += 1

@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -120,15 +121,27 @@ class Group:
         """Broadcast `tensor` from rank 0 (in place on the others). Raises CollectiveError
         when a member fails, after the group's timeout, or as soon as `give_up()` returns a
         reason; in each case the group is shut down and marked broken."""
+        self.wait(self.start(tensor), give_up=give_up, poll=poll)
+
+    def start(self, tensor: torch.Tensor) -> Any:
+        """Begin a broadcast and return at once (gloo/NCCL progress it on their own
+        threads): the caller may pack the next bucket meanwhile, then `wait`."""
         if self.broken:
             raise CollectiveError(f"group {self.spec.id} is broken; build a new one")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        deadline = time.monotonic() + self.spec.timeout
         try:
-            work = self.pg.broadcast([tensor], opts)
+            return (self.pg.broadcast([tensor], opts), time.monotonic() + self.spec.timeout)
+        except Exception as exc:
+            self.close()
+            raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
+
+    def wait(self, started: Any, *, give_up: Callable[[], str | None] | None = None,
+             poll: float = 0.002) -> None:
+        work, deadline = started
+        try:
             if give_up is None:
-                work.wait(datetime.timedelta(seconds=self.spec.timeout))
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 return
             while not work.is_completed():
                 reason = give_up()
@@ -144,9 +157,9 @@ class Group:
             raise
         except Exception as exc:
             self.close()
+            text = str(exc).lower()
             raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}",
-                                  timed_out="timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-                                  ) from None
+                                  timed_out="timed out" in text or "timeout" in text) from None
 
     def close(self) -> None:
         """Shut the group down (peers blocked in a call with us get an error at once)."""
@@ -167,13 +180,15 @@ def _short(exc: BaseException) -> str:
 
 class Member:
     """An engine's (or a vLLM worker's) side: joins the group a `load` names, reuses it
-    while the id stays the same, and receives each bucket into one reusable buffer."""
+    while the id stays the same, and receives each bucket into one of `slots` reusable
+    buffers (a caller that receives ahead of its use takes turns through them)."""
 
-    def __init__(self, bind: str = "", rank_offset: int = 0) -> None:
+    def __init__(self, bind: str = "", rank_offset: int = 0, slots: int = 1) -> None:
         self.bind = bind
         self.rank_offset = rank_offset
         self.group: Group | None = None
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._next = 0
 
     def ensure(self, ref: dict) -> Group:
         g = self.group
@@ -189,12 +204,14 @@ class Member:
         return self.group
 
     def receive(self, ref: dict, size: int) -> torch.Tensor:
-        """The bucket's `size` bytes, received in place into a buffer kept for the next one
-        (a view of it: valid until the next `receive`)."""
+        """The bucket's `size` bytes, received in place into the next buffer (a view of it:
+        valid until that buffer comes round again)."""
         g = self.ensure(ref)
-        buf = self._buf
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        buf = self._bufs[i]
         if buf is None or buf.numel() < size or buf.device != g.device:
-            buf = self._buf = torch.empty(max(size, 1), dtype=torch.uint8, device=g.device)
+            buf = self._bufs[i] = torch.empty(max(size, 1), dtype=torch.uint8, device=g.device)
         view = buf[:size]
         g.broadcast(view)
         return view
@@ -203,4 +220,4 @@ class Member:
         if self.group is not None:
             self.group.close()
             self.group = None
-        self._buf = None
+        self._bufs = [None] * len(self._bufs)

@@ -59,10 +59,12 @@ class StreamMixin:
                              checksum=b.checksum if checksum is None else checksum, id=rid,
                              sender=self.sender, shm=shm)
 
-    def _broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket) -> None:
-        """Broadcast one bucket; replies that arrive meanwhile are kept for the stream. An
-        error from the daemon for this sync ends the broadcast at once; a failed broadcast
-        raises the daemon's account of it (it names the engine) if one comes within 5 s."""
+    def _broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | None) -> None:
+        """Wait for the broadcast in flight, then start `bucket`'s (None: only wait). The
+        next bucket is packed while this one travels. Replies that arrive meanwhile are kept
+        for the stream. An error from the daemon for this sync ends the broadcast at once; a
+        failed broadcast raises the daemon's account of it (it names the engine) if one
+        comes within 5 s."""
         failure: list[schema.Error] = []
 
         def take_replies() -> str | None:
@@ -77,8 +79,13 @@ class StreamMixin:
                     failure.append(reply)
                     return f"{reply.code}: {reply.message}"
 
+        seq = coll.pending_seq
         try:
-            coll.broadcast(bucket.data, take_replies)
+            coll.wait(take_replies)
+            if bucket is not None:
+                seq = bucket.seq
+                coll.start(bucket.data)
+                coll.pending_seq = bucket.seq
         except CollectiveError as exc:
             deadline = time.monotonic() + 5.0
             while not failure and time.monotonic() < deadline:
@@ -87,7 +94,7 @@ class StreamMixin:
             if failure:
                 raise error_from_reply(failure[0]) from None
             code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
-            raise make_error(code, f"bucket seq {bucket.seq}: {exc}", sync_id=sync_id,
+            raise make_error(code, f"bucket seq {seq}: {exc}", sync_id=sync_id,
                              state="LOADING_BUCKETS") from None
 
     def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
@@ -160,6 +167,8 @@ class StreamMixin:
             send(f)
             count += 1
             nbytes += bucket.nbytes
+        if coll is not None:
+            self._broadcast(sync_id, coll, None)  # the last bucket's broadcast
         while inflight:
             wait_one()
         return count, nbytes, retries

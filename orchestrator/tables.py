@@ -17,7 +17,12 @@ def status_table(st: dict[str, Any]) -> Table:
     title = (f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  "
              f"dirty={st.get('dirty')}")
     if sync:
-        title += f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets {sync['bytes']} B"
+        title += (f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets "
+                  f"{sync['bytes']} B via {sync.get('transport')}")
+    group = st.get("collective")
+    if group:
+        title += (f"\ncollective group {group['group']}: {group['backend']}, world size "
+                  f"{group['world_size']}, store {group['store']}")
     t = Table(title=title, title_justify="left")
     for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
         t.add_column(col)

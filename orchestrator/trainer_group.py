@@ -41,6 +41,8 @@ class TrainerGroup:
         self._store: Any = None
         self.group: Group | None = None
         self.planned: dict[str, Any] | None = None
+        self._pending: Any = None  # the broadcast in flight (Group.start)
+        self.pending_seq: int | None = None
 
     def offer(self) -> schema.CollectiveOffer:
         if self._store is None:
@@ -57,8 +59,9 @@ class TrainerGroup:
             self.group = None
         self.planned = view
 
-    def broadcast(self, data: torch.Tensor, give_up: Callable[[], str | None]) -> None:
-        """Send one bucket's bytes to every engine (joining the group first if new)."""
+    def start(self, data: torch.Tensor) -> None:
+        """Begin sending one bucket's bytes to every engine (joining the group first if it
+        is new); the previous broadcast must have been waited for."""
         v = self.planned
         if v is None:
             raise CollectiveError("no collective group planned for this sync")
@@ -69,10 +72,17 @@ class TrainerGroup:
             self.group = Group(spec, store=self._store)
         if self.group.device.type != "cpu":
             data = data.to(self.group.device, non_blocking=False)
-        self.group.broadcast(data, give_up=give_up)
+        self._pending = self.group.start(data)
+
+    def wait(self, give_up: Callable[[], str | None]) -> None:
+        """Wait for the broadcast in flight, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self.group is not None:
+            self.group.wait(pending, give_up=give_up)
 
     def fail(self) -> None:
         """A sync on this group failed: close it so blocked engines return at once."""
+        self._pending = None
         if self.group is not None:
             self.group.close()
             self.group = None
