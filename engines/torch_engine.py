@@ -31,7 +31,7 @@ from messages.schema import ParamSpec, Probe
 log = structlog.get_logger()
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """A transformers causal LM from a local directory, on CPU, in eval mode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -55,19 +55,50 @@ class _Kernel:
         return y + self.bias if self.bias is not None else y
 
 
+def _untied(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by checkpoint name, a tied weight once (under its first name, as
+    `save_pretrained` writes it): a trainer sends it once, and the engine expects it once."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+def _tied_ptrs(model: nn.Module) -> set[int]:
+    """Storages that more than one state-dict name refers to."""
+    counts: dict[int, int] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        p = t.untyped_storage().data_ptr()
+        counts[p] = counts.get(p, 0) + 1
+    return {p for p, n in counts.items() if n > 1}
+
+
 class TorchEngine:
     """`Engine` over a transformers model. Not thread-safe: the worker calls it from one thread."""
 
     backend = "torch"
 
-    def __init__(self, model_dir: str | Path, *, threads: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, *, threads: int | None = None, lora_rank: int = 0,
+                 lora_targets: Sequence[str] = ()) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = str(model_dir)
-        self.model = load_model(model_dir)
-        self.params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self.model = load_model(model_dir, dtype="auto")  # the checkpoint's own dtype
+        self.params: dict[str, torch.Tensor] = _untied(self.model)
+        # A linear whose weight is tied (the LM head sharing the embedding table) keeps its
+        # layout: repacking it would scramble the embedding lookups that read the same storage.
+        tied_ptrs = _tied_ptrs(self.model)
+        self.lora = self._lora_slots(lora_rank, tuple(lora_targets))
+        self.linears = [m for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
+                        and m.weight.untyped_storage().data_ptr() not in tied_ptrs
+                        and name not in self.lora]
+        for name, (_m, a, b) in self.lora.items():
+            self.params[f"{name}.lora_A.weight"], self.params[f"{name}.lora_B.weight"] = a, b
         self.spec = {n: ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.params.items()}
-        self.linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
         self.packed = False
         self.finalize_count = 0  # post-load steps run by syncs (the startup one is not counted)
         self.version: int | None = None
@@ -130,9 +161,29 @@ class TorchEngine:
             d.update(name, t.detach())
         return d.hexdigest()
 
+    def _lora_slots(self, rank: int, targets: tuple[str, ...]) -> dict[str, tuple[nn.Linear, torch.Tensor, torch.Tensor]]:
+        """Zero A [rank, in] / B [out, rank] for every linear whose name ends in a target
+        (vLLM's `enable_lora` + `max_lora_rank`): an adapter push fills them."""
+        if rank <= 0 or not targets:
+            return {}
+        out = {}
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and name.split(".")[-1] in targets:
+                w = m.weight
+                out[name] = (m, torch.zeros((rank, w.shape[1]), dtype=w.dtype),
+                             torch.zeros((w.shape[0], rank), dtype=w.dtype))
+        if not out:
+            raise ValueError(f"no linear layer named {targets} for LoRA")
+        return out
+
     @torch.no_grad()
     def _pack(self) -> None:
         t0 = time.perf_counter()
+        for m, a, b in self.lora.values():
+            # The base weight keeps its checkpoint layout (the next adapter merges into the
+            # same base); the served kernel is base + B @ A, in its own storage.
+            kernel = (m.weight + b @ a).t().contiguous()
+            m.forward = _Kernel(kernel, m.bias)  # type: ignore[method-assign]
         for m in self.linears:
             w = m.weight.data
             out_f, in_f = w.shape
@@ -144,6 +195,9 @@ class TorchEngine:
 
     @torch.no_grad()
     def _unpack(self) -> None:
+        for m, _a, _b in self.lora.values():
+            if "forward" in m.__dict__:
+                del m.forward
         for m in self.linears:
             w = m.weight.data
             out_f, in_f = w.shape
@@ -159,4 +213,6 @@ class TorchEngine:
 
 
 def make_engine(options: dict[str, Any]) -> TorchEngine:
-    return TorchEngine(options["model"], threads=options.get("threads"))
+    return TorchEngine(options["model"], threads=options.get("threads"),
+                       lora_rank=int(options.get("lora_rank") or 0),
+                       lora_targets=tuple(options.get("lora_targets") or ()))

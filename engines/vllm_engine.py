@@ -147,20 +147,35 @@ class VllmEngine(_VllmBase):
     """`vllm.LLM` in this process (its workers in-process or in vLLM's own processes)."""
 
     def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
-                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20) -> None:
+                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20,
+                 lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> None:
         from orchestrator.config import set_process_env, vllm_process_env
 
         set_process_env(vllm_process_env(multiprocessing))
         from vllm import LLM
 
+        from engines.vllm_lora import vllm_rank
+
         args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
                 "enable_prefix_caching": True, **(llm_args or {})}
+        if lora_rank:
+            args.update(enable_lora=True, max_lora_rank=vllm_rank(lora_rank), max_loras=1)
         t0 = time.perf_counter()
         self.llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, **args)
         self.startup_seconds = time.perf_counter() - t0
         self.llm_args = args
         self.multiprocessing = multiprocessing
         self._setup(model_dir, staging_bytes)
+        self.lora: Any = None
+        self.lora_request: Any = None
+        self._pending_begin: tuple[str, int] | None = None
+        self._base_begun = False
+        if lora_rank:
+            from engines.vllm_lora import LoraSlots
+            self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
+            self.spec.update(self.lora.spec)
+            from messages.shm import Reader
+            self._reader = Reader()
         log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
                  multiprocessing=multiprocessing, args=args)
 
@@ -177,6 +192,71 @@ class VllmEngine(_VllmBase):
     def _after_finalize(self) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
+    # -- LoRA slots: adapter tensors stay here; the base reload starts on the first base tensor
+    def begin(self, sync_id: str, version: int) -> None:
+        if self.lora is None:
+            super().begin(sync_id, version)
+            return
+        self.sync_id, self._digest = sync_id, None
+        self._pending_begin, self._base_begun = (sync_id, version), False
+        self.lora.pending.clear()
+
+    def _begin_base(self) -> None:
+        if not self._base_begun and self._pending_begin is not None:
+            super().begin(*self._pending_begin)
+            self._base_begun = True
+
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
+        if self.lora is None:
+            return super().load_bucket(metas, buf)
+        validate_bucket(self.spec, list(unpack(metas, buf)), cast_ok=True)
+        base = self.lora.take(metas, torch.frombuffer(buf, dtype=torch.uint8))
+        if base:
+            self._begin_base()
+            super().load_bucket(base, buf)
+
+    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
+        if self.lora is None:
+            return super().load_shm(metas, ref, bucket_checksum)
+        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        from messages.shm import frombuffer
+        base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
+        if base:
+            self._begin_base()
+            super().load_shm(base, ref, bucket_checksum)
+
+    def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
+                        bucket_checksum: int, bind: str) -> None:
+        if self.lora is not None:
+            if any(m.name in self.lora.spec for m in metas):
+                raise make_error(ErrorCode.BAD_MESSAGE, "LoRA adapters travel inline or by shm, "
+                                 "not by the collective (push them with transport inline|auto)")
+            self._begin_base()
+        super().load_collective(metas, group, size, bucket_checksum, bind)
+
+    def finalize(self, sync_id: str) -> str:
+        if self.lora is None:
+            return super().finalize(sync_id)
+        import xxhash
+        parts = []
+        if self._base_begun:
+            parts.append(super().finalize(sync_id))
+        else:
+            self.finalize_count += 1
+        if self.lora.pending:
+            self.lora_request = self.lora.activate(self.llm, self._pending_begin[1])
+            parts.append(self.lora.digest)
+        self._pending_begin = None
+        self._digest = parts[0] if len(parts) == 1 else xxhash.xxh3_128_hexdigest("".join(parts))
+        return self._digest
+
+    def abort(self) -> None:
+        if self.lora is None or self._base_begun:
+            super().abort()
+        if self.lora is not None:
+            self.lora.pending.clear()
+            self._pending_begin, self._base_begun, self._digest = None, False, None
+
     def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -184,11 +264,13 @@ class VllmEngine(_VllmBase):
         prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
         params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
                   for p in probes]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return tuple(tuple(o.outputs[0].token_ids) for o in outs)
 
     def close(self) -> None:
         super().close()
+        if getattr(self, "lora", None) is not None:
+            self.lora.close()
         llm = self.__dict__.pop("llm", None)
         if not self.multiprocessing:
             # In-process workers: vLLM's shutdown tears down the process-global
@@ -203,7 +285,9 @@ class VllmEngine(_VllmBase):
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:
     return VllmEngine(options["model"], multiprocessing=bool(options.get("vllm_mp", False)),
-                      llm_args=options.get("llm_args") or {})
+                      llm_args=options.get("llm_args") or {},
+                      lora_rank=int(options.get("lora_rank") or 0),
+                      lora_targets=tuple(options.get("lora_targets") or ()))
 
 
 def make_server_engine(options: dict[str, Any]) -> _VllmBase:

@@ -45,8 +45,10 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def build_tiny_llama(path: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
-    """Save a random Llama of `size` into `path` and return the path."""
+def build_tiny_llama(path: str | Path, *, size: str = "tiny", seed: int = 0, tie: bool = False,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random Llama of `size` into `path` (embeddings tied to the LM head with `tie`,
+    stored in `dtype`) and return the path."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -54,8 +56,9 @@ def build_tiny_llama(path: str | Path, *, size: str = "tiny", seed: int = 0) -> 
     hf_logging.set_verbosity_error()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3, dtype="float32")
+    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=tie,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                      dtype=str(dtype).removeprefix("torch."))
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(seed)
@@ -66,7 +69,7 @@ def build_tiny_llama(path: str | Path, *, size: str = "tiny", seed: int = 0) -> 
             for name, p in model.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     build_tokenizer(cfg.vocab_size).save_pretrained(path)
     return path
 

@@ -131,6 +131,10 @@ def engine(
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    lora_rank: int = typer.Option(0, min=0, max=1024, help="LoRA slots of this rank on --lora-targets "
+                                  "(torch: adapter pushes merge at finalize; vllm: also pass "
+                                  "--vllm-arg enable_lora=true)"),
+    lora_targets: str = typer.Option("", help="comma-separated module names for LoRA, e.g. q_proj,v_proj"),
     collective: bool = typer.Option(True, "--collective/--no-collective",
                                     help="offer the collective transport (torch.distributed)"),
     collective_host: str = typer.Option("", help="this host's address for the collective group's "
@@ -165,7 +169,8 @@ def engine(
         llm_args = _parse_kv(vllm_arg)
         eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
                                     "llm_args": llm_args, "url": url, "pause_mode": pause_mode,
-                                    "collective_host": collective_host})
+                                    "collective_host": collective_host, "lora_rank": lora_rank,
+                                    "lora_targets": [t for t in lora_targets.split(",") if t]})
     except Exception as exc:  # any backend failing to start is exit 3, with its reason
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None

@@ -263,7 +263,10 @@ class TrainerClient(StreamMixin):
             try:
                 count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
                                                       progress, ring, digester, coll)
-                body = self.finish(sync_id, count, digest=digester.hexdigest(), partial=partial)
+                # A partial push covers only some of the engines' tensors, while an engine's
+                # digest covers all it holds: the engines are then checked against each other.
+                body = self.finish(sync_id, count, digest=None if partial else digester.hexdigest(),
+                                   partial=partial)
             except WeightSyncError as err:
                 if coll is not None:
                     coll.fail()
@@ -297,6 +300,40 @@ class TrainerClient(StreamMixin):
             log.warning("shm_full_using_inline", reason=str(exc), window=window,
                         bucket_bytes=bucket_bytes)
             return None
+
+    def push_module(self, model: torch.nn.Module, version: int, *, dtype: torch.dtype | None = None,
+                    filter: Any = None, **push_kw: Any) -> SyncResult:
+        """Push a live module's parameters and buffers as `version`, streamed (no second
+        state dict): HF names, tied weights once, optional dtype cast, FSDP2/DTensor
+        gathered per tensor (call it on every rank; ranks without a client use
+        `orchestrator.trainer.push_module(None, model, version)`). See trainer/module.py."""
+        from orchestrator.trainer.module import push_module
+        return push_module(self, model, version, dtype=dtype, filter=filter, **push_kw)
+
+    def served_versions(self) -> dict[str, int | None]:
+        """engine_id -> the version it serves now (None: none verified), lost engines left out."""
+        return {e["engine_id"]: (e["version"] if e["state"] == "READY" else None)
+                for e in self.status()["engines"] if e["state"] != "LOST"}
+
+    def wait_ready(self, min_version: int, *, timeout: float = 300.0, poll: float = 0.1) -> dict[str, int]:
+        """Block until the daemon is READY at `min_version` or newer and every live engine
+        serves it (an off-policy trainer bounds its staleness with this). Returns
+        engine_id -> version; raises TIMEOUT naming the engines still behind."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            live = [e for e in st["engines"] if e["state"] != "LOST"]
+            behind = [e["engine_id"] for e in live
+                      if e["state"] != "READY" or e["version"] is None or e["version"] < min_version]
+            if (st["state"] == "READY" and (st["version"] or -1) >= min_version and live
+                    and not behind):
+                return {e["engine_id"]: e["version"] for e in live}
+            if time.monotonic() >= deadline:
+                raise make_error(ErrorCode.TIMEOUT, f"version {min_version} not served everywhere within "
+                                 f"{timeout}s: daemon {st['state']} at {st['version']}, behind: {behind}",
+                                 state=st["state"], version=st["version"],
+                                 details={"behind": behind})
+            time.sleep(poll)
 
     def _collective_offer(self) -> schema.CollectiveOffer:
         if self._collective is None:

@@ -140,8 +140,11 @@ class Recovery:
             await svc.local_request(msg, [frame], self._on_reply(f, (0, i)))
         if not f.inflight and f.next >= len(f.entries) and not f.finishing:
             f.finishing = True
+            # partial: the spool replays exactly what the last READY sync sent (an adapter
+            # push sends a subset); the digest, over everything each engine holds, proves
+            # the engines are back at the served version.
             await svc.local_request(schema.Finish(sync_id=f.sync_id, buckets=len(f.entries),
-                                                  digest=svc.core.served_digest), [],
+                                                  digest=svc.core.served_digest, partial=True), [],
                                     self._on_finished(f))
 
     def _on_reply(self, f: Feed, key: tuple[int, int]) -> Callable[[Any, WeightSyncError | None], None]:
