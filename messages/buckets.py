@@ -43,8 +43,29 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
+class Cast:
+    """`src` as `dtype`, cast while it is packed: straight into the bucket, with no
+    intermediate tensor (a trainer's fp32 master pushed as bf16 costs no extra memory)."""
+
+    __slots__ = ("src", "dtype", "shape")
+
+    def __init__(self, src: torch.Tensor, dtype: torch.dtype) -> None:
+        self.src, self.dtype, self.shape = src, dtype, src.shape
+
+    def numel(self) -> int:
+        return self.src.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        return self.src.to(self.dtype)
+
+
+def as_bytes(t: torch.Tensor | Cast) -> torch.Tensor:
     """A flat uint8 view of `t`'s bytes (copied to contiguous CPU first if needed)."""
+    if isinstance(t, Cast):
+        t = t.materialize()
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -97,7 +118,12 @@ def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None =
             frame_hash.update(pad.numpy())
         tensor_hash = digester.start(name, t) if digester is not None else None
         hashers = (frame_hash,) if tensor_hash is None else (frame_hash, tensor_hash)
-        if meta.nbytes:
+        if meta.nbytes and isinstance(t, Cast):  # the casting copy writes the bucket itself
+            dst = data[meta.offset:meta.offset + meta.nbytes]
+            dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
+            for h in hashers:
+                h.update(dst.numpy())
+        elif meta.nbytes:
             copy_hashing(data[meta.offset:meta.offset + meta.nbytes], as_bytes(t), *hashers)
         if digester is not None:
             digester.finish(name, tensor_hash)
@@ -118,7 +144,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named_tensors:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, (torch.Tensor, Cast)):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
         nbytes = t.numel() * t.element_size()

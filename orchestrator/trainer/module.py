@@ -7,7 +7,8 @@ Rules:
   DDP, `_checkpoint_wrapped_module.`) are dropped.
 - Tied weights (one storage under two names, e.g. embeddings and `lm_head`) are sent once,
   under the first name, as `save_pretrained` writes them.
-- `dtype` casts floating tensors on the fly (fp32 master -> bf16), one tensor at a time.
+- `dtype` casts floating tensors on the fly (fp32 master -> bf16), straight into the
+  bucket (`messages.buckets.Cast`): no cast copy of the model, not even one tensor's.
 - Sharded parameters (FSDP2 / DTensor) are gathered one tensor at a time with
   `full_tensor()` (an all-gather): every rank must call `push_module` in lockstep; rank 0
   (the one holding a client) sends, the others only take part in the gathers. Chosen over
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from messages.buckets import Cast
 
 WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
 
@@ -41,9 +44,11 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 def module_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
                    filter: Callable[[str, torch.Tensor], bool] | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+                   ) -> Iterator[tuple[str, torch.Tensor | Cast]]:
     """(HF name, full tensor) for every parameter and persistent buffer, tied weights once,
-    gathered and cast lazily. Every rank of a sharded model must consume it in lockstep."""
+    gathered lazily; with `dtype`, floating tensors come as `Cast` (cast while packed;
+    `.materialize()` gives the tensor). Every rank of a sharded model must consume it in
+    lockstep."""
     seen: set[tuple[Any, ...]] = set()
     for raw, t in model.state_dict(keep_vars=True).items():
         key = _storage_key(t)
@@ -59,7 +64,8 @@ def module_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
         if hasattr(t, "full_tensor"):  # DTensor (FSDP2): the whole tensor, on every rank
             t = t.full_tensor()
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
+            yield name, Cast(t, dtype)  # cast as it is packed, into the bucket itself
+            continue
         yield name, t
 
 

@@ -60,3 +60,17 @@ def test_daemon_never_imports_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_push_module_memory_stays_at_the_bucket_window_not_the_model(tmp_path):
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, "-m", "bench.push_module", "--model-bytes", "128MiB",
+                        "--tensor-bytes", "4MiB", "--bucket-bytes", "4MiB", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [x["dtype"] for x in data["runs"]] == ["float32", "torch.bfloat16"]
+    for run in data["runs"]:
+        assert run["state"] == "READY"
+        # window x bucket (+ one tensor, + slack for the interpreter) against a 128 MiB model
+        assert run["within_bound"] and run["trainer_extra_mib"] < data["model_mib"] / 2, run

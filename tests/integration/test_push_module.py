@@ -84,8 +84,11 @@ def test_filtered_push_updates_only_what_the_filter_picks(tmp_path, tiny_model_d
         before = {n: t.clone() for n, t in module_tensors(model)}
         step(model, 22)
         picked = lambda name, t: ".layers.1." in name  # noqa: E731
-        r = client.push_module(model, 2, filter=picked, partial=True, bucket_bytes=64 * 1024)
-        expected = {n: (t if picked(n, t) else before[n]) for n, t in module_tensors(model)}
+        expected = {n: (t.clone() if picked(n, t) else before[n]) for n, t in module_tensors(model)}
+        served = load_model(tiny_model_dir)
+        served.load_state_dict(expected)  # what the engine must now hold: old layers, new layer 1
+        r = client.push_module(model, 2, filter=picked, partial=True, bucket_bytes=64 * 1024,
+                               probes=make_probes(served, PROMPTS, 6))
         assert r.state == "READY"
         assert {e["digest"] for e in r.engines} == {digest_of(expected.items())}
         assert r.bytes == sum(t.numel() * t.element_size() for n, t in expected.items() if picked(n, t))
