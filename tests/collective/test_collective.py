@@ -197,3 +197,36 @@ def test_trainer_killed_mid_broadcast_frees_the_engines_rolls_back_and_next_push
             r3 = client.push(w3.items(), 3, bucket_bytes=64 * 1024, transport="collective")
             assert r3.detail["transport"] == "collective"
             assert {e["digest"] for e in r3.engines} == {digest(w3.items())}
+
+
+def test_a_byte_corrupted_on_the_collective_is_caught_by_the_engines(cluster, tiny_state, monkeypatch):
+    """The checksum travels through the daemon, the bytes by broadcast: a byte flipped
+    after packing fails the sync with CHECKSUM_MISMATCH, nothing finalized; the next push
+    is READY."""
+    from messages.errors import ErrorCode, WeightSyncError
+    from orchestrator.trainer_group import TrainerGroup
+
+    real = TrainerGroup.start
+    seen = []
+
+    def start(self, data):
+        seen.append(1)
+        if len(seen) == 3:
+            data = data.clone()
+            data[len(data) // 2] ^= 0x40  # in flight, after the checksum was taken
+        real(self, data)
+
+    with cluster.client(timeout=30.0) as client:
+        st = client.status()
+        v = (st["last_ready_version"] or 0) + 1
+        counts = [e["finalize_count"] for e in st["engines"]]
+        monkeypatch.setattr(TrainerGroup, "start", start)
+        with pytest.raises(WeightSyncError) as ei:
+            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=128 * 1024,
+                        transport="collective")
+        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH, ei.value
+        monkeypatch.setattr(TrainerGroup, "start", real)
+        assert [e["finalize_count"] for e in client.status()["engines"]] == counts  # nothing finalized
+        w = dict(perturbed(tiny_state, v + 1))
+        r = client.push(w.items(), v + 1, bucket_bytes=128 * 1024, transport="collective")
+        assert {e["digest"] for e in r.engines} == {digest(w.items())}

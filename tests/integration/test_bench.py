@@ -23,10 +23,13 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench", "--model-bytes", "8MiB", "--tensor-bytes",
                         "1MiB", "--engines", "1,2", "--bucket-bytes", "2MiB", "--repeats", "1",
                         "--control-buckets", "300", "--collective-engines", "1,2",
-                        "--collective-repeats", "2", "--json", str(out), "--plot", str(png)],
+                        "--collective-repeats", "2", "--check", "--json", str(out), "--plot", str(png)],
                        capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
+    # --check: exit 1 exactly when some target is missed, each one named on stdout
+    assert r.returncode == (1 if data["missed"] else 0), r.stderr[-3000:]
+    assert [ln[len("MISSED: "):] for ln in r.stdout.splitlines() if ln.startswith("MISSED: ")] == data["missed"]
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["torch"] and data["machine"]["mem_mib"] > 0
     base = data["baselines"]
     assert base["zmq_gbps"] > 0 and base["memcpy_gbps"] > 0
     points = {(run["transport"], run["engines"]) for run in data["runs"]}
@@ -34,8 +37,12 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     for run in data["runs"]:
         assert run["model_bytes"] == 8 << 20 and run["bucket_bytes"] == 2 << 20
         assert run["gbps"] == pytest.approx(run["model_bytes"] / run["seconds"] / 1e9)
-        assert run["ratio_zmq"] == pytest.approx(run["gbps"] / base["zmq_gbps"])
-        assert run["ratio_memcpy"] == pytest.approx(run["gbps"] / base["memcpy_gbps"])
+        # ratios of medians over repeats in which baseline and sync alternate
+        assert len(run["repeats"]) == 1 and run["gbps_min"] <= run["gbps"] <= run["gbps_max"]
+        assert run["gbps"] == pytest.approx(run["repeats"][0]["gbps"])
+        assert run["ratio_zmq"] == pytest.approx(run["gbps"] / run["zmq_gbps"])
+        assert run["ratio_memcpy"] == pytest.approx(run["gbps"] / run["memcpy_gbps"])
+        assert run["zmq_gbps"] == pytest.approx(run["repeats"][0]["zmq_gbps"])
         assert run["chosen_transport"] == run["transport"]  # shm was negotiated, not inline
         assert run["buckets"] == 4
         assert 10 < run["orchestrator_rss_mib"] < 1024

@@ -92,3 +92,16 @@ def test_serve_on_a_taken_tcp_port_is_a_startup_failure(tmp_path):
         r = ws("serve", "--bind", f"tcp://127.0.0.1:{port}", "--engine-bind", "tcp://127.0.0.1:0",
                "--state-db", str(tmp_path / "s.db"), timeout=60)
     assert r.returncode == 3 and "startup failed" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_push_over_the_collective_from_the_command_line(cluster, tmp_path, tiny_state):
+    v = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)["last_ready_version"] + 1
+    d, weights = checkpoint(tmp_path, tiny_state, v)
+    r = ws("push", str(d), "--version", str(v), "--addr", cluster.addr, "--transport", "collective",
+           "--collective-host", "127.0.0.1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["transport"] == "collective" and out["digest"] == digest(weights.items())
+    st = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)
+    assert st["collective"]["world_size"] == 3
+    assert "collective group" in ws("status", "--addr", cluster.addr).stdout
