@@ -27,6 +27,31 @@ from messages.buckets import Digester, checksum
 from messages.dtypes import DTYPES
 
 
+def keep_pending_weights(flat: torch.Tensor) -> int:
+    """Copy out the weights vLLM still holds from `flat` when a bucket's load returns;
+    return how many.
+
+    vLLM's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
+    `make_online_process_loader`) does not load a weight when it arrives: it appends the
+    loader call's bound arguments, the weight tensor included, to
+    `LAYERWISE_INFO[layer].loaded_weights` and replays them in `_layerwise_process` once
+    the layer's last weight has arrived. Weights of a layer split across buckets therefore
+    outlive this call while `flat` (a receive buffer or the trainer's shm slot) is about
+    to be reused: those, and only those, are cloned. Everything else was consumed by the
+    layer's processing and needs no copy."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    ptr = flat.untyped_storage().data_ptr()
+    kept = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _name, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
+                    kept += 1
+    return kept
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
 
@@ -36,7 +61,7 @@ class WeightSyncExtension:
             from messages.shm import Reader
             st = {"sync_id": None, "version": None, "reloading": False, "finalized": set(),
                   "finalize_count": 0, "digester": None, "digest": None, "reader": Reader(),
-                  "loaded": 0, "mode": None}
+                  "loaded": 0, "mode": None, "kept": 0}
             self._ws_state = st
         return st
 
@@ -47,7 +72,8 @@ class WeightSyncExtension:
         st = self._ws()
         return {"sync_id": st["sync_id"], "version": st["version"], "reloading": st["reloading"],
                 "finalize_count": st["finalize_count"], "digest": st["digest"],
-                "rank": getattr(self, "rank", 0), "mode": st["mode"]}
+                "rank": getattr(self, "rank", 0), "mode": st["mode"],
+                "loaded": st["loaded"], "kept": st["kept"]}
 
     def ws_begin(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)
@@ -64,7 +90,7 @@ class WeightSyncExtension:
         except ImportError:
             st["mode"] = "process_weights_after_loading"
         st.update(sync_id=a["sync_id"], version=a["version"], reloading=True,
-                  digester=Digester(), digest=None, loaded=0)
+                  digester=Digester(), digest=None, loaded=0, kept=0)
         return self.ws_info()
 
     def ws_load(self, arg: str) -> dict[str, Any]:
@@ -119,18 +145,18 @@ class WeightSyncExtension:
         return "ok"
 
     def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]]) -> None:
+        """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
+        make the one copy into the parameters; the views are not cloned first."""
         st = self._ws()
         tensors = []
         for m in metas:
             t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
-            t = t.view(m["shape"]) if m["shape"] else t.reshape(())
-            # Layerwise reload keeps references to the tensors of a layer until all of
-            # that layer's weights have arrived, possibly buckets later; the receive
-            # buffer is reused for the next bucket, so hand vLLM its own copy.
-            tensors.append((m["name"], t.clone()))
+            tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
         model = self._ws_model()
         with torch.no_grad():
             model.load_weights(iter(tensors))
+        if st["mode"] == "layerwise":
+            st["kept"] += keep_pending_weights(flat)
         for name, t in tensors:
             st["digester"].update(name, t)
         st["loaded"] += len(tensors)

@@ -92,12 +92,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         tensors = []
         for m in info.tensors:
             t = buf[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
-            t = t.view(m["shape"]) if m["shape"] else t.reshape(())
-            # layerwise reload holds a layer's tensors until the layer is complete, and the
-            # receive buffer is reused by the next bucket: vLLM gets its own copy.
-            tensors.append((m["name"], t.clone()))
+            tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
         with torch.no_grad():
             self.model.load_weights(iter(tensors))
+        from engines.vllm_extension import keep_pending_weights
+        keep_pending_weights(buf)  # only what layerwise reload still holds outlives the buffer
         for name, t in tensors:
             self.digester.update(name, t)
         self.loaded += len(tensors)

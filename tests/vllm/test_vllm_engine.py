@@ -182,3 +182,27 @@ def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_righ
         worker.request_stop()
         t.join(30)
         orch.close()
+
+
+def test_a_bucket_is_copied_once_by_vllms_loaders_and_only_split_layers_are_kept(
+        vllm_engine, tiny_model_dir, tiny_state):
+    """No clone before `load_weights`: with every layer inside one bucket nothing outlives
+    the call; with small buckets only the weights of layers still incomplete when a bucket
+    ends are copied out (vLLM's layerwise reload buffers them), never the whole bucket."""
+    v = 900
+    for bucket_bytes, expect_none in ((1 << 30, True), (64 * 1024, False)):
+        v += 1
+        weights = dict(perturbed(tiny_state, v))
+        buckets = list(iter_buckets(weights.items(), bucket_bytes))
+        vllm_engine.begin(f"copies-{v}", v)
+        for b in buckets:
+            vllm_engine.load_bucket(b.tensors, b.frame())
+        (info,) = vllm_engine.rpc("ws_info")
+        assert info["mode"] == "layerwise" and info["loaded"] == len(weights)
+        if expect_none:
+            assert len(buckets) == 1 and info["kept"] == 0
+        else:
+            assert len(buckets) > 4 and 0 < info["kept"] < len(weights)
+        assert vllm_engine.finalize(f"copies-{v}") == digest(weights.items())
+        got = vllm_engine.probe([Probe(p, 8) for p in PROMPTS])
+        assert [list(g) for g in got] == [list(e) for e in hf_greedy(tiny_model_dir, weights, PROMPTS)]
