@@ -107,43 +107,47 @@ class Applier(threading.Thread):
                 self._release(frame)
             return  # already reported; the orchestrator is aborting this sync
         t0 = time.perf_counter()
-        if msg.group is not None:
-            try:
-                self._load_collective(msg, frame)
-            finally:
+        try:
+            buf = self._bucket_bytes(msg, frame)
+            if buf is not None:  # None: the engine's own workers took the bucket (vLLM)
+                if checksum(buf) != msg.checksum:
+                    raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
+                                          code=ErrorCode.CHECKSUM_MISMATCH)
+                load_bucket = getattr(self.engine, "load_bucket", None)
+                if load_bucket is not None:
+                    load_bucket(msg.tensors, buf)
+                else:
+                    tensors = list(unpack(msg.tensors, buf))
+                    self.engine.load(tensors)
+                    del tensors  # drop the views before acknowledging (the frame can be freed)
+                del buf
+        finally:
+            if msg.group is not None:
                 self._release(frame)
-            self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                     seconds=time.perf_counter() - t0))
-            return
-        if msg.shm is not None:
-            load_shm = getattr(self.engine, "load_shm", None)
-            if load_shm is not None:  # the engine's workers read the slot themselves
-                load_shm(msg.tensors, msg.shm, msg.checksum)
-                self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                         seconds=time.perf_counter() - t0))
-                return
-            try:
-                buf = self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
-            except MessageError as exc:
-                raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
-        else:
-            buf = frame.buffer if hasattr(frame, "buffer") else frame
-        if checksum(buf) != msg.checksum:
-            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        load_bucket = getattr(self.engine, "load_bucket", None)
-        if load_bucket is not None:
-            load_bucket(msg.tensors, buf)
-        else:
-            tensors = list(unpack(msg.tensors, buf))
-            self.engine.load(tensors)
-            del tensors  # drop the views before acknowledging (the frame can be freed)
-        del buf
-        seconds = time.perf_counter() - t0
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                 seconds=seconds))
+                                 seconds=time.perf_counter() - t0))
 
-    def _load_collective(self, msg: schema.Load, fut: Any) -> None:
-        """Take the bucket the prefetcher received by broadcast, verify it, apply it."""
+    def _bucket_bytes(self, msg: schema.Load, frame: Any) -> Any:
+        """The bucket's bytes, wherever its transport put them (the frame, the trainer's
+        shm slot, the prefetcher's receive buffer), or None when the engine takes the
+        bucket straight from its transport itself (vLLM workers reading the shm slot or
+        joining the broadcast)."""
+        if msg.group is not None:
+            return self._collective_bytes(msg, frame)
+        if msg.shm is None:
+            return frame.buffer if hasattr(frame, "buffer") else frame
+        load_shm = getattr(self.engine, "load_shm", None)
+        if load_shm is not None:  # the engine's workers read the slot themselves
+            load_shm(msg.tensors, msg.shm, msg.checksum)
+            return None
+        try:
+            return self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+        except MessageError as exc:
+            raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
+
+    def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
+        """The bucket the prefetcher received by broadcast (None: the engine's workers
+        received it themselves)."""
         from messages.collective import CollectiveError
 
         load_collective = getattr(self.engine, "load_collective", None)
@@ -151,7 +155,7 @@ class Applier(threading.Thread):
             if load_collective is not None:  # the engine's own workers receive (vLLM)
                 load_collective(msg.tensors, msg.group.to_wire(), msg.size, msg.checksum,
                                 self.collective_bind)
-                return
+                return None
             buf = fut.result(timeout=msg.group.timeout + 5.0)
         except CollectiveError as exc:
             code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
@@ -159,32 +163,22 @@ class Applier(threading.Thread):
         except FutureTimeout:
             raise WeightSyncError(f"bucket seq {msg.seq}: not received within "
                                   f"{msg.group.timeout + 5.0}s", code=ErrorCode.TIMEOUT) from None
-        host = buf if buf.device.type == "cpu" else buf.cpu()
-        if checksum(host.numpy()) != msg.checksum:
-            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted (collective)",
-                                  code=ErrorCode.CHECKSUM_MISMATCH)
-        load_bucket = getattr(self.engine, "load_bucket", None)
-        if load_bucket is not None:
-            load_bucket(msg.tensors, host.numpy())
-        else:
-            tensors = list(unpack(msg.tensors, host.numpy()))
-            self.engine.load(tensors)
-            del tensors
+        return (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
 
-    def _close_group(self) -> None:
+    def _close_group(self, stop: bool = False) -> None:
+        """Leave the collective group (the daemon plans a new one); `stop`: for good."""
         if self.prefetcher is not None:
-            self.prefetcher.close_group()
+            if stop:
+                self.prefetcher.stop()
+                self.prefetcher.join(timeout=10)
+            else:
+                self.prefetcher.close_group()
         close = getattr(self.engine, "close_collective", None)
         if close is not None:
             close()
 
     def shutdown_collective(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.stop()
-            self.prefetcher.join(timeout=10)
-        close = getattr(self.engine, "close_collective", None)
-        if close is not None:
-            close()
+        self._close_group(stop=True)
 
     def _do_finalize(self, msg: schema.Finalize) -> None:
         self.reader.close()  # every bucket is in; the trainer may unlink its slots

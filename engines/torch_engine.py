@@ -55,26 +55,20 @@ class _Kernel:
         return y + self.bias if self.bias is not None else y
 
 
-def _untied(model: nn.Module) -> dict[str, torch.Tensor]:
+def _untied(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[int]]:
     """The model's tensors by checkpoint name, a tied weight once (under its first name, as
-    `save_pretrained` writes it): a trainer sends it once, and the engine expects it once."""
+    `save_pretrained` writes it): a trainer sends it once, and the engine expects it once.
+    Also the storages that more than one name refers to."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
+    names_per_storage: dict[int, int] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key not in seen:
-            seen.add(key)
+        ptr = t.untyped_storage().data_ptr()
+        names_per_storage[ptr] = names_per_storage.get(ptr, 0) + 1
+        if (ptr, t.storage_offset()) not in seen:
+            seen.add((ptr, t.storage_offset()))
             out[name] = t
-    return out
-
-
-def _tied_ptrs(model: nn.Module) -> set[int]:
-    """Storages that more than one state-dict name refers to."""
-    counts: dict[int, int] = {}
-    for t in model.state_dict(keep_vars=True).values():
-        p = t.untyped_storage().data_ptr()
-        counts[p] = counts.get(p, 0) + 1
-    return {p for p, n in counts.items() if n > 1}
+    return out, {p for p, n in names_per_storage.items() if n > 1}
 
 
 class TorchEngine:
@@ -88,10 +82,9 @@ class TorchEngine:
             torch.set_num_threads(threads)
         self.model_dir = str(model_dir)
         self.model = load_model(model_dir, dtype="auto")  # the checkpoint's own dtype
-        self.params: dict[str, torch.Tensor] = _untied(self.model)
         # A linear whose weight is tied (the LM head sharing the embedding table) keeps its
         # layout: repacking it would scramble the embedding lookups that read the same storage.
-        tied_ptrs = _tied_ptrs(self.model)
+        self.params, tied_ptrs = _untied(self.model)
         self.lora = self._lora_slots(lora_rank, tuple(lora_targets))
         self.linears = [m for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
                         and m.weight.untyped_storage().data_ptr() not in tied_ptrs

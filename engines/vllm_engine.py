@@ -22,7 +22,7 @@ import torch
 
 from engines.base import EngineInfo, validate_bucket
 from messages.shm import Segment
-from messages.buckets import checksum, iter_buckets, unpack
+from messages.buckets import checksum, iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.buckets import digest as weights_digest
 from messages.errors import ErrorCode, make_error
@@ -77,8 +77,15 @@ class _VllmBase:
         self.sync_id = sync_id
         self._digest = None
 
+    def _check(self, metas: Sequence[TensorMeta]) -> None:
+        """Names and shapes against the checkpoint's, before any worker sees the bucket."""
+        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+
     def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
-        validate_bucket(self.spec, list(unpack(metas, buf)), cast_ok=True)
+        self._check(metas)
+        self._send_bucket(metas, buf)
+
+    def _send_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
         n = self.staging.write(buf)
         self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=checksum(self.staging.view(0, n)),
                                  shm={"name": self.staging.name, "offset": 0, "size": n},
@@ -87,7 +94,10 @@ class _VllmBase:
     def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
         """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
         copy); they verify the checksum and copy into parameters."""
-        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self._check(metas)
+        self._send_shm(metas, ref, bucket_checksum)
+
+    def _send_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
         self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=bucket_checksum,
                                  shm=ref.to_wire(), tensors=[m.to_wire() for m in metas]))
 
@@ -95,7 +105,7 @@ class _VllmBase:
                         bucket_checksum: int, bind: str) -> None:
         """collective transport: every vLLM worker joins the group and receives the bucket
         itself (rank = group rank + worker rank), verifies it and loads it."""
-        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self._check(metas)
         self.rpc("ws_collective_load", _arg(sync_id=self.sync_id, group=group, size=size,
                                             checksum=bucket_checksum, bind=bind,
                                             tensors=[m.to_wire() for m in metas]))
@@ -209,21 +219,21 @@ class VllmEngine(_VllmBase):
     def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
         if self.lora is None:
             return super().load_bucket(metas, buf)
-        validate_bucket(self.spec, list(unpack(metas, buf)), cast_ok=True)
+        self._check(metas)
         base = self.lora.take(metas, torch.frombuffer(buf, dtype=torch.uint8))
         if base:
             self._begin_base()
-            super().load_bucket(base, buf)
+            self._send_bucket(base, buf)
 
     def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
         if self.lora is None:
             return super().load_shm(metas, ref, bucket_checksum)
-        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self._check(metas)
         from messages.shm import frombuffer
         base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
         if base:
             self._begin_base()
-            super().load_shm(base, ref, bucket_checksum)
+            self._send_shm(base, ref, bucket_checksum)
 
     def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
                         bucket_checksum: int, bind: str) -> None:

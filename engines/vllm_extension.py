@@ -52,6 +52,23 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
     return kept
 
 
+def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, Any]],
+              digester: Digester, *, layerwise: bool) -> int:
+    """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
+    make the one copy into the parameters; the views are not cloned first. Feeds the
+    digest; returns how many weights had to be kept past the call (layerwise reload)."""
+    tensors = []
+    for m in metas:
+        t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
+        tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
+    with torch.no_grad():
+        model.load_weights(iter(tensors))
+    kept = keep_pending_weights(flat) if layerwise else 0
+    for name, t in tensors:
+        digester.update(name, t)
+    return kept
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
 
@@ -93,15 +110,20 @@ class WeightSyncExtension:
                   digester=Digester(), digest=None, loaded=0, kept=0)
         return self.ws_info()
 
+    def _ws_running(self, a: dict[str, Any], method: str) -> dict[str, Any]:
+        """The worker's state, if `a`'s sync is the reload running here."""
+        st = self._ws()
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"{method} for sync {a['sync_id']!r} but the running reload is "
+                               f"{st['sync_id']!r} (reloading={st['reloading']})")
+        return st
+
     def ws_load(self, arg: str) -> dict[str, Any]:
         """arg: {sync_id, shm: {name, offset, size}, checksum, tensors: [{name, dtype,
         shape, offset, nbytes}]}; returns {loaded, seconds}."""
         t0 = time.perf_counter()
         a = json.loads(arg)
-        st = self._ws()
-        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
-            raise RuntimeError(f"ws_load for sync {a['sync_id']!r} but the running reload is "
-                               f"{st['sync_id']!r} (reloading={st['reloading']})")
+        st = self._ws_running(a, "ws_load")
         from messages.shm import frombuffer
         ref = a["shm"]
         mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
@@ -116,10 +138,7 @@ class WeightSyncExtension:
         into its own buffer; no tensor crosses `collective_rpc`."""
         t0 = time.perf_counter()
         a = json.loads(arg)
-        st = self._ws()
-        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
-            raise RuntimeError(f"ws_collective_load for sync {a['sync_id']!r} but the running "
-                               f"reload is {st['sync_id']!r}")
+        st = self._ws_running(a, "ws_collective_load")
         from messages.collective import Member
         member = st.get("member")
         if member is None:
@@ -145,21 +164,10 @@ class WeightSyncExtension:
         return "ok"
 
     def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]]) -> None:
-        """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
-        make the one copy into the parameters; the views are not cloned first."""
         st = self._ws()
-        tensors = []
-        for m in metas:
-            t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
-            tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
-        model = self._ws_model()
-        with torch.no_grad():
-            model.load_weights(iter(tensors))
-        if st["mode"] == "layerwise":
-            st["kept"] += keep_pending_weights(flat)
-        for name, t in tensors:
-            st["digester"].update(name, t)
-        st["loaded"] += len(tensors)
+        st["kept"] += load_into(self._ws_model(), flat, metas, st["digester"],
+                                layerwise=st["mode"] == "layerwise")
+        st["loaded"] += len(metas)
 
     def ws_finalize(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)

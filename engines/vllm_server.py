@@ -127,9 +127,7 @@ class VllmServerEngine(_VllmBase):
             self._start("extension")
             super().load_collective(metas, group, size, bucket_checksum, bind)
             return
-        from engines.vllm_engine import _meta_tensor
-        from engines.base import validate_bucket
-        validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
+        self._check(metas)
         self._start("native")
         self._http("POST", "/update_weights", {"update_info": {
             "sync_id": self.sync_id, "group": group, "size": size, "checksum": bucket_checksum,

@@ -24,7 +24,6 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from messages.buckets import Digester, checksum
-from messages.dtypes import DTYPES
 
 BACKEND = "weightsync"
 
@@ -89,17 +88,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         host = buf if buf.device.type == "cpu" else buf.cpu()
         if checksum(host.numpy()) != info.checksum:
             raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
-        tensors = []
-        for m in info.tensors:
-            t = buf[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
-            tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
-        with torch.no_grad():
-            self.model.load_weights(iter(tensors))
-        from engines.vllm_extension import keep_pending_weights
-        keep_pending_weights(buf)  # only what layerwise reload still holds outlives the buffer
-        for name, t in tensors:
-            self.digester.update(name, t)
-        self.loaded += len(tensors)
+        from engines.vllm_extension import load_into
+        load_into(self.model, buf, info.tensors, self.digester, layerwise=True)  # started in start_weight_update
+        self.loaded += len(info.tensors)
         self.seconds += time.perf_counter() - t0
 
     def finish_weight_update(self) -> None:

@@ -56,7 +56,7 @@ class Cast:
         return self.src.numel()
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def materialize(self) -> torch.Tensor:
         return self.src.to(self.dtype)

@@ -99,7 +99,7 @@ class Group:
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
             raise CollectiveError(f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
                                   f"join ({type(exc).__name__}: {_short(exc)})",
-                                  timed_out="timeout" in str(exc).lower()) from None
+                                  timed_out=_timed_out(exc)) from None
         self._store = base  # keep the client connection for the group's lifetime
         log.info("group_joined", group=spec.id, rank=spec.rank, world_size=spec.world_size,
                  backend=spec.backend, seconds=round(time.perf_counter() - t0, 3))
@@ -157,9 +157,8 @@ class Group:
             raise
         except Exception as exc:
             self.close()
-            text = str(exc).lower()
             raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}",
-                                  timed_out="timed out" in text or "timeout" in text) from None
+                                  timed_out=_timed_out(exc)) from None
 
     def close(self) -> None:
         """Shut the group down (peers blocked in a call with us get an error at once)."""
@@ -171,6 +170,12 @@ class Group:
         except Exception as exc:  # already torn down by a failure: nothing left to release
             log.debug("group_shutdown_error", group=self.spec.id, error=_short(exc))
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """torch.distributed reports a passed deadline only in its message."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _short(exc: BaseException) -> str:

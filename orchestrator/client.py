@@ -30,12 +30,10 @@ from orchestrator.rings import ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 from orchestrator.link import RECONNECTED, Link, _Reconnected
-from orchestrator.stream import StreamMixin, error_from_reply
+from orchestrator.stream import REPLY_TYPES, StreamMixin, error_from_reply
 from orchestrator.trainer_group import TrainerGroup
 
 log = structlog.get_logger()
-
-REPLY_TYPES = ("ok", "error")
 
 
 @dataclass(frozen=True, slots=True)

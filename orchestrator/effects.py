@@ -10,14 +10,13 @@ the steps (tests).
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import contextvars
 import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import structlog

@@ -84,8 +84,7 @@ class StreamMixin:
             coll.wait(take_replies)
             if bucket is not None:
                 seq = bucket.seq
-                coll.start(bucket.data)
-                coll.pending_seq = bucket.seq
+                coll.start(bucket.data, bucket.seq)
         except CollectiveError as exc:
             deadline = time.monotonic() + 5.0
             while not failure and time.monotonic() < deadline:

@@ -5,6 +5,7 @@ changes here: the core (fsm.py) asks, then its table decides.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from messages.schema import Begin, Probe
@@ -96,10 +97,8 @@ def plan_group(msg: Begin, participants: tuple[str, ...], engines: dict[str, Eng
         members.append((eid, rank, n))
         rank += n
     plan = GroupPlan(new_id, offer.session, offer.host, offer.port, backend, tuple(members), timeout)
-    if current is not None and (current.session, current.host, current.port, current.backend,
-                                current.members, current.timeout) == (
-            plan.session, plan.host, plan.port, plan.backend, plan.members, plan.timeout):
-        return current
+    if current is not None and dataclasses.replace(current, id=new_id) == plan:
+        return current  # everything but the id is the same: the same group
     return plan
 
 

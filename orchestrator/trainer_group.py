@@ -42,7 +42,7 @@ class TrainerGroup:
         self.group: Group | None = None
         self.planned: dict[str, Any] | None = None
         self._pending: Any = None  # the broadcast in flight (Group.start)
-        self.pending_seq: int | None = None
+        self.pending_seq: int | None = None  # the bucket of that broadcast
 
     def offer(self) -> schema.CollectiveOffer:
         if self._store is None:
@@ -59,9 +59,9 @@ class TrainerGroup:
             self.group = None
         self.planned = view
 
-    def start(self, data: torch.Tensor) -> None:
-        """Begin sending one bucket's bytes to every engine (joining the group first if it
-        is new); the previous broadcast must have been waited for."""
+    def start(self, data: torch.Tensor, seq: int) -> None:
+        """Begin sending bucket `seq`'s bytes to every engine (joining the group first if
+        it is new); the previous broadcast must have been waited for."""
         v = self.planned
         if v is None:
             raise CollectiveError("no collective group planned for this sync")
@@ -73,6 +73,7 @@ class TrainerGroup:
         if self.group.device.type != "cpu":
             data = data.to(self.group.device, non_blocking=False)
         self._pending = self.group.start(data)
+        self.pending_seq = seq
 
     def wait(self, give_up: Callable[[], str | None]) -> None:
         """Wait for the broadcast in flight, if any."""
@@ -82,7 +83,7 @@ class TrainerGroup:
 
     def fail(self) -> None:
         """A sync on this group failed: close it so blocked engines return at once."""
-        self._pending = None
+        self._pending, self.pending_seq = None, None
         if self.group is not None:
             self.group.close()
             self.group = None
