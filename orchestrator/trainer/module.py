@@ -27,14 +27,17 @@ import torch
 
 from messages.buckets import Cast
 
-WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def hf_name(name: str) -> str:
-    """`name` without the prefixes training wrappers add."""
-    for p in WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
+    """`name` without the path components training wrappers add (anywhere for compile,
+    FSDP and checkpointing; DDP's `module` only in front). Whole components only: a
+    module that is merely named like one (`vision_module`) keeps its name."""
+    parts = [p for p in name.split(".") if p not in WRAPPERS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
