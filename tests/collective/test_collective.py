@@ -230,3 +230,41 @@ def test_a_byte_corrupted_on_the_collective_is_caught_by_the_engines(cluster, ti
         w = dict(perturbed(tiny_state, v + 1))
         r = client.push(w.items(), v + 1, bucket_bytes=128 * 1024, transport="collective")
         assert {e["digest"] for e in r.engines} == {digest(w.items())}
+
+
+def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(cluster, tiny_state):
+    """A collective bucket in an inline sync, an inline frame in a collective sync, shm and
+    size together, a copy frame of the wrong size: BAD_MESSAGE each, nothing applied."""
+    import msgspec
+
+    from messages import schema
+    from messages.buckets import iter_buckets
+    from messages.errors import ErrorCode, WeightSyncError
+
+    with cluster.client(timeout=30.0) as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
+        sid = client.begin(v, transport="inline")["sync_id"]
+        cases = [
+            (lambda i: msgspec.structs.replace(client._bucket_msg(sid, b, i), size=b.nbytes), [], "negotiate"),
+            (lambda i: msgspec.structs.replace(client._bucket_msg(
+                sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)),
+                size=b.nbytes), [], "not both"),
+            (lambda i: msgspec.structs.replace(client._bucket_msg(sid, b, i), size=b.nbytes + 8),
+             [b.frame()], "exactly its size"),
+        ]
+        for make, payload, words in cases:
+            with pytest.raises(WeightSyncError) as ei:
+                client._request(make, payload=payload, retries=0)
+            assert ei.value.code is ErrorCode.BAD_MESSAGE and words in ei.value.message, ei.value
+        client.abort(sid)
+        offer = client._collective_offer()
+        sid = client.begin(v, transport="collective", collective=offer)["sync_id"]
+        with pytest.raises(WeightSyncError) as ei:
+            client.send_bucket(sid, b)  # bytes inline in a collective sync
+        assert ei.value.code is ErrorCode.BAD_MESSAGE and "collective" in ei.value.message
+        client.abort(sid)
+        st = client.status()
+        assert st["state"] in ("READY", "IDLE") and st["sync"] is None
+        w = dict(perturbed(tiny_state, v))
+        assert client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective").state == "READY"
