@@ -1,12 +1,18 @@
 """`python -m bench.vllm`: the same weights into real vLLM, through weightsync vs direct.
 
-Direct: in this process, one `collective_rpc` with a function that runs vLLM's layerwise
-reload over the same buckets (`initialize_layerwise_reload`, `model.load_weights` per
-bucket, `finalize_layerwise_reload`), the tensors handed over by reference: the cheapest
-way the same weights can get into vLLM. Through weightsync: a daemon and a vLLM engine
-process, `TrainerClient.push` (digest, checksums, two hops, shared-memory staging,
-finalize and prefix-cache reset included). Median of `--repeats` syncs each; prints the
-ratio.
+Three ways in, measured in one run, alternating (direct, weightsync per transport, disk,
+direct, ...) after one warm-up round, medians of `--repeats`:
+- direct: in this process, one `collective_rpc` running vLLM's layerwise reload over the
+  same buckets (`initialize_layerwise_reload`, `model.load_weights` per bucket,
+  `finalize_layerwise_reload`) with the tensors handed over by reference, then the prefix
+  cache reset: the cheapest way these weights can get into vLLM, and the baseline;
+- weightsync: a daemon and a vLLM engine process, `TrainerClient.push` over each of
+  `--transports` (digest, checksums, finalize once, prefix-cache reset included);
+- disk: what a user does without weightsync, `safetensors.save_file` then vLLM's
+  `reload_weights(weights_path=...)` on the same in-process LLM.
+`--profile` prints where one sync's time goes, per engine and in the trainer (medians
+over the repeats; phases overlap: the trainer packs while the engine loads).
+`--check` exits 1 naming each missed target.
 """
 
 from __future__ import annotations
@@ -14,23 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+RATIO_TARGET = 1.3  # weightsync (shm, collective) / direct
 
 
-def direct_seconds(model_dir: Path, weights: dict, bucket_bytes: int, repeats: int) -> list[float]:
-    from orchestrator.config import set_process_env, vllm_process_env
-
-    set_process_env(vllm_process_env(False))
-    from vllm import LLM
-
-    from messages.buckets import iter_buckets, unpack
-
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-    buckets = [list(unpack(b.tensors, bytes(b.frame()))) for b in iter_buckets(weights.items(), bucket_bytes)]
-
-    def reload(worker):
+def _direct(llm: Any, buckets: list) -> float:
+    def reload(worker: Any) -> bool:
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                               initialize_layerwise_reload)
         model = worker.model_runner.get_model()
@@ -40,58 +40,147 @@ def direct_seconds(model_dir: Path, weights: dict, bucket_bytes: int, repeats: i
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
         return True
 
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        llm.collective_rpc(reload)
-        llm.reset_prefix_cache()
-        out.append(time.perf_counter() - t0)
-    return out
+    t0 = time.perf_counter()
+    llm.collective_rpc(reload)
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
 
 
-def weightsync_seconds(workdir: Path, model_dir: Path, weights: dict, bucket_bytes: int,
-                       repeats: int) -> list[float]:
+def _disk(llm: Any, weights: dict, where: Path) -> float:
+    from safetensors.torch import save_file
+
+    where.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    save_file(weights, str(where / "model.safetensors"))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(where)})
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+def _median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+
+
+def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: list[str],
+             disk: bool) -> dict[str, Any]:
+    from engines.torch_engine import load_model
     from examples.launch import Cluster
+    from examples.tiny import build_tiny_llama, perturbed
+    from messages.buckets import iter_buckets, unpack
+    from orchestrator.config import set_process_env, vllm_process_env
 
-    out = []
-    with Cluster(workdir, model_dir, engines=1, backend="vllm") as cluster, \
+    model_dir = build_tiny_llama(tmp / f"model-{size}", size=size)
+    weights = dict(perturbed(load_model(model_dir).state_dict(), 1))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    buckets = [list(unpack(b.tensors, bytes(b.frame()))) for b in iter_buckets(weights.items(), bucket_bytes)]
+    times: dict[str, list[float]] = {"direct": [], "disk": [], **{t: [] for t in transports}}
+    profiles: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+
+    set_process_env(vllm_process_env(False))
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    version = 0
+    with Cluster(tmp / f"cluster-{size}", model_dir, engines=1, backend="vllm") as cluster, \
             cluster.client(timeout=300.0) as client:
-        for v in range(1, repeats + 1):
-            r = client.push(weights.items(), v, bucket_bytes=bucket_bytes)
-            out.append(r.seconds)
+        for r in range(repeats + 1):  # round 0 warms every path up and is not counted
+            keep = r > 0
+            d = _direct(llm, buckets)
+            if keep:
+                times["direct"].append(d)
+            for t in transports:
+                version += 1
+                res = client.push(weights.items(), version, bucket_bytes=bucket_bytes, transport=t)
+                if res.detail["transport"] != t:
+                    raise SystemExit(f"asked for {t}, the daemon chose {res.detail['transport']}")
+                if keep:
+                    times[t].append(res.seconds)
+                    profiles[t].append({"seconds": res.seconds,
+                                        "trainer": res.detail.get("trainer_phases", {}),
+                                        "engines": {e["engine_id"]: e.get("phases", {})
+                                                    for e in res.engines}})
+            if disk:
+                s = _disk(llm, weights, tmp / f"disk-{size}")
+                if keep:
+                    times["disk"].append(s)
+    if not disk:
+        times.pop("disk")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"size": size, "model_bytes": nbytes, "bucket_bytes": bucket_bytes, "repeats": repeats,
+            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+            "max_s": {k: max(v) for k, v in times.items()}, "all_s": times,
+            "ratio_vs_direct": {k: med[k] / med["direct"] for k in med},
+            "profiles": profiles}
+
+
+def report(res: dict[str, Any], profile: bool) -> str:
+    n = res["model_bytes"]
+    lines = [f"model {n / 1e6:.1f} MB ({res['size']}), buckets of {res['bucket_bytes'] / 1e6:.1f} MB, "
+             f"medians of {res['repeats']} alternating repeats"]
+    for k, m in res["median_s"].items():
+        label = {"direct": "direct layerwise reload", "disk": "disk: save_file + reload_weights"}.get(
+            k, f"weightsync, {k}")
+        lines.append(f"  {label:34s} {m * 1e3:8.1f} ms [{res['min_s'][k] * 1e3:.0f}-"
+                     f"{res['max_s'][k] * 1e3:.0f}]  {n / m / 1e9:5.2f} GB/s  "
+                     f"x{res['ratio_vs_direct'][k]:.2f} direct")
+    if profile:
+        for t, rows in res["profiles"].items():
+            trainer = _median_phases([r["trainer"] for r in rows])
+            lines.append(f"  profile, {t} (median seconds; phases overlap):")
+            lines.append("    trainer  " + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in trainer.items()))
+            engines = sorted({e for r in rows for e in r["engines"]})
+            for e in engines:
+                ph = _median_phases([r["engines"].get(e, {}) for r in rows])
+                lines.append(f"    {e}  " + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in ph.items()))
+    return "\n".join(lines)
+
+
+def missed_targets(results: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for res in results:
+        ratios = res["ratio_vs_direct"]
+        for t in ("shm", "collective"):
+            if t in ratios and ratios[t] > RATIO_TARGET:
+                out.append(f"vLLM {t} <= {RATIO_TARGET}x direct: {ratios[t]:.2f}x ({res['size']}, "
+                           f"{res['model_bytes'] / 1e6:.0f} MB)")
+        if "disk" in res["median_s"]:
+            for t, m in res["median_s"].items():
+                if t not in ("direct", "disk") and m >= res["median_s"]["disk"]:
+                    out.append(f"vLLM {t} faster than the disk path: {m * 1e3:.0f} ms vs "
+                               f"{res['median_s']['disk'] * 1e3:.0f} ms ({res['size']})")
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="small", help="tiny | small | medium")
-    ap.add_argument("--bucket-bytes", type=int, default=4 << 20)
+    ap.add_argument("--size", default="small", help="tiny | small | medium, or a comma list")
+    ap.add_argument("--bucket-bytes", type=int, default=16 << 20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--transports", default="shm,collective,inline")
+    ap.add_argument("--no-disk", dest="disk", action="store_false", help="skip the disk path")
+    ap.add_argument("--profile", action="store_true", help="print where each sync's time goes")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    from bench.throughput import machine
 
-    from examples.tiny import build_tiny_llama, perturbed
-    from engines.torch_engine import load_model
-
+    transports = [t for t in args.transports.split(",") if t]
+    results = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as tmp:
-        tmp = Path(tmp)
-        model_dir = build_tiny_llama(tmp / "model", size=args.size)
-        weights = dict(perturbed(load_model(model_dir).state_dict(), 1))
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        ws = weightsync_seconds(tmp, model_dir, weights, args.bucket_bytes, args.repeats)
-        direct = direct_seconds(model_dir, weights, args.bucket_bytes, args.repeats)
-    d, w = statistics.median(direct), statistics.median(ws)
-    result = {"model_bytes": nbytes, "bucket_bytes": args.bucket_bytes, "repeats": args.repeats,
-              "direct_s": d, "weightsync_s": w, "ratio": w / d,
-              "direct_all": direct, "weightsync_all": ws}
-    print(f"model {nbytes / 1e6:.1f} MB, buckets of {args.bucket_bytes / 1e6:.1f} MB, "
-          f"median of {args.repeats}")
-    print(f"  direct in-process load_weights : {d * 1e3:8.1f} ms  ({nbytes / d / 1e9:.2f} GB/s)")
-    print(f"  through weightsync (1 engine)  : {w * 1e3:8.1f} ms  ({nbytes / w / 1e9:.2f} GB/s)")
-    print(f"  ratio weightsync / direct      : {w / d:8.2f}x")
+        for size in args.size.split(","):
+            res = run_size(size, Path(tmp), args.bucket_bytes, args.repeats, transports, args.disk)
+            print(report(res, args.profile), flush=True)
+            results.append(res)
+    missed = missed_targets(results)
+    for line in missed:
+        print(f"MISSED: {line}")
+    out = {"machine": machine(), "results": results, "missed": missed}
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+        args.json.write_text(json.dumps(out, indent=2))
+    if args.check and missed:
+        sys.exit(1)
+    return out
 
 
 if __name__ == "__main__":

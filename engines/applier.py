@@ -4,8 +4,11 @@ heartbeats flowing while a long load or finalize runs.
 
 Rules: results go back through `out` and a wake-up pipe, never through the socket. Every
 received bucket is verified against its checksum before use (inline frame, shm slot or
-collective broadcast). An engine exception becomes a typed `failed`, logged loudly; it
-never escapes the thread.
+collective broadcast); inline and shm buckets are hashed by `engines.verify.Verifier` as
+they arrive, so that hashing overlaps the load of the bucket before. An engine exception
+becomes a typed `failed`, logged loudly; it never escapes the thread. Each sync's phases
+(hashing, waiting for it, loading, finalize, canary, and what the engine reports) go back
+with `finalized`.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import structlog
 from engines.base import Engine
 from messages import schema
 from messages.buckets import checksum, unpack
-from messages.errors import ErrorCode, MessageError, WeightSyncError
-from messages.shm import Reader
+from messages.errors import ErrorCode, WeightSyncError
+from engines.verify import Verifier
 
 log = structlog.get_logger()
 
@@ -41,14 +44,23 @@ class Applier(threading.Thread):
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
-        self.reader = Reader()  # the trainer's shared-memory slots (shm transport)
+        self.verifier = Verifier(parts=bool(getattr(engine, "digest_parts", False)))
+        self.phases: dict[str, float] = {}  # this sync's seconds per phase
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
 
+    def accept(self, msg: schema.Load, payload: Any) -> None:
+        """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
+        receiving it (collective) now, while the applier may still load earlier buckets."""
+        pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
+        self.submit("load", (msg, pending))
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
     def prefetch(self, msg: schema.Load) -> Any:
-        """Called by the main thread as a collective `load` arrives: start receiving it now
-        (the applier may still be busy with earlier buckets). None: the engine receives
-        by itself (vLLM workers)."""
+        """Start receiving a collective bucket now. None: the engine receives by itself
+        (vLLM workers)."""
         if getattr(self.engine, "load_collective", None) is not None:
             return None
         if self.prefetcher is None:
@@ -76,6 +88,7 @@ class Applier(threading.Thread):
         while True:
             job = self.jobs.get()
             if job is None:
+                self.verifier.stop()
                 return
             kind, arg = job
             try:
@@ -96,54 +109,66 @@ class Applier(threading.Thread):
                                  sender=getattr(msg, "sender", None)))
 
     def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
+        t0 = time.perf_counter()
         self.engine.begin(msg.sync_id, msg.version)
         self.current = msg.sync_id
+        self.phases = {"begin": time.perf_counter() - t0}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
 
     def _do_load(self, arg: tuple[schema.Load, Any]) -> None:
-        msg, frame = arg
+        msg, pending = arg
         if msg.sync_id in self.failed:
             if msg.group is not None:
-                self._release(frame)
+                self._release(pending)
             return  # already reported; the orchestrator is aborting this sync
         t0 = time.perf_counter()
         try:
-            buf = self._bucket_bytes(msg, frame)
-            if buf is not None:  # None: the engine's own workers took the bucket (vLLM)
-                if checksum(buf) != msg.checksum:
-                    raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
-                                          code=ErrorCode.CHECKSUM_MISMATCH)
-                load_bucket = getattr(self.engine, "load_bucket", None)
-                if load_bucket is not None:
-                    load_bucket(msg.tensors, buf)
-                else:
-                    tensors = list(unpack(msg.tensors, buf))
-                    self.engine.load(tensors)
-                    del tensors  # drop the views before acknowledging (the frame can be freed)
-                del buf
+            if msg.group is not None:
+                self._load_collective(msg, pending)
+            else:
+                self._load_verified(msg, pending)
         finally:
             if msg.group is not None:
-                self._release(frame)
+                self._release(pending)
+        seconds = time.perf_counter() - t0
+        self._add("load", seconds)
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                 seconds=time.perf_counter() - t0))
+                                 seconds=seconds))
 
-    def _bucket_bytes(self, msg: schema.Load, frame: Any) -> Any:
-        """The bucket's bytes, wherever its transport put them (the frame, the trainer's
-        shm slot, the prefetcher's receive buffer), or None when the engine takes the
-        bucket straight from its transport itself (vLLM workers reading the shm slot or
-        joining the broadcast)."""
-        if msg.group is not None:
-            return self._collective_bytes(msg, frame)
-        if msg.shm is None:
-            return frame.buffer if hasattr(frame, "buffer") else frame
+    def _load_verified(self, msg: schema.Load, fut: Any) -> None:
+        """An inline or shm bucket, once the verifier has matched its checksum."""
+        t0 = time.perf_counter()
+        v = fut.result()  # raises the verifier's CHECKSUM_MISMATCH / shm refusal
+        self._add("checksum_wait", time.perf_counter() - t0)
+        self._add("checksum", v.seconds)
         load_shm = getattr(self.engine, "load_shm", None)
-        if load_shm is not None:  # the engine's workers read the slot themselves
-            load_shm(msg.tensors, msg.shm, msg.checksum)
-            return None
-        try:
-            return self.reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
-        except MessageError as exc:
-            raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
+        if msg.shm is not None and load_shm is not None:  # the engine's workers read the slot
+            load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
+            return
+        load_bucket = getattr(self.engine, "load_bucket", None)
+        if load_bucket is not None:
+            load_bucket(msg.tensors, v.buf, parts=v.parts)
+            return
+        tensors = list(unpack(msg.tensors, v.buf))
+        self.engine.load(tensors)
+        del tensors, v  # drop the views before acknowledging (the frame can be freed)
+
+    def _load_collective(self, msg: schema.Load, fut: Any) -> None:
+        buf = self._collective_bytes(msg, fut)
+        if buf is None:  # the engine's own workers received and loaded it (vLLM)
+            return
+        t0 = time.perf_counter()
+        if checksum(buf) != msg.checksum:
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
+                                  code=ErrorCode.CHECKSUM_MISMATCH)
+        self._add("checksum", time.perf_counter() - t0)
+        load_bucket = getattr(self.engine, "load_bucket", None)
+        if load_bucket is not None:
+            load_bucket(msg.tensors, buf)
+        else:
+            tensors = list(unpack(msg.tensors, buf))
+            self.engine.load(tensors)
+            del tensors
 
     def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
         """The bucket the prefetcher received by broadcast (None: the engine's workers
@@ -181,24 +206,27 @@ class Applier(threading.Thread):
         self._close_group(stop=True)
 
     def _do_finalize(self, msg: schema.Finalize) -> None:
-        self.reader.close()  # every bucket is in; the trainer may unlink its slots
+        self.verifier.close_maps()  # every bucket is in; the trainer may unlink its slots
         if msg.sync_id in self.failed:
             return
         t0 = time.perf_counter()
         if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
             time.sleep(self.failpoints["finalize_sleep"])
         digest = self.engine.finalize(msg.sync_id)
+        t1 = time.perf_counter()
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0
+        phases = {**self.phases, "finalize": t1 - t0, "canary": seconds - (t1 - t0)}
+        phases.update(getattr(self.engine, "last_phases", {}))  # the engine's own split
         self._emit(("finalized", (msg.version, digest)))
         self._emit(schema.Finalized(sync_id=msg.sync_id, version=msg.version, digest=digest,
                                     finalize_count=self.engine.finalize_count, probes=probes,
-                                    seconds=seconds))
+                                    seconds=seconds, phases=phases))
         log.info("engine_finalized", sync_id=msg.sync_id, version=msg.version, digest=digest,
                  finalize_count=self.engine.finalize_count, seconds=round(seconds, 4))
 
     def _do_abort(self, msg: schema.Abort) -> None:
-        self.reader.close()
+        self.verifier.close_maps()
         self._close_group()  # the daemon plans a new group after a failed sync
         if self.current == msg.sync_id:
             self.engine.abort()

@@ -1,12 +1,17 @@
 """The vLLM engine: `vllm.LLM` hosted in the engine process, driven through
 `collective_rpc` into `engines.vllm_extension.WeightSyncExtension` on every worker.
 
-Rules: a received bucket frame is copied once into a shared-memory staging segment and
-every vLLM worker (in this process or in vLLM's worker processes) views it from there, so
-the same path works with V1 multiprocessing on and off. Names and shapes are validated
-against the checkpoint's own tensor list before any worker sees the bucket (vLLM casts
-dtypes, so a dtype difference is allowed). After the single finalize the prefix cache is
-reset before `finalized` is reported: cached KV blocks were computed with old weights.
+Rules: a bucket's bytes are copied once, from where they were received into the
+parameters, by vLLM's own weight loaders. In-process workers (V1 multiprocessing off) get
+the received frame itself (`vllm_extension.LOCAL_BUFFERS`); an shm bucket is viewed by the
+workers straight from the trainer's slot. Only an inline frame for workers in other
+processes (multiprocessing, the OpenAI server) is staged in shared memory first: that is
+the one extra copy, and it is counted (`staged_bytes`). The engine process has verified
+the checksum and computed every tensor's digest part (`engines.verify`) before a worker
+sees the bucket; workers take the parts instead of hashing again. Names and shapes are
+validated against the checkpoint's own tensor list first (vLLM casts dtypes, so a dtype
+difference is allowed). After the single finalize the prefix cache is reset before
+`finalized` is reported: cached KV blocks were computed with old weights.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import structlog
 import torch
 
 from engines.base import EngineInfo, validate_bucket
-from messages.shm import Segment
+from messages.shm import Segment, frombuffer
 from messages.buckets import checksum, iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.buckets import digest as weights_digest
@@ -43,18 +48,28 @@ def _meta_tensor(m: TensorMeta) -> torch.Tensor:
     return torch.empty(m.shape, dtype=DTYPES[m.dtype], device="meta")
 
 
+Parts = dict[str, bytes] | None  # per-tensor digest parts from `engines.verify`
+
+
+def _hex(parts: Parts) -> dict[str, str] | None:
+    return None if parts is None else {k: v.hex() for k, v in parts.items()}
+
+
 class _VllmBase:
     """What both vLLM backends share: validation, shared-memory staging, the rpc protocol
     of the extension, and the finalize bookkeeping. Subclasses provide `rpc`,
     `_after_finalize` and `probe`."""
 
     backend = "vllm"
+    digest_parts = True  # the engine process hashes each bucket once, for checksum and digest
 
     def _setup(self, model_dir: str | Path, staging_bytes: int) -> None:
         self.model_dir = str(model_dir)
         self.spec = checkpoint_spec(model_dir)
         self.staging = Segment(staging_bytes, kind="vllm")
         self.finalize_count = 0
+        self.staged_bytes = 0  # inline bytes copied into staging (workers in other processes)
+        self._phases: dict[str, float] = {}
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
 
@@ -76,39 +91,77 @@ class _VllmBase:
         self.rpc("ws_begin", _arg(sync_id=sync_id, version=version))
         self.sync_id = sync_id
         self._digest = None
+        self._phases = {}
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """The workers' split of this sync's load time, and staging / prefix reset."""
+        return dict(self._phases)
 
     def _check(self, metas: Sequence[TensorMeta]) -> None:
         """Names and shapes against the checkpoint's, before any worker sees the bucket."""
         validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
         self._check(metas)
-        self._send_bucket(metas, buf)
+        self._send_bucket(metas, buf, parts)
 
-    def _send_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
+    def _local(self) -> bool:
+        """Do the workers run in this process (and can take a buffer by reference)?"""
+        return False
+
+    def _send_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts) -> None:
+        wire = [m.to_wire() for m in metas]
+        if self._local():
+            from engines.vllm_extension import LOCAL_BUFFERS
+            token = f"{self.sync_id}/{id(buf)}"
+            LOCAL_BUFFERS[token] = buf
+            try:
+                self._timed("ws_load", sync_id=self.sync_id, local=token, tensors=wire,
+                            parts=_hex(parts))
+            finally:
+                LOCAL_BUFFERS.pop(token, None)
+            return
+        t0 = time.perf_counter()
         n = self.staging.write(buf)
-        self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=checksum(self.staging.view(0, n)),
-                                 shm={"name": self.staging.name, "offset": 0, "size": n},
-                                 tensors=[m.to_wire() for m in metas]))
+        self.staged_bytes += n
+        self._add("staging", time.perf_counter() - t0)
+        self._timed("ws_load", sync_id=self.sync_id, tensors=wire, parts=_hex(parts),
+                    checksum=None if parts is not None else checksum(self.staging.view(0, n)),
+                    shm={"name": self.staging.name, "offset": 0, "size": n})
 
-    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
+    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
+                 parts: Parts = None) -> None:
         """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
-        copy); they verify the checksum and copy into parameters."""
+        copy); they copy into parameters (and verify the checksum themselves unless the
+        engine process has: `parts` given)."""
         self._check(metas)
-        self._send_shm(metas, ref, bucket_checksum)
+        self._send_shm(metas, ref, bucket_checksum, parts)
 
-    def _send_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
-        self.rpc("ws_load", _arg(sync_id=self.sync_id, checksum=bucket_checksum,
-                                 shm=ref.to_wire(), tensors=[m.to_wire() for m in metas]))
+    def _send_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
+                  parts: Parts) -> None:
+        self._timed("ws_load", sync_id=self.sync_id, shm=ref.to_wire(), parts=_hex(parts),
+                    checksum=None if parts is not None else bucket_checksum,
+                    tensors=[m.to_wire() for m in metas])
+
+    def _timed(self, method: str, **kw: Any) -> list[Any]:
+        """Run a load rpc; add the workers' own split of its time to this sync's phases."""
+        results = self.rpc(method, _arg(**kw))
+        first = results[0] if results and isinstance(results[0], dict) else {}
+        for phase, seconds in (first.get("phases") or {}).items():
+            self._add(phase, seconds)
+        return results
+
+    def _add(self, phase: str, seconds: float) -> None:
+        self._phases[phase] = self._phases.get(phase, 0.0) + seconds
 
     def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
                         bucket_checksum: int, bind: str) -> None:
         """collective transport: every vLLM worker joins the group and receives the bucket
         itself (rank = group rank + worker rank), verifies it and loads it."""
         self._check(metas)
-        self.rpc("ws_collective_load", _arg(sync_id=self.sync_id, group=group, size=size,
-                                            checksum=bucket_checksum, bind=bind,
-                                            tensors=[m.to_wire() for m in metas]))
+        self._timed("ws_collective_load", sync_id=self.sync_id, group=group, size=size,
+                    checksum=bucket_checksum, bind=bind, tensors=[m.to_wire() for m in metas])
 
     def close_collective(self) -> None:
         self.rpc("ws_collective_close")
@@ -125,7 +178,9 @@ class _VllmBase:
         digests = {r["digest"] for r in results}
         if len(digests) != 1:
             raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
+        t0 = time.perf_counter()
         self._after_finalize()
+        self._add("prefix_reset", time.perf_counter() - t0)
         self.finalize_count = min(r["finalize_count"] for r in results)
         self._digest = digests.pop()
         return self._digest
@@ -216,24 +271,27 @@ class VllmEngine(_VllmBase):
             super().begin(*self._pending_begin)
             self._base_begun = True
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any) -> None:
+    def _local(self) -> bool:
+        return not self.multiprocessing
+
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
         if self.lora is None:
-            return super().load_bucket(metas, buf)
+            return super().load_bucket(metas, buf, parts)
         self._check(metas)
-        base = self.lora.take(metas, torch.frombuffer(buf, dtype=torch.uint8))
+        base = self.lora.take(metas, frombuffer(memoryview(buf)))
         if base:
             self._begin_base()
-            self._send_bucket(base, buf)
+            self._send_bucket(base, buf, _only(parts, base))
 
-    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int) -> None:
+    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
+                 parts: Parts = None) -> None:
         if self.lora is None:
-            return super().load_shm(metas, ref, bucket_checksum)
+            return super().load_shm(metas, ref, bucket_checksum, parts)
         self._check(metas)
-        from messages.shm import frombuffer
         base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
         if base:
             self._begin_base()
-            self._send_shm(base, ref, bucket_checksum)
+            self._send_shm(base, ref, bucket_checksum, _only(parts, base))
 
     def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
                         bucket_checksum: int, bind: str) -> None:
@@ -291,6 +349,10 @@ class VllmEngine(_VllmBase):
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()  # stops vLLM's worker processes
+
+
+def _only(parts: Parts, metas: Sequence[TensorMeta]) -> Parts:
+    return None if parts is None else {m.name: parts[m.name] for m in metas}
 
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:

@@ -53,20 +53,38 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
 
 
 def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, Any]],
-              digester: Digester, *, layerwise: bool) -> int:
+              digester: Digester, *, layerwise: bool, parts: dict[str, str] | None = None,
+              phases: dict[str, float] | None = None) -> int:
     """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
     make the one copy into the parameters; the views are not cloned first. Feeds the
-    digest; returns how many weights had to be kept past the call (layerwise reload)."""
+    digest (from `parts`, the engine process's hashes of the same bytes, when given);
+    returns how many weights had to be kept past the call (layerwise reload)."""
+    t0 = time.perf_counter()
     tensors = []
     for m in metas:
         t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
         tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
     with torch.no_grad():
         model.load_weights(iter(tensors))
+    t1 = time.perf_counter()
     kept = keep_pending_weights(flat) if layerwise else 0
-    for name, t in tensors:
-        digester.update(name, t)
+    t2 = time.perf_counter()
+    if parts is not None:
+        for name, _t in tensors:
+            digester.add(name, bytes.fromhex(parts[name]))
+    else:
+        for name, t in tensors:
+            digester.update(name, t)
+    if phases is not None:
+        for phase, s in (("vllm_load_weights", t1 - t0), ("vllm_keep_pending", t2 - t1),
+                         ("worker_digest", time.perf_counter() - t2)):
+            phases[phase] = phases.get(phase, 0.0) + s
     return kept
+
+
+# In-process workers only: the engine puts a received frame here for the duration of one
+# `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
+LOCAL_BUFFERS: dict[str, Any] = {}
 
 
 class WeightSyncExtension:
@@ -119,18 +137,27 @@ class WeightSyncExtension:
         return st
 
     def ws_load(self, arg: str) -> dict[str, Any]:
-        """arg: {sync_id, shm: {name, offset, size}, checksum, tensors: [{name, dtype,
-        shape, offset, nbytes}]}; returns {loaded, seconds}."""
+        """arg: {sync_id, shm: {name, offset, size} | local: token, checksum | null, parts |
+        null, tensors: [{name, dtype, shape, offset, nbytes}]}; returns {loaded, seconds,
+        phases}. checksum null: the engine process verified these bytes (and sent `parts`)."""
         t0 = time.perf_counter()
         a = json.loads(arg)
         st = self._ws_running(a, "ws_load")
         from messages.shm import frombuffer
-        ref = a["shm"]
-        mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
-        if a.get("checksum") is not None and checksum(mv) != a["checksum"]:
-            raise ValueError(f"CHECKSUM_MISMATCH: shared-memory bucket {ref['name']} is corrupted")
-        self._ws_apply(frombuffer(mv), a["tensors"])
-        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
+        if a.get("local") is not None:
+            mv = memoryview(LOCAL_BUFFERS[a["local"]])
+            where = "the engine's frame"
+        else:
+            ref = a["shm"]
+            mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
+            where = f"shared-memory bucket {ref['name']}"
+        phases: dict[str, float] = {}
+        if a.get("checksum") is not None:
+            if checksum(mv) != a["checksum"]:
+                raise ValueError(f"CHECKSUM_MISMATCH: {where} is corrupted")
+            phases["worker_checksum"] = time.perf_counter() - t0
+        self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_collective_load(self, arg: str) -> dict[str, Any]:
         """arg: {sync_id, group: GroupRef, size, checksum, tensors, bind}: this worker joins
@@ -144,11 +171,13 @@ class WeightSyncExtension:
         if member is None:
             member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0))
         buf = member.receive(a["group"], a["size"])
+        t1 = time.perf_counter()
         host = buf if buf.device.type == "cpu" else buf.cpu()
         if checksum(host.numpy()) != a["checksum"]:
             raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
-        self._ws_apply(buf, a["tensors"])
-        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0}
+        phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
+        self._ws_apply(buf, a["tensors"], None, phases)
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
         """What vLLM's weight-transfer engine (backend weightsync) holds: digest, count."""
@@ -163,10 +192,11 @@ class WeightSyncExtension:
             member.close()
         return "ok"
 
-    def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]]) -> None:
+    def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]],
+                  parts: dict[str, str] | None = None, phases: dict[str, float] | None = None) -> None:
         st = self._ws()
         st["kept"] += load_into(self._ws_model(), flat, metas, st["digester"],
-                                layerwise=st["mode"] == "layerwise")
+                                layerwise=st["mode"] == "layerwise", parts=parts, phases=phases)
         st["loaded"] += len(metas)
 
     def ws_finalize(self, arg: str) -> dict[str, Any]:

@@ -113,13 +113,13 @@ class VllmServerEngine(_VllmBase):
         else:
             super().begin(sync_id, version)
 
-    def load_bucket(self, metas: Any, buf: Any) -> None:
+    def load_bucket(self, metas: Any, buf: Any, parts: Any = None) -> None:
         self._start("extension")
-        super().load_bucket(metas, buf)
+        super().load_bucket(metas, buf, parts)
 
-    def load_shm(self, metas: Any, ref: Any, bucket_checksum: int) -> None:
+    def load_shm(self, metas: Any, ref: Any, bucket_checksum: int, parts: Any = None) -> None:
         self._start("extension")
-        super().load_shm(metas, ref, bucket_checksum)
+        super().load_shm(metas, ref, bucket_checksum, parts)
 
     def load_collective(self, metas: Any, group: dict[str, Any], size: int,
                         bucket_checksum: int, bind: str) -> None:

@@ -243,10 +243,7 @@ class Worker:
             if key in t.queued or t.failed:
                 return
             t.queued.add(key)
-            if msg.group is not None:  # the bytes come by broadcast: start receiving now
-                applier.submit("load", (msg, applier.prefetch(msg)))
-            else:
-                applier.submit("load", (msg, decoded.payload[0] if decoded.payload else None))
+            applier.accept(msg, decoded.payload[0] if decoded.payload else None)
         elif isinstance(msg, schema.Finalize):
             if msg.sync_id in self.finalized_syncs:
                 self.duplicates_refused += 1

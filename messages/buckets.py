@@ -175,6 +175,36 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
         yield m.name, t.view(m.shape) if m.shape else t.reshape(())
 
 
+# Chunk of `hash_bucket`'s single pass: the checksum reads a chunk from memory, the
+# tensor's digest hash reads it again from cache.
+HASH_CHUNK = 1 << 20
+
+
+def hash_bucket(buf: Any, metas: Sequence[TensorMeta], parts: bool = False
+                ) -> tuple[int, dict[str, bytes] | None]:
+    """The bucket checksum of `buf` and, with `parts`, every tensor's digest part
+    (`Digester.add`), in one pass over the bytes."""
+    mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
+    if not parts:
+        return checksum(mv), None
+    frame = xxhash.xxh3_64()
+    out: dict[str, bytes] = {}
+    pos = 0
+    for m in metas:
+        if m.offset > pos:
+            frame.update(mv[pos:m.offset])
+        h = Digester.start_meta(m.name, m.dtype, tuple(m.shape))
+        for off in range(m.offset, m.offset + m.nbytes, HASH_CHUNK):
+            chunk = mv[off:min(off + HASH_CHUNK, m.offset + m.nbytes)]
+            frame.update(chunk)
+            h.update(chunk)
+        out[m.name] = h.digest()
+        pos = m.offset + m.nbytes
+    if pos < mv.nbytes:
+        frame.update(mv[pos:])
+    return frame.intdigest(), out
+
+
 class Digester:
     """Order-independent digest over named tensors: sorted (name, per-tensor hash) pairs.
 
@@ -188,14 +218,22 @@ class Digester:
     @staticmethod
     def start(name: str, t: torch.Tensor) -> Any:
         """A streaming hash for tensor `name`: feed it the tensor's bytes, then `finish`."""
+        return Digester.start_meta(name, dtype_name(t.dtype), tuple(t.shape))
+
+    @staticmethod
+    def start_meta(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
         h = xxhash.xxh3_128()
         h.update(name.encode())
-        h.update(b"\0" + dtype_name(t.dtype).encode() + b"\0")
-        h.update(repr(tuple(t.shape)).encode())
+        h.update(b"\0" + dtype.encode() + b"\0")
+        h.update(repr(tuple(shape)).encode())
         return h
 
     def finish(self, name: str, h: Any) -> None:
         self._parts[name] = h.digest()
+
+    def add(self, name: str, part: bytes) -> None:
+        """A tensor's part computed elsewhere (`hash_bucket`), from the same bytes."""
+        self._parts[name] = part
 
     def update(self, name: str, t: torch.Tensor) -> None:
         h = self.start(name, t)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import msgspec.inspect as mi
 
 from messages import schema
@@ -76,7 +77,8 @@ def table(cls: type) -> str:
     for f in info.fields:
         if f.name == "v":
             continue
-        default = "required" if f.required else f"`{f.default!r}`"
+        value = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+        default = "required" if f.required else f"`{value!r}`"
         rows.append(f"| `{f.name}` | {_type(f.type)} | {_constraints(f.type) or ''} | {default} |")
     return "\n".join([head, "", *rows])
 

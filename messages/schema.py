@@ -55,6 +55,8 @@ Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_RANK, description=f"rank 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
 Tokens = Annotated[tuple[TokenId, ...], Meta(max_length=MAX_PROBE_TOKENS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9, description="0..1e9")]
+MAX_PHASES = 32
+PhaseName = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]+$")]
 Dtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
 TensorName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[^\x00-\x1f]+\Z",
                                  description=f"1-{MAX_NAME_LEN} chars, no control characters")]
@@ -264,6 +266,8 @@ class Finalized(Message, frozen=True, tag="finalized"):
     finalize_count: Count = 0
     probes: Annotated[tuple[Tokens, ...], Meta(max_length=MAX_PROBES)] = ()
     seconds: Seconds = 0.0
+    # where this engine's time went during the sync (begin, checksum, load, finalize, ...)
+    phases: Annotated[dict[PhaseName, Seconds], Meta(max_length=MAX_PHASES)] = {}
 
 
 class Failed(Message, frozen=True, tag="failed"):

@@ -258,13 +258,17 @@ class TrainerClient(StreamMixin):
                 ring = None
             coll = self._collective_for(started, transport)
             digester = Digester()
+            t_stream = time.perf_counter()
             try:
                 count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
                                                       progress, ring, digester, coll)
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
+                t_finish = time.perf_counter()
                 body = self.finish(sync_id, count, digest=None if partial else digester.hexdigest(),
                                    partial=partial)
+                trainer_phases = {"begin": t_stream - t0, **self.stream_phases,
+                                  "finish": time.perf_counter() - t_finish}
             except WeightSyncError as err:
                 if coll is not None:
                     coll.fail()
@@ -284,7 +288,8 @@ class TrainerClient(StreamMixin):
         return SyncResult(sync_id=sync_id, version=version, buckets=count, bytes=nbytes,
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
-                          retries=retries, detail={**body, "transport": started.get("transport", "inline")})
+                          retries=retries, detail={**body, "transport": started.get("transport", "inline"),
+                                                   "trainer_phases": trainer_phases})
 
     @staticmethod
     def _reserve_ring(window: int, bucket_bytes: int) -> ShmRing | None:

@@ -205,7 +205,8 @@ def close_ready(self: Any, e: EventData) -> None:
     if s.rollback_of is not None:
         body["rolled_back_from"] = s.rollback_of
     body["engines"] = [{"engine_id": eid, "digest": f.digest, "probes": [list(p) for p in f.probes],
-                        "finalize_count": f.finalize_count, "seconds": f.seconds}
+                        "finalize_count": f.finalize_count, "seconds": f.seconds,
+                        "phases": dict(f.phases)}
                        for eid, f in sorted(s.finalized.items())]
     self.last_sync = {**body, "at": self.now}
     self.outbox.append(Journal("sync", {"sync_id": s.sync_id, "version": s.version, "status": "READY",

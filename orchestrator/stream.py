@@ -119,7 +119,16 @@ class StreamMixin:
             else:
                 self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
+        phases = {"pack": 0.0, "send": 0.0, "wait_acks": 0.0}
+
         def wait_one() -> None:
+            t0 = time.perf_counter()
+            try:
+                _wait_one()
+            finally:
+                phases["wait_acks"] += time.perf_counter() - t0
+
+        def _wait_one() -> None:
             nonlocal retries
             oldest = min(inflight.values(), key=lambda f: f.sent_at)
             reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
@@ -160,14 +169,22 @@ class StreamMixin:
                 wait_one()
             return slots.slot(seq, n)
 
+        t_loop = time.perf_counter()
         for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             f = _InFlight(bucket, time.monotonic())
             inflight[bucket.seq] = f
+            t0 = time.perf_counter()
             send(f)
+            phases["send"] += time.perf_counter() - t0
             count += 1
             nbytes += bucket.nbytes
+        # packing (copy + checksum + digest) is what the loop spent outside send and acks
+        phases["pack"] = time.perf_counter() - t_loop - phases["send"] - phases["wait_acks"]
+        t0 = time.perf_counter()
         if coll is not None:
             self._broadcast(sync_id, coll, None)  # the last bucket's broadcast
+        phases["send"] += time.perf_counter() - t0
         while inflight:
             wait_one()
+        self.stream_phases = phases
         return count, nbytes, retries

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
@@ -206,3 +207,56 @@ def test_a_bucket_is_copied_once_by_vllms_loaders_and_only_split_layers_are_kept
         assert vllm_engine.finalize(f"copies-{v}") == digest(weights.items())
         got = vllm_engine.probe([Probe(p, 8) for p in PROMPTS])
         assert [list(g) for g in got] == [list(e) for e in hf_greedy(tiny_model_dir, weights, PROMPTS)]
+
+
+def test_inline_buckets_reach_vllms_loaders_as_views_of_the_received_frame(
+        vllm_engine, tiny_model_dir, tiny_state):
+    """One copy per bucket: in-process workers hand vLLM's weight loaders views of the
+    frame the engine received (no staging copy, no clone); with the engine process's
+    digest parts the workers do not hash again, and the digest is still the trainer's."""
+    from messages.buckets import hash_bucket
+
+    seen: list[tuple[int, int]] = []
+
+    def spy(worker):
+        model = worker.model_runner.get_model()
+        original = type(model).load_weights
+
+        def load_weights(self, weights):
+            def recorded():
+                for name, t in weights:
+                    seen.append((t.data_ptr(), t.numel() * t.element_size()))
+                    yield name, t
+            return original(self, recorded())
+
+        model.load_weights = load_weights.__get__(model)
+        return True
+
+    def unspy(worker):
+        del worker.model_runner.get_model().load_weights
+        return True
+
+    weights = dict(perturbed(tiny_state, 950))
+    staged = vllm_engine.staged_bytes
+    vllm_engine.llm.collective_rpc(spy)
+    try:
+        vllm_engine.begin("one-copy-950", 950)
+        ranges = []
+        for b in iter_buckets(weights.items(), 256 * 1024):
+            frame = bytearray(b.frame())  # the received frame: its own memory
+            base = torch.frombuffer(frame, dtype=torch.uint8).data_ptr()
+            ranges.append((base, base + len(frame)))
+            _, parts = hash_bucket(frame, b.tensors, parts=True)
+            vllm_engine.load_bucket(b.tensors, memoryview(frame), parts=parts)
+        d = vllm_engine.finalize("one-copy-950")
+    finally:
+        vllm_engine.llm.collective_rpc(unspy)
+    assert d == digest(weights.items())
+    assert vllm_engine.staged_bytes == staged  # nothing went through the staging segment
+    assert len(seen) == len(weights)
+    for ptr, n in seen:  # every tensor vLLM loaded from lies inside a received frame
+        assert any(lo <= ptr and ptr + n <= hi for lo, hi in ranges), hex(ptr)
+    assert "worker_digest" in vllm_engine.last_phases
+    assert "worker_checksum" not in vllm_engine.last_phases  # verified once, upstream
+    got = vllm_engine.probe([Probe(p, 8) for p in PROMPTS])
+    assert [list(g) for g in got] == [list(e) for e in hf_greedy(tiny_model_dir, weights, PROMPTS)]

@@ -1,0 +1,63 @@
+"""Verify inline and shm buckets on their own thread, as they arrive, so that bucket N+1
+is hashed while the applier loads bucket N.
+
+Rules: one thread owns the hashing and its shared-memory mappings; jobs run in arrival
+order. A bucket is handed to the engine only after its checksum matched (the applier
+waits on the future first), so a corrupted byte is never applied. Engines that keep their
+digest elsewhere (vLLM: the workers) get every tensor's digest part from the same pass
+(`messages.buckets.hash_bucket`): the bytes are read once for both. xxh3 releases the
+GIL, so the hashing runs on another core while the applier copies.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from messages import schema
+from messages.buckets import hash_bucket
+from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.shm import Reader
+
+
+@dataclass(slots=True)
+class Verified:
+    buf: Any  # the bucket's bytes: the received frame's buffer or a view of the trainer's slot
+    parts: dict[str, bytes] | None  # per-tensor digest parts, when the engine asked for them
+    seconds: float  # hashing time on the verifier thread
+
+
+class Verifier:
+    def __init__(self, parts: bool = False) -> None:
+        self.parts = parts
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-verify")
+        self._reader = Reader()  # the trainer's shm slots, mapped by this thread only
+
+    def submit(self, msg: schema.Load, frame: Any) -> Future[Verified]:
+        """Hash `msg`'s bucket (inline `frame`, or the shm slot `msg.shm` names)."""
+        return self._pool.submit(self._verify, msg, frame)
+
+    def _verify(self, msg: schema.Load, frame: Any) -> Verified:
+        t0 = time.perf_counter()
+        if msg.shm is not None:
+            try:
+                buf = self._reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+            except MessageError as exc:
+                raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
+        else:
+            buf = frame.buffer if hasattr(frame, "buffer") else frame
+        got, parts = hash_bucket(buf, msg.tensors, self.parts)
+        if got != msg.checksum:
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
+                                  code=ErrorCode.CHECKSUM_MISMATCH)
+        return Verified(buf, parts, time.perf_counter() - t0)
+
+    def close_maps(self) -> None:
+        """Unmap the trainer's slots once the jobs queued before this have run."""
+        self._pool.submit(self._reader.close)
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reader.close()
