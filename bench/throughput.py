@@ -165,8 +165,16 @@ def _point(transport: str, n: int, bucket_bytes: int, model_bytes: int, window: 
                repeats=rows)
 
 
-def control_overhead(workdir: Path, count: int, window: int) -> dict[str, Any]:
-    """Buckets per second with tiny buckets: the per-bucket cost of FSM, acks and relays."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def control_overhead(workdir: Path, count: int, window: int, engines: Sequence[int] = (1, 4)
+                     ) -> dict[str, Any]:
+    """Buckets per second with tiny buckets: the per-bucket cost of FSM, acks and relays,
+    for each engine count (best of 3 pushes), with every process's CPU per bucket."""
     from engines.sink import random_weights, write_spec
     from messages.schema import ParamSpec
     from examples.launch import Cluster
@@ -174,17 +182,27 @@ def control_overhead(workdir: Path, count: int, window: int) -> dict[str, Any]:
     spec = [ParamSpec(f"t.{i}", "float32", (16,)) for i in range(count)]
     spec_dir = write_spec(workdir / "tiny-spec", spec)
     weights = list(random_weights(spec, seed=1))
-    with Cluster(workdir / "control", spec_dir, engines=1, backend="sink",
-                 daemon_args=["--log-level", "warning"],
-                 engine_args=["--log-level", "warning"]) as cluster, \
-            cluster.client(timeout=60.0) as client:
-        best = None
-        for v in (1, 2, 3):
-            r = client.push(weights, v, bucket_bytes=64, window=window, transport="inline")
-            if best is None or r.seconds < best.seconds:
-                best = r
-    return {"buckets": best.buckets, "window": window, "seconds": best.seconds,
-            "buckets_per_s": best.buckets / best.seconds}
+    points = []
+    for n in engines:
+        with Cluster(workdir / f"control-{n}", spec_dir, engines=n, backend="sink",
+                     daemon_args=["--log-level", "warning"],
+                     engine_args=["--log-level", "warning"]) as cluster, \
+                cluster.client(timeout=60.0) as client:
+            pids = {p.name: p.popen.pid for p in cluster.procs}
+            best = None
+            for v in (1, 2, 3):
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                mine = time.process_time()
+                r = client.push(weights, v, bucket_bytes=64, window=window, transport="inline")
+                cpu = {"trainer": time.process_time() - mine,
+                       **{name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}}
+                if best is None or r.seconds < best[0].seconds:
+                    best = (r, cpu)
+        r, cpu = best
+        points.append({"engines": n, "buckets": r.buckets, "seconds": r.seconds,
+                       "buckets_per_s": r.buckets / r.seconds,
+                       "cpu_us_per_bucket": {k: v / r.buckets * 1e6 for k, v in cpu.items()}})
+    return {"buckets": count, "window": window, "points": points}
 
 
 def plot(runs: list[Run], path: Path, baselines: dict[str, float]) -> None:
@@ -227,10 +245,14 @@ def table(runs: list[Run], baselines: dict[str, float], control: dict[str, Any] 
                   f"{r.orchestrator_rss_mib:.0f}", f"{r.trainer_rss_mib:.0f}")
     console = Console(record=True, width=120, file=io.StringIO())
     console.print(t)
-    if control:
-        console.print(f"control overhead: {control['buckets']} tiny buckets in "
-                      f"{control['seconds']:.3f}s = {control['buckets_per_s']:.0f} buckets/s "
-                      f"(window {control['window']}, 1 engine)")
+    for p in (control or {}).get("points", []):
+        cpu = p["cpu_us_per_bucket"]
+        engines = [v for k, v in cpu.items() if k.startswith("engine")]
+        console.print(f"control overhead: {p['buckets']} tiny buckets in {p['seconds']:.3f}s = "
+                      f"{p['buckets_per_s']:.0f} buckets/s (window {control['window']}, "
+                      f"{p['engines']} engine(s)); CPU per bucket: trainer {cpu['trainer']:.0f} us, "
+                      f"daemon {cpu['daemon']:.0f} us, each engine {statistics.mean(engines):.0f} us, "
+                      f"all {sum(cpu.values()):.0f} us on {os.cpu_count()} cores")
     return console.export_text()
 
 
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--control-buckets", type=int, default=5000,
                     help="tiny buckets for the control-overhead run (0 skips it)")
     ap.add_argument("--control-window", type=int, default=32)
+    ap.add_argument("--control-engines", default="1,4", help="engine counts for the control run")
     ap.add_argument("--collective-engines", default="1,2,4",
                     help="engine counts for the collective-vs-raw-broadcast run ('' skips it)")
     ap.add_argument("--collective-repeats", type=int, default=5)
@@ -290,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             collective = run_collective(work, spec_dir, weights, model_bytes, coll_engines,
                                         ref_bucket, args.window, args.collective_repeats)
         del weights
-        control = (control_overhead(work, args.control_buckets, args.control_window)
+        control = (control_overhead(work, args.control_buckets, args.control_window,
+                                    [int(x) for x in args.control_engines.split(",") if x])
                    if args.control_buckets else None)
     print(table(runs, baselines, control))
     if collective is not None:
@@ -347,9 +371,10 @@ def missed_targets(result: dict[str, Any]) -> list[str]:
         if r["orchestrator_rss_mib"] > limit:
             out.append(f"daemon RSS <= 100 MiB + window x bucket ({limit:.0f} MiB): "
                        f"{r['orchestrator_rss_mib']:.0f} MiB ({where})")
-    control = result.get("control")
-    if control and control["buckets_per_s"] < 5000:
-        out.append(f">= 5,000 control buckets/s: {control['buckets_per_s']:.0f}/s")
+    for p in (result.get("control") or {}).get("points", []):
+        if p["buckets_per_s"] < 5000:
+            out.append(f">= 5,000 control buckets/s: {p['buckets_per_s']:.0f}/s "
+                       f"(engines={p['engines']})")
     coll = result.get("collective")
     if coll:
         for p in coll["points"]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -64,6 +65,7 @@ def _median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: list[str],
              disk: bool) -> dict[str, Any]:
+    from bench.throughput import cpu_seconds
     from engines.torch_engine import load_model
     from examples.launch import Cluster
     from examples.tiny import build_tiny_llama, perturbed
@@ -84,6 +86,7 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
     version = 0
     with Cluster(tmp / f"cluster-{size}", model_dir, engines=1, backend="vllm") as cluster, \
             cluster.client(timeout=300.0) as client:
+        pids = {p.name: p.popen.pid for p in cluster.procs}
         for r in range(repeats + 1):  # round 0 warms every path up and is not counted
             keep = r > 0
             d = _direct(llm, buckets)
@@ -91,12 +94,16 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
                 times["direct"].append(d)
             for t in transports:
                 version += 1
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                mine = time.process_time()
                 res = client.push(weights.items(), version, bucket_bytes=bucket_bytes, transport=t)
+                cpu = {"trainer": time.process_time() - mine,
+                       **{name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}}
                 if res.detail["transport"] != t:
                     raise SystemExit(f"asked for {t}, the daemon chose {res.detail['transport']}")
                 if keep:
                     times[t].append(res.seconds)
-                    profiles[t].append({"seconds": res.seconds,
+                    profiles[t].append({"seconds": res.seconds, "cpu": cpu,
                                         "trainer": res.detail.get("trainer_phases", {}),
                                         "engines": {e["engine_id"]: e.get("phases", {})
                                                     for e in res.engines}})
@@ -128,6 +135,9 @@ def report(res: dict[str, Any], profile: bool) -> str:
         for t, rows in res["profiles"].items():
             trainer = _median_phases([r["trainer"] for r in rows])
             lines.append(f"  profile, {t} (median seconds; phases overlap):")
+            cpu = _median_phases([r["cpu"] for r in rows])
+            lines.append("    CPU per sync: " + "  ".join(f"{k} {v * 1e3:.0f}ms" for k, v in cpu.items())
+                         + f"  (all {sum(cpu.values()) * 1e3:.0f} ms on {os.cpu_count()} cores)")
             lines.append("    trainer  " + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in trainer.items()))
             engines = sorted({e for r in rows for e in r["engines"]})
             for e in engines:

@@ -138,7 +138,7 @@ class Applier(threading.Thread):
     def _load_verified(self, msg: schema.Load, fut: Any) -> None:
         """An inline or shm bucket, once the verifier has matched its checksum."""
         t0 = time.perf_counter()
-        v = fut.result()  # raises the verifier's CHECKSUM_MISMATCH / shm refusal
+        v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds)
         load_shm = getattr(self.engine, "load_shm", None)

@@ -29,15 +29,29 @@ class Verified:
     seconds: float  # hashing time on the verifier thread
 
 
+# Below this many bytes a bucket is hashed by the applier itself: hashing it takes less
+# than handing it to another thread and back (tiny buckets are control-path bound).
+THREAD_MIN_BYTES = 1 << 20
+
+
 class Verifier:
     def __init__(self, parts: bool = False) -> None:
         self.parts = parts
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-verify")
         self._reader = Reader()  # the trainer's shm slots, mapped by this thread only
 
-    def submit(self, msg: schema.Load, frame: Any) -> Future[Verified]:
-        """Hash `msg`'s bucket (inline `frame`, or the shm slot `msg.shm` names)."""
+    def submit(self, msg: schema.Load, frame: Any) -> Future[Verified] | tuple[schema.Load, Any]:
+        """Hash `msg`'s bucket (inline `frame`, or the shm slot `msg.shm` names) on the
+        verifier thread; a small inline bucket is left to `result` (the applier)."""
+        if msg.shm is None and frame is not None and len(frame) < THREAD_MIN_BYTES:
+            return (msg, frame)
         return self._pool.submit(self._verify, msg, frame)
+
+    def result(self, pending: Future[Verified] | tuple[schema.Load, Any]) -> Verified:
+        """The verified bucket (raises CHECKSUM_MISMATCH, or the shm refusal)."""
+        if isinstance(pending, tuple):
+            return self._verify(*pending)
+        return pending.result()
 
     def _verify(self, msg: schema.Load, frame: Any) -> Verified:
         t0 = time.perf_counter()

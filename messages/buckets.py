@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -86,13 +87,27 @@ Alloc = Callable[[int, int], torch.Tensor]  # (seq, nbytes) -> writable uint8 te
 CHUNK = 1 << 26
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for flat uint8 CPU tensors, on this thread alone.
+
+    Not `torch.Tensor.copy_`: it splits a large copy over torch's intra-op thread pool,
+    and where the trainer and an engine share cores (one host, few cores) each split waits
+    for its slowest thread, which is queued behind the other process's threads: measured
+    on a 2-core host during a push to vLLM, 245 ms of copy_ per 428 MB against 45 ms
+    alone. A plain memcpy (numpy releases the GIL) runs at memory speed either way."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy(), casting="no")
+    else:
+        dst.copy_(src)
+
+
 def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
-    """dst.copy_(src) for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
+    """dst[:] = src for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
     chunk of `dst` to every streaming hasher (the checksum and the digest in one loop)."""
     n = src.numel()
     for off in range(0, n, CHUNK):
         d = dst[off:off + CHUNK]
-        d.copy_(src[off:off + CHUNK])
+        copy_bytes(d, src[off:off + CHUNK])
         if hashers:
             v = d.numpy()
             for h in hashers:

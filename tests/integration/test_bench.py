@@ -22,7 +22,7 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     r = subprocess.run([sys.executable, "-m", "bench", "--model-bytes", "8MiB", "--tensor-bytes",
                         "1MiB", "--engines", "1,2", "--bucket-bytes", "2MiB", "--repeats", "1",
-                        "--control-buckets", "300", "--collective-engines", "1,2",
+                        "--control-buckets", "300", "--control-engines", "1,2", "--collective-engines", "1,2",
                         "--collective-repeats", "2", "--check", "--json", str(out), "--plot", str(png)],
                        capture_output=True, text=True, timeout=280)
     data = json.loads(out.read_text())
@@ -46,7 +46,13 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
         assert run["chosen_transport"] == run["transport"]  # shm was negotiated, not inline
         assert run["buckets"] == 4
         assert 10 < run["orchestrator_rss_mib"] < 1024
-    assert data["control"]["buckets"] == 300 and data["control"]["buckets_per_s"] > 0
+    control = data["control"]["points"]
+    assert [p["engines"] for p in control] == [1, 2]
+    for p in control:
+        assert p["buckets"] == 300 and p["buckets_per_s"] == pytest.approx(300 / p["seconds"])
+        cpu = p["cpu_us_per_bucket"]  # every process's CPU per bucket, engines by name
+        assert set(cpu) == {"trainer", "daemon"} | {f"engine-{i}" for i in range(p["engines"])}
+        assert all(v > 0 for v in cpu.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "x zmq" in r.stdout and "control overhead" in r.stdout
     coll = data["collective"]
