@@ -146,7 +146,12 @@ class _VllmBase:
 
     def _timed(self, method: str, **kw: Any) -> list[Any]:
         """Run a load rpc; add the workers' own split of its time to this sync's phases."""
-        results = self.rpc(method, _arg(**kw))
+        try:
+            results = self.rpc(method, _arg(**kw))
+        except Exception as exc:
+            if "CHECKSUM_MISMATCH:" in str(exc):  # a worker verified the bytes it received
+                raise make_error(ErrorCode.CHECKSUM_MISMATCH, str(exc)[-500:]) from None
+            raise
         first = results[0] if results and isinstance(results[0], dict) else {}
         for phase, seconds in (first.get("phases") or {}).items():
             self._add(phase, seconds)

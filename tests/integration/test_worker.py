@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -105,14 +106,28 @@ def test_duplicate_load_and_second_finalize_are_not_applied(harness, tiny_state,
     assert fin.probes == (greedy(ref, PROBE.prompt, PROBE.max_tokens),)
 
 
-def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state):
+@pytest.mark.parametrize("transport,bucket_bytes", [
+    ("inline", 64 << 20),   # 1.7 MB: hashed on the verifier thread
+    ("inline", 128 << 10),  # below THREAD_MIN_BYTES: hashed by the applier itself
+    ("shm", 64 << 20),      # the trainer's slot, mapped and hashed by the verifier thread
+])
+def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state, transport, bucket_bytes):
+    from engines.verify import THREAD_MIN_BYTES
+    from messages.shm import Segment
+
     orch, _, eng, _ = harness
-    (b,) = list(iter_buckets(dict(perturbed(tiny_state, 1)).items(), 64 << 20))
+    b = next(iter(iter_buckets(dict(perturbed(tiny_state, 1)).items(), bucket_bytes)))
+    assert (b.nbytes >= THREAD_MIN_BYTES) == (bucket_bytes > THREAD_MIN_BYTES)
     raw = bytearray(b.frame())
-    raw[10] ^= 0xFF
-    orch.send(schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum),
-              [bytes(raw)])
-    failed = orch.recv(want=("failed",))
+    raw[len(raw) // 2] ^= 0x01  # one bit, mid-bucket
+    load = schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum)
+    with Segment(b.nbytes, kind="trainer") as seg:
+        if transport == "shm":
+            seg.write(bytes(raw))
+            orch.send(msgspec.structs.replace(load, shm=schema.ShmRef(seg.name, 0, b.nbytes)))
+        else:
+            orch.send(load, [bytes(raw)])
+        failed = orch.recv(want=("failed",))
     assert failed.code == "CHECKSUM_MISMATCH" and failed.seq == 0 and eng.loads == 0
 
 

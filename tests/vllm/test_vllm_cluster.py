@@ -92,3 +92,47 @@ def test_wrong_canary_expectation_fails_with_canary_mismatch(vllm_cluster, tiny_
         # the right expectation on the next version goes through
         w2 = dict(perturbed(tiny_state, v + 1))
         assert client.push(w2.items(), v + 1, probes=probes_for(tiny_model_dir, w2)).state == "READY"
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, monkeypatch, transport):
+    """A byte flipped after the trainer took the checksum (in its shm slot, or on the
+    broadcast) fails the sync with CHECKSUM_MISMATCH on both vLLM engines (in-process and
+    multiprocessing workers); nothing is finalized and the next push is READY."""
+    from messages.errors import WeightSyncError
+    from orchestrator.stream import StreamMixin
+    from orchestrator.trainer_group import TrainerGroup
+
+    if transport == "shm":
+        real_msg = StreamMixin._bucket_msg
+
+        def bucket_msg(self, sync_id, b, rid, checksum=None, shm=None):
+            if b.seq == 1 and shm is not None:
+                b.data[b.nbytes // 2] ^= 0x40  # in the slot, after the checksum was taken
+            return real_msg(self, sync_id, b, rid, checksum, shm)
+
+        monkeypatch.setattr(StreamMixin, "_bucket_msg", bucket_msg)
+    else:
+        real_start = TrainerGroup.start
+
+        def start(self, data, seq):
+            if seq == 1:
+                data = data.clone()
+                data[len(data) // 2] ^= 0x40  # in flight, after the checksum was taken
+            real_start(self, data, seq)
+
+        monkeypatch.setattr(TrainerGroup, "start", start)
+    with vllm_cluster.client(timeout=60.0) as client:
+        st = client.status()
+        v = (st["last_ready_version"] or 0) + 1
+        counts = {e["engine_id"]: e["finalize_count"] for e in st["engines"]}
+        with pytest.raises(WeightSyncError) as ei:
+            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=256 * 1024,
+                        transport=transport)
+        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH, ei.value
+        monkeypatch.undo()
+        assert {e["engine_id"]: e["finalize_count"] for e in client.status()["engines"]} == counts
+        w = dict(perturbed(tiny_state, v + 1))
+        r = client.push(w.items(), v + 1, bucket_bytes=256 * 1024, transport=transport)
+        assert r.detail["transport"] == transport
+        assert {e["digest"] for e in r.engines} == {digest(w.items())}
