@@ -279,7 +279,8 @@ def push(
     version: int = typer.Option(..., min=0, max=INT63, help="version number (must be newer than served)"),
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
     bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
-    window: int = typer.Option(2, min=1, max=64, help="unacknowledged buckets in flight"),
+    window: Optional[int] = typer.Option(None, min=1, max=64, help="unacknowledged buckets in flight "
+                                         "[default: sized from measured acks, 2 to 8]"),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     transport: str = typer.Option("auto", help="auto | shm | inline | collective"),
     collective_host: str = typer.Option("", help="collective: this host's address for the group's "

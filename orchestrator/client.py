@@ -2,7 +2,9 @@
 
 Rules: one DEALER socket, used only by the thread that created the client. At most
 `window` buckets are unacknowledged at a time (the daemon acks a bucket only when every
-engine applied it), so memory stays at ~window buckets whatever the model size. A request
+engine applied it), so memory stays at ~window buckets whatever the model size; by
+default the window is sized during the push from the measured round trip and ack rate
+(`stream.WindowSizer`), between 2 and 8 buckets and 128 MiB. A request
 that gets no reply in `timeout` is resent with the same sync_id and seq (the daemon acks
 duplicates without re-applying them). Every error reply raises the `WeightSyncError`
 subclass of its code, carrying the daemon's state and version.
@@ -30,7 +32,7 @@ from orchestrator.rings import ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 from orchestrator.link import RECONNECTED, Link, _Reconnected
-from orchestrator.stream import REPLY_TYPES, StreamMixin, error_from_reply
+from orchestrator.stream import REPLY_TYPES, StreamMixin, error_from_reply, window_limit
 from orchestrator.trainer_group import TrainerGroup
 
 log = structlog.get_logger()
@@ -213,7 +215,7 @@ class TrainerClient(StreamMixin):
 
     # -- the whole sync -----------------------------------------------------------------
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = 2,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int | None = None,
              probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
              abort_on_error: bool = True, progress: Any = None,
              transport: str = "auto", rollback_wait: float = 120.0,
@@ -225,20 +227,24 @@ class TrainerClient(StreamMixin):
         "shm" force a choice ("shm" still falls back where the daemon says so);
         "collective" broadcasts each bucket to the engines over a torch.distributed group
         (the daemon only sees metadata; inline where some engine cannot join).
+        window: buckets unacknowledged at a time; None sizes it from measurements (enough
+        buckets in flight to cover one round trip at the measured ack rate, 2 to 8, at
+        most 128 MiB); the size reached is in the result's `detail["window"]`.
         rollback_wait: seconds to wait, before beginning, for a rollback the daemon is
         running after an earlier failure (0: raise its INVALID_STATE at once).
         partial: the tensors are a subset of the engines' on purpose (otherwise `finish`
         refuses a push that leaves an engine tensor out, with INCOMPLETE_SYNC).
         Whatever ends the push early (an error, a timeout, Ctrl-C, SIGTERM raised as an
         exception) aborts the sync it began, so the daemon is free for the next push."""
-        if window < 1:
-            raise ValueError("window must be >= 1")
+        if window is not None and window < 1:
+            raise ValueError("window must be >= 1 (or None: sized from measurements)")
         if transport not in ("inline", "shm", "auto", "collective"):
             raise ValueError("transport must be inline, shm, auto or collective")
         t0 = time.perf_counter()
         sync_id = sync_id or uuid.uuid4().hex
         offer = self._collective_offer() if transport == "collective" else None
-        ring = self._reserve_ring(window, bucket_bytes) if transport in ("shm", "auto") else None
+        slots = window_limit(window, bucket_bytes)
+        ring = self._reserve_ring(slots, bucket_bytes) if transport in ("shm", "auto") else None
         if ring is None and offer is None:
             transport = "inline"
         try:
@@ -289,7 +295,8 @@ class TrainerClient(StreamMixin):
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
                           retries=retries, detail={**body, "transport": started.get("transport", "inline"),
-                                                   "trainer_phases": trainer_phases})
+                                                   "trainer_phases": trainer_phases,
+                                                   "window": self.window_sizer.size})
 
     @staticmethod
     def _reserve_ring(window: int, bucket_bytes: int) -> ShmRing | None:

@@ -11,6 +11,7 @@ broadcast at once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,45 @@ def error_from_reply(msg: schema.Error) -> WeightSyncError:
         code = ErrorCode.INTERNAL
     return make_error(code, msg.message, state=msg.state, version=msg.version,
                       sync_id=msg.sync_id, details=msg.details)
+
+
+# The automatic window keeps at most this many bytes in flight (and never over MAX_WINDOW
+# buckets): the trainer's ring, and the daemon's frames in flight, are window x bucket.
+AUTO_INFLIGHT_BYTES = 128 << 20
+MAX_WINDOW = 8
+
+
+def window_limit(window: int | None, bucket_bytes: int) -> int:
+    """Slots a push needs: the fixed window, or the automatic window's ceiling."""
+    if window is not None:
+        return window
+    return max(2, min(MAX_WINDOW, AUTO_INFLIGHT_BYTES // max(bucket_bytes, 1)))
+
+
+class WindowSizer:
+    """How many buckets to keep unacknowledged: enough to cover one round trip at the rate
+    acknowledgements come back (a bandwidth-delay product, measured during the push), so
+    the engines never wait for the trainer's next bucket, and no more. A fixed window
+    stays as given."""
+
+    def __init__(self, fixed: int | None, limit: int) -> None:
+        self.fixed, self.limit = fixed, limit
+        self.size = fixed if fixed is not None else min(2, limit)
+        self.min_rtt = math.inf  # the fastest send -> ack seen: the pipeline's latency
+        self.gap: float | None = None  # smoothed time between acks: its throughput
+        self._last: float | None = None
+
+    def acked(self, rtt: float, now: float) -> None:
+        if self.fixed is not None:
+            return
+        self.min_rtt = min(self.min_rtt, rtt)
+        if self._last is not None:
+            g = now - self._last
+            self.gap = g if self.gap is None else 0.75 * self.gap + 0.25 * g
+        self._last = now
+        if self.gap is not None and self.gap > 0:
+            need = math.ceil(self.min_rtt / self.gap) + 1
+            self.size = max(2, min(self.limit, need))
 
 
 @dataclass(slots=True)
@@ -97,9 +137,12 @@ class StreamMixin:
                              state="LOADING_BUCKETS") from None
 
     def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
-                bucket_bytes: int, window: int, progress: Any, ring: ShmRing | None = None,
+                bucket_bytes: int, window: int | None, progress: Any, ring: ShmRing | None = None,
                 digester: Digester | None = None, coll: TrainerGroup | None = None
                 ) -> tuple[int, int, int]:
+        limit = window_limit(window, bucket_bytes)
+        sizer = WindowSizer(window, limit)
+        self.window_sizer = sizer
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
@@ -157,15 +200,18 @@ class StreamMixin:
             if isinstance(reply, schema.Error):
                 raise error_from_reply(reply)
             f = inflight.pop(seq, None)
+            if f is not None and f.attempts == 1:
+                now = time.monotonic()
+                sizer.acked(now - f.sent_at, now)
             if f is not None and progress is not None:
                 progress(f.bucket.nbytes)
 
-        slots = ring if ring is not None else InlineRing(window)
+        slots = ring if ring is not None else InlineRing(limit)
 
         def alloc(seq: int, n: int) -> torch.Tensor:
-            # Room first: slot seq % window belongs to bucket seq - window until that bucket
+            # Room first: slot seq % limit belongs to bucket seq - limit until that bucket
             # is acknowledged (every engine has copied it out), whatever order acks come in.
-            while len(inflight) >= window or (seq - window) in inflight:
+            while len(inflight) >= sizer.size or (seq - limit) in inflight:
                 wait_one()
             return slots.slot(seq, n)
 

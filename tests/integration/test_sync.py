@@ -38,6 +38,11 @@ def test_three_versions_reach_every_engine_finalized_once_each(tmp_path, tiny_mo
             for e in r.engines:
                 assert e["digest"] == r.digest
                 assert [tuple(p) for p in e["probes"]] == [p.expected for p in probes]
+                # each engine says where its time went: hashing, loading, finalize, canary
+                assert {"begin", "checksum", "load", "finalize", "canary"} <= set(e["phases"])
+                assert all(s >= 0 for s in e["phases"].values())
+            assert 2 <= r.detail["window"] <= 8  # sized from measurements (window=None)
+            assert {"pack", "send", "wait_acks", "finish"} <= set(r.detail["trainer_phases"])
         st = client.status()
     assert st["state"] == "READY" and st["version"] == 3 and st["dirty"] is False
     assert [(e["engine_id"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
