@@ -267,7 +267,8 @@ class TrainerClient(StreamMixin):
             t_stream = time.perf_counter()
             try:
                 count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
-                                                      progress, ring, digester, coll)
+                                                      progress, ring, digester, coll,
+                                                      max_pending=started.get("max_pending"))
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
                 t_finish = time.perf_counter()

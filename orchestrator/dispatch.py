@@ -53,7 +53,8 @@ class Dispatch:
                                    "version": self.core.served_version})
             elif isinstance(msg, schema.Begin):
                 res = self.core.handle_begin(msg, now)
-                body = res.reply or {}
+                # max_pending: what the trainer's automatic window must stay within
+                body = {**(res.reply or {}), "max_pending": self.settings.max_pending}
                 # journaled before the trainer hears ok
                 await self._execute(res.commands, then=lambda: self._reply_ok(w, body))
             elif isinstance(msg, schema.Bucket):
