@@ -179,7 +179,7 @@ class Applier(threading.Thread):
         try:
             if load_collective is not None:  # the engine's own workers receive (vLLM)
                 load_collective(msg.tensors, msg.group.to_wire(), msg.size, msg.checksum,
-                                self.collective_bind)
+                                self.collective_bind, seq=msg.seq, next_bucket=self._queued_next(msg))
                 return None
             buf = fut.result(timeout=msg.group.timeout + 5.0)
         except CollectiveError as exc:
@@ -189,6 +189,19 @@ class Applier(threading.Thread):
             raise WeightSyncError(f"bucket seq {msg.seq}: not received within "
                                   f"{msg.group.timeout + 5.0}s", code=ErrorCode.TIMEOUT) from None
         return (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+
+    def _queued_next(self, msg: schema.Load) -> dict[str, int] | None:
+        """{seq, size} of the collective load right behind `msg` in the queue (same sync and
+        group), whose receive the vLLM workers may post before loading `msg`; else None."""
+        with self.jobs.mutex:
+            job = self.jobs.queue[0] if self.jobs.queue else None
+        if job is None or job[0] != "load":
+            return None
+        nxt = job[1][0]
+        if nxt.sync_id != msg.sync_id or nxt.group is None or nxt.group.id != msg.group.id \
+                or nxt.sync_id in self.failed:
+            return None
+        return {"seq": nxt.seq, "size": nxt.size}
 
     def _close_group(self, stop: bool = False) -> None:
         """Leave the collective group (the daemon plans a new one); `stop`: for good."""

@@ -6,10 +6,13 @@ raises a `DataError` (UNKNOWN_TENSOR / SHAPE_MISMATCH) with nothing applied. `fi
 is the backend's post-load step and is NOT idempotent, exactly like vLLM's
 `process_weights_after_loading`; the worker guarantees it runs once per sync. `begin`
 prepares a new sync (undoes what finalize did to the checkpoint-format weights).
-An engine may also offer `load_bucket(metas, buf)`, taking the received bucket frame
-as is (the vLLM engine hands it to its workers through shared memory without unpacking),
-and `load_collective(metas, group, size, checksum, bind)`, receiving a collective bucket
-itself (the vLLM engine's workers each join the group and receive inside vLLM).
+An engine may also offer `load_bucket(metas, buf, parts)`, taking the received bucket
+as is (the vLLM engine hands it to its workers by reference or through shared memory,
+without unpacking; `parts` are the tensors' digest parts when it sets `digest_parts`),
+`load_shm(metas, ref, checksum, parts)` (its workers read the trainer's slot), and
+`load_collective(metas, group, size, checksum, bind, seq, next_bucket)`, receiving a
+collective bucket itself (the vLLM engine's workers each join the group and receive
+inside vLLM, posting the next bucket's receive before loading this one).
 """
 
 from __future__ import annotations

@@ -161,12 +161,16 @@ class _VllmBase:
         self._phases[phase] = self._phases.get(phase, 0.0) + seconds
 
     def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str) -> None:
+                        bucket_checksum: int, bind: str, seq: int | None = None,
+                        next_bucket: dict[str, int] | None = None) -> None:
         """collective transport: every vLLM worker joins the group and receives the bucket
-        itself (rank = group rank + worker rank), verifies it and loads it."""
+        itself (rank = group rank + worker rank), verifies it and loads it; with
+        `next_bucket` ({seq, size} of the load queued behind this one) the workers post
+        its receive before loading this one."""
         self._check(metas)
         self._timed("ws_collective_load", sync_id=self.sync_id, group=group, size=size,
-                    checksum=bucket_checksum, bind=bind, tensors=[m.to_wire() for m in metas])
+                    checksum=bucket_checksum, bind=bind, tensors=[m.to_wire() for m in metas],
+                    seq=seq, next=next_bucket)
 
     def close_collective(self) -> None:
         self.rpc("ws_collective_close")
@@ -299,13 +303,14 @@ class VllmEngine(_VllmBase):
             self._send_shm(base, ref, bucket_checksum, _only(parts, base))
 
     def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str) -> None:
+                        bucket_checksum: int, bind: str, seq: int | None = None,
+                        next_bucket: dict[str, int] | None = None) -> None:
         if self.lora is not None:
             if any(m.name in self.lora.spec for m in metas):
                 raise make_error(ErrorCode.BAD_MESSAGE, "LoRA adapters travel inline or by shm, "
                                  "not by the collective (push them with transport inline|auto)")
             self._begin_base()
-        super().load_collective(metas, group, size, bucket_checksum, bind)
+        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
 
     def finalize(self, sync_id: str) -> str:
         if self.lora is None:

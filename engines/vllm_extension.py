@@ -117,6 +117,10 @@ class WeightSyncExtension:
             if st["sync_id"] == a["sync_id"]:
                 return self.ws_info()  # repeated begin of the same sync
             self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
+        if st.pop("posted", None) is not None:  # a receive left posted by an ended sync
+            member = st.pop("member", None)
+            if member is not None:
+                member.close()
         model = self._ws_model()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -160,18 +164,31 @@ class WeightSyncExtension:
         return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_collective_load(self, arg: str) -> dict[str, Any]:
-        """arg: {sync_id, group: GroupRef, size, checksum, tensors, bind}: this worker joins
-        the group (rank = group rank + its vLLM rank) and receives the bucket by broadcast
-        into its own buffer; no tensor crosses `collective_rpc`."""
+        """arg: {sync_id, group: GroupRef, seq, size, checksum, tensors, bind, next: {seq,
+        size} | null}: this worker joins the group (rank = group rank + its vLLM rank) and
+        receives the bucket by broadcast into its own buffer; no tensor crosses
+        `collective_rpc`. With `next` (the engine already holds the following bucket's
+        load) the receive of that bucket is posted before this one loads, so it crosses
+        the network meanwhile; the next call finds it posted."""
         t0 = time.perf_counter()
         a = json.loads(arg)
         st = self._ws_running(a, "ws_collective_load")
         from messages.collective import Member
         member = st.get("member")
         if member is None:
-            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0))
-        buf = member.receive(a["group"], a["size"])
+            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0),
+                                           slots=2)
+        key = (a["group"]["id"], a.get("seq"), a["size"])
+        posted = st.pop("posted", None)
+        if posted is not None and posted[0] != key:
+            member.close()  # a receive posted for another bucket would take this one's bytes
+            raise RuntimeError(f"collective bucket {key} arrived, but {posted[0]} was posted")
+        buf = member.wait(posted[1] if posted is not None else member.post(a["group"], a["size"]))
         t1 = time.perf_counter()
+        nxt = a.get("next")
+        if nxt:
+            st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]),
+                            member.post(a["group"], nxt["size"]))
         host = buf if buf.device.type == "cpu" else buf.cpu()
         if checksum(host.numpy()) != a["checksum"]:
             raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
@@ -187,6 +204,7 @@ class WeightSyncExtension:
         return {"native": True, **engine.info()}
 
     def ws_collective_close(self, arg: str = "{}") -> str:
+        self._ws().pop("posted", None)  # shut down with the group
         member = self._ws().pop("member", None)
         if member is not None:
             member.close()

@@ -122,10 +122,11 @@ class VllmServerEngine(_VllmBase):
         super().load_shm(metas, ref, bucket_checksum, parts)
 
     def load_collective(self, metas: Any, group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str) -> None:
+                        bucket_checksum: int, bind: str, seq: int | None = None,
+                        next_bucket: dict[str, int] | None = None) -> None:
         if not self.native:
             self._start("extension")
-            super().load_collective(metas, group, size, bucket_checksum, bind)
+            super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
             return
         self._check(metas)
         self._start("native")

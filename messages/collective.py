@@ -211,6 +211,12 @@ class Member:
     def receive(self, ref: dict, size: int) -> torch.Tensor:
         """The bucket's `size` bytes, received in place into the next buffer (a view of it:
         valid until that buffer comes round again)."""
+        return self.wait(self.post(ref, size))
+
+    def post(self, ref: dict, size: int) -> tuple[torch.Tensor, Any]:
+        """Start receiving the next broadcast of `size` bytes into the next buffer and
+        return at once (the backend receives on its own threads); `wait` for it. Posts
+        must follow the order the root broadcasts in."""
         g = self.ensure(ref)
         i = self._next
         self._next = (i + 1) % len(self._bufs)
@@ -218,7 +224,12 @@ class Member:
         if buf is None or buf.numel() < size or buf.device != g.device:
             buf = self._bufs[i] = torch.empty(max(size, 1), dtype=torch.uint8, device=g.device)
         view = buf[:size]
-        g.broadcast(view)
+        return view, (g, g.start(view))
+
+    @staticmethod
+    def wait(posted: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        view, (g, started) = posted
+        g.wait(started)
         return view
 
     def close(self) -> None:

@@ -90,6 +90,7 @@ class TrainerClient(StreamMixin):
 
     # -- plumbing -----------------------------------------------------------------------
     def close(self) -> None:
+        self._drop_ring()
         coll = getattr(self, "_collective", None)
         if coll is not None:
             coll.close()
@@ -244,7 +245,7 @@ class TrainerClient(StreamMixin):
         sync_id = sync_id or uuid.uuid4().hex
         offer = self._collective_offer() if transport == "collective" else None
         slots = window_limit(window, bucket_bytes)
-        ring = self._reserve_ring(slots, bucket_bytes) if transport in ("shm", "auto") else None
+        ring = self._ring_for(slots, bucket_bytes) if transport in ("shm", "auto") else None
         if ring is None and offer is None:
             transport = "inline"
         try:
@@ -259,9 +260,8 @@ class TrainerClient(StreamMixin):
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
-            if started.get("transport") not in ("shm", "mixed") and ring is not None:
-                ring.close()
-                ring = None
+            if started.get("transport") not in ("shm", "mixed"):
+                ring = None  # kept for a later push; this one goes inline or by collective
             coll = self._collective_for(started, transport)
             digester = Digester()
             t_stream = time.perf_counter()
@@ -288,9 +288,9 @@ class TrainerClient(StreamMixin):
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
-        finally:
-            if ring is not None:
-                ring.close()
+        except BaseException:
+            self._drop_ring()  # an engine may still read a slot of the failed sync
+            raise
         seconds = time.perf_counter() - t0
         return SyncResult(sync_id=sync_id, version=version, buckets=count, bytes=nbytes,
                           seconds=seconds, engines=body.get("engines", []),
@@ -299,18 +299,30 @@ class TrainerClient(StreamMixin):
                                                    "trainer_phases": trainer_phases,
                                                    "window": self.window_sizer.size})
 
-    @staticmethod
-    def _reserve_ring(window: int, bucket_bytes: int) -> ShmRing | None:
-        """Shared-memory slots reserved up front, or None: inline for this push."""
+    def _ring_for(self, window: int, bucket_bytes: int) -> ShmRing | None:
+        """Shared-memory slots for this push, or None: inline. Reserved once and kept for
+        the client's later pushes (reserving and faulting them in per push cost more than
+        packing a small model), replaced when a push wants bigger or more slots."""
+        ring = getattr(self, "_ring", None)
+        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.slots >= window:
+            return ring
+        self._drop_ring()
         if not shm_available():
             return None
         sweep_stale()  # segments of trainers that crashed earlier on this host
         try:
-            return ShmRing(window, bucket_bytes)
+            self._ring = ShmRing(window, bucket_bytes)
         except ShmFull as exc:
             log.warning("shm_full_using_inline", reason=str(exc), window=window,
                         bucket_bytes=bucket_bytes)
             return None
+        return self._ring
+
+    def _drop_ring(self) -> None:
+        ring = getattr(self, "_ring", None)
+        if ring is not None:
+            ring.close()
+        self._ring = None
 
     def push_module(self, model: torch.nn.Module, version: int, *, dtype: torch.dtype | None = None,
                     filter: Any = None, **push_kw: Any) -> SyncResult:

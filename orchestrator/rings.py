@@ -32,16 +32,27 @@ class InlineRing:
 
 
 class ShmRing:
-    """`window` shared-memory slots; bucket `seq` is packed straight into slot seq % window."""
+    """Up to `slots` shared-memory slots; bucket `seq` is packed straight into slot
+    seq % len(segments). A tmpfs with room for fewer (but at least `least`) slots gets a
+    smaller ring, and the window stays within it; with room for fewer, ShmFull."""
 
-    def __init__(self, slots: int, slot_bytes: int) -> None:
+    def __init__(self, slots: int, slot_bytes: int, least: int = 2) -> None:
+        self.slot_bytes = slot_bytes
         self.segments: list[Segment] = []
         try:
             for _ in range(slots):
                 self.segments.append(Segment(max(slot_bytes, 4096), kind="trainer"))
+        except ShmFull:
+            if len(self.segments) < min(least, slots):
+                self.close()
+                raise
         except BaseException:
             self.close()
             raise
+
+    @property
+    def slots(self) -> int:
+        return len(self.segments)
 
     def slot(self, seq: int, nbytes: int) -> torch.Tensor:
         seg = self.segments[seq % len(self.segments)]

@@ -140,8 +140,10 @@ class StreamMixin:
                 bucket_bytes: int, window: int | None, progress: Any, ring: ShmRing | None = None,
                 digester: Digester | None = None, coll: TrainerGroup | None = None,
                 max_pending: int | None = None) -> tuple[int, int, int]:
-        limit = window_limit(window, bucket_bytes)  # slots: bucket seq goes to slot seq % limit
-        sizer = WindowSizer(window, min(limit, max_pending or limit))  # the daemon's cap too
+        # slots: bucket seq goes to slot seq % limit (an shm ring may have fewer than asked)
+        limit = ring.slots if ring is not None else window_limit(window, bucket_bytes)
+        sizer = WindowSizer(None if window is None else min(window, limit),
+                            min(limit, max_pending or limit))  # the daemon's cap too
         self.window_sizer = sizer
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq

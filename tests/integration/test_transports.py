@@ -29,16 +29,20 @@ def cluster(tmp_path_factory, tiny_model_dir):
 
 
 def test_inline_and_shm_deliver_the_same_weights_and_leave_no_segments(cluster, tiny_state):
+    rings = []
     with cluster.client() as client:
         base = client.status()["last_ready_version"] or 0
-        for i, transport in enumerate(("inline", "shm", "auto")):
+        for i, transport in enumerate(("inline", "shm", "auto", "shm")):
             v = base + 1 + i
             w = dict(perturbed(tiny_state, v))
             r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport=transport)
             want = "inline" if transport == "inline" else "shm"
             assert r.detail["transport"] == want
             assert {e["digest"] for e in r.engines} == {digest(w.items())}
-            assert not trainer_segments()
+            rings.append(sorted(trainer_segments()))
+    # the slots are reserved once and reused by the client's later pushes, then released
+    assert rings[0] == [] and rings[1] and rings[1] == rings[2] == rings[3]
+    assert not trainer_segments()
 
 
 def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
