@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from messages.buckets import Digester, checksum
+from messages.buckets import Digester, checksum, hash_bucket
+from messages.schema import TensorMeta
 from messages.dtypes import DTYPES
 
 
@@ -53,7 +54,7 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
 
 
 def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, Any]],
-              digester: Digester, *, layerwise: bool, parts: dict[str, str] | None = None,
+              digester: Digester, *, layerwise: bool, parts: dict[str, Any] | None = None,
               phases: dict[str, float] | None = None) -> int:
     """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
     make the one copy into the parameters; the views are not cloned first. Feeds the
@@ -69,9 +70,10 @@ def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, 
     t1 = time.perf_counter()
     kept = keep_pending_weights(flat) if layerwise else 0
     t2 = time.perf_counter()
-    if parts is not None:
+    if parts is not None:  # hex from the engine process, bytes from this worker's own pass
         for name, _t in tensors:
-            digester.add(name, bytes.fromhex(parts[name]))
+            p = parts[name]
+            digester.add(name, p if isinstance(p, bytes) else bytes.fromhex(p))
     else:
         for name, t in tensors:
             digester.update(name, t)
@@ -80,6 +82,18 @@ def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, 
                          ("worker_digest", time.perf_counter() - t2)):
             phases[phase] = phases.get(phase, 0.0) + s
     return kept
+
+
+def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: int) -> dict[str, bytes]:
+    """Check a bucket received by broadcast against its checksum and return every tensor's
+    digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
+    host = buf if buf.device.type == "cpu" else buf.cpu()
+    got, parts = hash_bucket(host.numpy(), [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]),
+                                                       m["offset"], m["nbytes"]) for m in metas],
+                             parts=True)
+    if got != expected:
+        raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
+    return parts or {}
 
 
 # In-process workers only: the engine puts a received frame here for the duration of one
@@ -189,11 +203,9 @@ class WeightSyncExtension:
         if nxt:
             st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]),
                             member.post(a["group"], nxt["size"]))
-        host = buf if buf.device.type == "cpu" else buf.cpu()
-        if checksum(host.numpy()) != a["checksum"]:
-            raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
+        parts = verify_received(buf, a["tensors"], a["checksum"])
         phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
-        self._ws_apply(buf, a["tensors"], None, phases)
+        self._ws_apply(buf, a["tensors"], parts, phases)
         return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
@@ -211,7 +223,7 @@ class WeightSyncExtension:
         return "ok"
 
     def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]],
-                  parts: dict[str, str] | None = None, phases: dict[str, float] | None = None) -> None:
+                  parts: dict[str, Any] | None = None, phases: dict[str, float] | None = None) -> None:
         st = self._ws()
         st["kept"] += load_into(self._ws_model(), flat, metas, st["digester"],
                                 layerwise=st["mode"] == "layerwise", parts=parts, phases=phases)

@@ -23,7 +23,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from messages.buckets import Digester, checksum
+from messages.buckets import Digester
 
 BACKEND = "weightsync"
 
@@ -85,11 +85,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("update_weights before init_weight_transfer_engine / start_weight_update")
         t0 = time.perf_counter()
         buf = self.member.receive(info.group, info.size)
-        host = buf if buf.device.type == "cpu" else buf.cpu()
-        if checksum(host.numpy()) != info.checksum:
-            raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
-        from engines.vllm_extension import load_into
-        load_into(self.model, buf, info.tensors, self.digester, layerwise=True)  # started in start_weight_update
+        from engines.vllm_extension import load_into, verify_received
+        parts = verify_received(buf, info.tensors, info.checksum)
+        load_into(self.model, buf, info.tensors, self.digester, layerwise=True,  # started in
+                  parts=parts)                                                   # start_weight_update
         self.loaded += len(info.tensors)
         self.seconds += time.perf_counter() - t0
 

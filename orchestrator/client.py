@@ -27,8 +27,6 @@ import zmq
 from messages import codec, schema
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.shm import ShmFull, shm_available, sweep_stale
-from orchestrator.rings import ShmRing
 from orchestrator.auth import ClientKeys
 from orchestrator.config import DEFAULT_ADDR
 from orchestrator.link import RECONNECTED, Link, _Reconnected
@@ -298,31 +296,6 @@ class TrainerClient(StreamMixin):
                           retries=retries, detail={**body, "transport": started.get("transport", "inline"),
                                                    "trainer_phases": trainer_phases,
                                                    "window": self.window_sizer.size})
-
-    def _ring_for(self, window: int, bucket_bytes: int) -> ShmRing | None:
-        """Shared-memory slots for this push, or None: inline. Reserved once and kept for
-        the client's later pushes (reserving and faulting them in per push cost more than
-        packing a small model), replaced when a push wants bigger or more slots."""
-        ring = getattr(self, "_ring", None)
-        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.slots >= window:
-            return ring
-        self._drop_ring()
-        if not shm_available():
-            return None
-        sweep_stale()  # segments of trainers that crashed earlier on this host
-        try:
-            self._ring = ShmRing(window, bucket_bytes)
-        except ShmFull as exc:
-            log.warning("shm_full_using_inline", reason=str(exc), window=window,
-                        bucket_bytes=bucket_bytes)
-            return None
-        return self._ring
-
-    def _drop_ring(self) -> None:
-        ring = getattr(self, "_ring", None)
-        if ring is not None:
-            ring.close()
-        self._ring = None
 
     def push_module(self, model: torch.nn.Module, version: int, *, dtype: torch.dtype | None = None,
                     filter: Any = None, **push_kw: Any) -> SyncResult:

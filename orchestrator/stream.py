@@ -27,6 +27,7 @@ from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from orchestrator.link import RECONNECTED
+from messages.shm import ShmFull, shm_available, sweep_stale
 from orchestrator.rings import InlineRing, ShmRing
 from orchestrator.trainer_group import TrainerGroup
 
@@ -92,6 +93,31 @@ class _InFlight:
 
 class StreamMixin:
     """Needs the client's `_send`, `_recv`, `_new_id`, `_sock`, `_early`, `timeout`, `retries`, `sender`."""
+
+    def _ring_for(self, window: int, bucket_bytes: int) -> ShmRing | None:
+        """Shared-memory slots for this push, or None: inline. Reserved once and kept for
+        the client's later pushes (reserving and faulting them in per push cost more than
+        packing a small model), replaced when a push wants bigger or more slots."""
+        ring = getattr(self, "_ring", None)
+        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.slots >= window:
+            return ring
+        self._drop_ring()
+        if not shm_available():
+            return None
+        sweep_stale()  # segments of trainers that crashed earlier on this host
+        try:
+            self._ring = ShmRing(window, bucket_bytes)
+        except ShmFull as exc:
+            log.warning("shm_full_using_inline", reason=str(exc), window=window,
+                        bucket_bytes=bucket_bytes)
+            return None
+        return self._ring
+
+    def _drop_ring(self) -> None:
+        ring = getattr(self, "_ring", None)
+        if ring is not None:
+            ring.close()
+        self._ring = None
 
     def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
                     checksum: int | None = None, shm: schema.ShmRef | None = None) -> schema.Bucket:

@@ -105,6 +105,27 @@ def test_1_push_with_64mib_buckets_into_a_64mib_shm_falls_back_to_inline(tmp_pat
         assert c.status()["state"] == "READY"
 
 
+def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path, small_shm,
+                                                                      monkeypatch):
+    """16 MiB buckets: the automatic window would like 8 slots (128 MiB), the 64 MiB tmpfs
+    holds at most 4; the push goes by shm with the smaller ring and a window within it,
+    READY, and the slots are released when the client closes."""
+    from messages import shm
+
+    spec = synthetic_spec(96 << 20, tensor_bytes=16 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    monkeypatch.setattr(shm, "_DIR", Path(small_shm))
+    c = Cluster(tmp_path / "d", model, engines=1, backend="sink",
+                daemon_args=[*FAST_DAEMON, "--shm-dir", str(small_shm)],
+                engine_args=["--shm-dir", str(small_shm)])
+    with c, c.client(timeout=30.0) as client:
+        r = client.push(list(random_weights(spec, seed=4)), 1, bucket_bytes=16 << 20)
+        assert r.state == "READY" and r.detail["transport"] == "shm"
+        slots = len(os.listdir(small_shm))
+        assert 2 <= slots <= 4 and 2 <= r.detail["window"] <= slots
+    assert os.listdir(small_shm) == []
+
+
 # -- 2 ------------------------------------------------------------------------------------
 
 def test_2_a_begin_blocked_by_a_running_sync_names_it_and_weightsync_abort_ends_it(cluster, tmp_path, tiny_state):
