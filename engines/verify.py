@@ -69,8 +69,9 @@ class Verifier:
         return Verified(buf, parts, time.perf_counter() - t0)
 
     def close_maps(self) -> None:
-        """Unmap the trainer's slots once the jobs queued before this have run."""
-        self._pool.submit(self._reader.close)
+        """Once the jobs queued before this have run, unmap the trainer's slots that are
+        gone (kept ones stay mapped for its next push)."""
+        self._pool.submit(self._reader.prune)
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

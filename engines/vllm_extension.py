@@ -262,7 +262,7 @@ class WeightSyncExtension:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
             process_weights_after_loading(model, model_config, self.device)
         st["reloading"] = False
-        st["reader"].close()  # drop mappings of trainer slots and staging (remapped on demand)
+        st["reader"].prune()  # drop mappings of slots the trainer unlinked; keep the rest
 
     # -- for tests: the hazard this project exists for ----------------------------------
     def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:

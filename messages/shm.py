@@ -196,11 +196,24 @@ class Reader:
                     pass
             fd, total = open_segment(name, offset + size)
             try:
-                mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
+                # MAP_POPULATE: the page tables are filled in one call, not one fault per page
+                mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                               prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self._maps[name] = cached = (total, mm)
         return memoryview(cached[1])[offset:offset + size]
+
+    def prune(self) -> None:
+        """Drop the mappings of segments that are gone (their owner unlinked them): a
+        mapping would keep their memory. The others stay mapped for the next sync (a
+        trainer reuses its slots), so their pages are not faulted in again."""
+        for name in [n for n in self._maps if not (_DIR / n).exists()]:
+            _, mm = self._maps.pop(name)
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive; the mapping goes with it
+                pass
 
     def close(self) -> None:
         for _, mm in self._maps.values():
