@@ -37,7 +37,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench $(BENCH_ARGS)
 
 bench-vllm: $(VENV)/.test
-	$(PY) -m bench.vllm
+	$(PY) -m bench.vllm --size medium --profile --check $(BENCH_VLLM_ARGS)
 
 fuzz: $(VENV)/.test
 	$(PY) -m pytest tests/faults/test_fuzz.py tests/faults/test_fuzz_states.py --fuzz-cases 10000
