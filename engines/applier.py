@@ -145,13 +145,7 @@ class Applier(threading.Thread):
         if msg.shm is not None and load_shm is not None:  # the engine's workers read the slot
             load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
             return
-        load_bucket = getattr(self.engine, "load_bucket", None)
-        if load_bucket is not None:
-            load_bucket(msg.tensors, v.buf, parts=v.parts)
-            return
-        tensors = list(unpack(msg.tensors, v.buf))
-        self.engine.load(tensors)
-        del tensors, v  # drop the views before acknowledging (the frame can be freed)
+        self._apply(msg, v.buf, v.parts)
 
     def _load_collective(self, msg: schema.Load, fut: Any) -> None:
         buf = self._collective_bytes(msg, fut)
@@ -162,13 +156,17 @@ class Applier(threading.Thread):
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
                                   code=ErrorCode.CHECKSUM_MISMATCH)
         self._add("checksum", time.perf_counter() - t0)
+        self._apply(msg, buf)
+
+    def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
+        """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views."""
         load_bucket = getattr(self.engine, "load_bucket", None)
         if load_bucket is not None:
-            load_bucket(msg.tensors, buf)
-        else:
-            tensors = list(unpack(msg.tensors, buf))
-            self.engine.load(tensors)
-            del tensors
+            load_bucket(msg.tensors, buf, parts=parts)
+            return
+        tensors = list(unpack(msg.tensors, buf))
+        self.engine.load(tensors)
+        del tensors  # drop the views before acknowledging (the frame can be freed)
 
     def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
         """The bucket the prefetcher received by broadcast (None: the engine's workers

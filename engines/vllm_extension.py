@@ -131,10 +131,8 @@ class WeightSyncExtension:
             if st["sync_id"] == a["sync_id"]:
                 return self.ws_info()  # repeated begin of the same sync
             self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
-        if st.pop("posted", None) is not None:  # a receive left posted by an ended sync
-            member = st.pop("member", None)
-            if member is not None:
-                member.close()
+        if "posted" in st:  # a receive left posted by an ended sync: leave that group
+            self.ws_collective_close()
         model = self._ws_model()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

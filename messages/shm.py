@@ -111,6 +111,14 @@ def open_segment(name: str, need: int) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def _unmap(mm: mmap.mmap) -> None:
+    """Close a mapping; while a view of it is alive it stays, and goes with that view."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
 class Segment:
     """A writable segment owned by this process; space is reserved before it is used."""
 
@@ -139,10 +147,7 @@ class Segment:
                                          f"segment ({os.strerror(exc.errno)})") from None
             raise
         if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view of the old mapping is alive; it goes with the view
-                pass
+            _unmap(self._mm)
         self._mm = mmap.mmap(self._fd, size)
         self.size = size
 
@@ -160,10 +165,7 @@ class Segment:
 
     def close(self) -> None:
         if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass
+            _unmap(self._mm)
             self._mm = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -190,10 +192,7 @@ class Reader:
         cached = self._maps.get(name)
         if cached is None or cached[0] < offset + size:
             if cached is not None:
-                try:
-                    cached[1].close()
-                except BufferError:  # a view of the old mapping is alive; GC closes it
-                    pass
+                _unmap(cached[1])
             fd, total = open_segment(name, offset + size)
             try:
                 # MAP_POPULATE: the page tables are filled in one call, not one fault per page
@@ -209,18 +208,11 @@ class Reader:
         mapping would keep their memory. The others stay mapped for the next sync (a
         trainer reuses its slots), so their pages are not faulted in again."""
         for name in [n for n in self._maps if not (_DIR / n).exists()]:
-            _, mm = self._maps.pop(name)
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive; the mapping goes with it
-                pass
+            _unmap(self._maps.pop(name)[1])
 
     def close(self) -> None:
         for _, mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive; the mapping goes with the process
-                pass
+            _unmap(mm)
         self._maps.clear()
 
 

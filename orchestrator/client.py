@@ -264,15 +264,14 @@ class TrainerClient(StreamMixin):
             digester = Digester()
             t_stream = time.perf_counter()
             try:
-                count, nbytes, retries = self._stream(sync_id, named_tensors, bucket_bytes, window,
-                                                      progress, ring, digester, coll,
-                                                      max_pending=started.get("max_pending"))
+                streamed = self._stream(sync_id, named_tensors, bucket_bytes, window, progress,
+                                        ring, digester, coll, max_pending=started.get("max_pending"))
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
                 t_finish = time.perf_counter()
-                body = self.finish(sync_id, count, digest=None if partial else digester.hexdigest(),
-                                   partial=partial)
-                trainer_phases = {"begin": t_stream - t0, **self.stream_phases,
+                body = self.finish(sync_id, streamed.buckets,
+                                   digest=None if partial else digester.hexdigest(), partial=partial)
+                trainer_phases = {"begin": t_stream - t0, **streamed.phases,
                                   "finish": time.perf_counter() - t_finish}
             except WeightSyncError as err:
                 if coll is not None:
@@ -290,12 +289,13 @@ class TrainerClient(StreamMixin):
             self._drop_ring()  # an engine may still read a slot of the failed sync
             raise
         seconds = time.perf_counter() - t0
-        return SyncResult(sync_id=sync_id, version=version, buckets=count, bytes=nbytes,
+        return SyncResult(sync_id=sync_id, version=version, buckets=streamed.buckets,
+                          bytes=streamed.nbytes,
                           seconds=seconds, engines=body.get("engines", []),
                           digest=digester.hexdigest(), state=body.get("status", "READY"),
-                          retries=retries, detail={**body, "transport": started.get("transport", "inline"),
-                                                   "trainer_phases": trainer_phases,
-                                                   "window": self.window_sizer.size})
+                          retries=streamed.retries,
+                          detail={**body, "transport": started.get("transport", "inline"),
+                                  "trainer_phases": trainer_phases, "window": streamed.window})
 
     def push_module(self, model: torch.nn.Module, version: int, *, dtype: torch.dtype | None = None,
                     filter: Any = None, **push_kw: Any) -> SyncResult:

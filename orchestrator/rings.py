@@ -38,6 +38,7 @@ class ShmRing:
 
     def __init__(self, slots: int, slot_bytes: int, least: int = 2) -> None:
         self.slot_bytes = slot_bytes
+        self.wanted = slots  # what was asked for; `slots` may be fewer (a small tmpfs)
         self.segments: list[Segment] = []
         try:
             for _ in range(slots):

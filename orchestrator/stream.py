@@ -26,8 +26,8 @@ from messages import codec, schema
 from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from orchestrator.link import RECONNECTED
 from messages.shm import ShmFull, shm_available, sweep_stale
+from orchestrator.link import RECONNECTED
 from orchestrator.rings import InlineRing, ShmRing
 from orchestrator.trainer_group import TrainerGroup
 
@@ -85,6 +85,17 @@ class WindowSizer:
 
 
 @dataclass(slots=True)
+class Streamed:
+    """What `_stream` did: buckets, bytes, resends, the trainer's phases, the window reached."""
+
+    buckets: int
+    nbytes: int
+    retries: int
+    phases: dict[str, float]
+    window: int
+
+
+@dataclass(slots=True)
 class _InFlight:
     bucket: PackedBucket
     sent_at: float
@@ -97,9 +108,10 @@ class StreamMixin:
     def _ring_for(self, window: int, bucket_bytes: int) -> ShmRing | None:
         """Shared-memory slots for this push, or None: inline. Reserved once and kept for
         the client's later pushes (reserving and faulting them in per push cost more than
-        packing a small model), replaced when a push wants bigger or more slots."""
+        packing a small model), replaced when a push wants bigger or more slots than it
+        asked for (not when the tmpfs had room for fewer: asking again gets no more)."""
         ring = getattr(self, "_ring", None)
-        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.slots >= window:
+        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.wanted >= window:
             return ring
         self._drop_ring()
         if not shm_available():
@@ -165,12 +177,11 @@ class StreamMixin:
     def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
                 bucket_bytes: int, window: int | None, progress: Any, ring: ShmRing | None = None,
                 digester: Digester | None = None, coll: TrainerGroup | None = None,
-                max_pending: int | None = None) -> tuple[int, int, int]:
+                max_pending: int | None = None) -> Streamed:
         # slots: bucket seq goes to slot seq % limit (an shm ring may have fewer than asked)
         limit = ring.slots if ring is not None else window_limit(window, bucket_bytes)
         sizer = WindowSizer(None if window is None else min(window, limit),
                             min(limit, max_pending or limit))  # the daemon's cap too
-        self.window_sizer = sizer
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
@@ -260,5 +271,4 @@ class StreamMixin:
         phases["send"] += time.perf_counter() - t0
         while inflight:
             wait_one()
-        self.stream_phases = phases
-        return count, nbytes, retries
+        return Streamed(count, nbytes, retries, phases, sizer.size)
