@@ -20,13 +20,14 @@ of the model it already held.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@contextlib.contextmanager
+def cpu_used(pids: dict[str, int]) -> Iterator[dict[str, float]]:
+    """CPU seconds this process ("trainer") and each named process spend in the block;
+    the dict is filled when the block ends."""
+    out: dict[str, float] = {}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    mine = time.process_time()
+    yield out
+    out["trainer"] = time.process_time() - mine
+    out.update({name: cpu_seconds(pid) - before[name] for name, pid in pids.items()})
+
+
 def control_overhead(workdir: Path, count: int, window: int, engines: Sequence[int] = (1, 4)
                      ) -> dict[str, Any]:
     """Buckets per second with tiny buckets: the per-bucket cost of FSM, acks and relays,
@@ -191,11 +204,8 @@ def control_overhead(workdir: Path, count: int, window: int, engines: Sequence[i
             pids = {p.name: p.popen.pid for p in cluster.procs}
             best = None
             for v in (1, 2, 3):
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                mine = time.process_time()
-                r = client.push(weights, v, bucket_bytes=64, window=window, transport="inline")
-                cpu = {"trainer": time.process_time() - mine,
-                       **{name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}}
+                with cpu_used(pids) as cpu:
+                    r = client.push(weights, v, bucket_bytes=64, window=window, transport="inline")
                 if best is None or r.seconds < best[0].seconds:
                     best = (r, cpu)
         r, cpu = best

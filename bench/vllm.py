@@ -65,7 +65,7 @@ def _median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: list[str],
              disk: bool) -> dict[str, Any]:
-    from bench.throughput import cpu_seconds
+    from bench.throughput import cpu_used
     from engines.torch_engine import load_model
     from examples.launch import Cluster
     from examples.tiny import build_tiny_llama, perturbed
@@ -94,11 +94,8 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
                 times["direct"].append(d)
             for t in transports:
                 version += 1
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                mine = time.process_time()
-                res = client.push(weights.items(), version, bucket_bytes=bucket_bytes, transport=t)
-                cpu = {"trainer": time.process_time() - mine,
-                       **{name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}}
+                with cpu_used(pids) as cpu:
+                    res = client.push(weights.items(), version, bucket_bytes=bucket_bytes, transport=t)
                 if res.detail["transport"] != t:
                     raise SystemExit(f"asked for {t}, the daemon chose {res.detail['transport']}")
                 if keep:
