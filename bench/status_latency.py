@@ -28,7 +28,7 @@ from bench.throughput import MiB, parse_size
 TRAINER = r"""
 import json, sys
 from engines.sink import random_weights, read_spec
-from orchestrator.client import TrainerClient
+from orchestrator.trainer.client import TrainerClient
 addr, model, bucket, transport = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 weights = list(random_weights(read_spec(model), seed=1))
 with TrainerClient(addr, timeout=120.0) as c:

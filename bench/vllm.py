@@ -70,7 +70,7 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
     from examples.launch import Cluster
     from examples.tiny import build_tiny_llama, perturbed
     from messages.buckets import iter_buckets, unpack
-    from orchestrator.config import set_process_env, vllm_process_env
+    from orchestrator.daemon.config import set_process_env, vllm_process_env
 
     model_dir = build_tiny_llama(tmp / f"model-{size}", size=size)
     weights = dict(perturbed(load_model(model_dir).state_dict(), 1))

@@ -32,7 +32,7 @@ from engines.base import Engine
 from messages import codec, schema
 from messages.errors import ErrorCode, MessageError
 from messages.shm import shm_available
-from orchestrator.link import Link
+from messages.link import Link
 
 log = structlog.get_logger()
 
@@ -61,7 +61,7 @@ class Worker:
         self.collective = collective and "collective" in engine.describe().transports
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
-        self.keys = keys  # orchestrator.auth.ClientKeys for a CURVE daemon
+        self.keys = keys  # messages.keys.ClientKeys for a CURVE daemon
         self.allow_shm = allow_shm
         self.close_engine = close_engine
         self.connect = connect
@@ -284,8 +284,8 @@ class Worker:
 
 ENGINE_FACTORIES: dict[str, str] = {
     "torch": "engines.torch_engine:make_engine",
-    "vllm": "engines.vllm_engine:make_engine",
-    "vllm-server": "engines.vllm_engine:make_server_engine",
+    "vllm": "engines.vllm.engine:make_engine",
+    "vllm-server": "engines.vllm.server:make_engine",
     "sink": "engines.sink:make_engine",
 }
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -19,11 +21,11 @@ PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
 def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
              bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None,
-             backend: str = "torch") -> bool:
+             backend: str = "torch", show: Callable[[Any], None] | None = None) -> bool:
+    """`show(status)` renders the daemon's final status (the CLI passes its tables)."""
     from examples.tiny import build_tiny_llama, perturbed
     from engines.torch_engine import load_model
     from messages.canary import make_probes
-    from orchestrator.cli import history_table, status_table
     from examples.launch import Cluster
 
     console = Console(width=120)
@@ -74,8 +76,8 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
                                   f"trainer: {'yes' if match else 'NO'}")
                 st = client.status()
             console.print(table)
-            console.print(status_table(st))
-            console.print(history_table(st))
+            if show is not None:
+                show(st)
         leftover = [p.name for p in cluster.procs if p.popen.poll() is None]
         console.print(f"stopped {len(cluster.procs)} processes; still running: {leftover or 'none'}")
         return all_ok and not leftover

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from messages.errors import WeightSyncError
-from orchestrator.auth import client_keys
-from orchestrator.client import TrainerClient
-from orchestrator.config import child_env
+from messages.keys import client_keys
+from orchestrator.trainer.client import TrainerClient
+from orchestrator.daemon.config import child_env
 
 
 class LaunchError(RuntimeError):

@@ -70,16 +70,18 @@ def run(steps: int = 8, group: int = 64, max_tokens: int = 8, target: int = -1, 
     import torch
 
     from engines.torch_engine import load_model
-    from engines.vllm_engine import VllmEngine
+    from engines.vllm.engine import VllmEngine
     from engines.worker import Worker
     from examples.launch import Cluster
     from examples.tiny import build_tiny_llama
     from messages.canary import make_probes
+    from orchestrator.daemon.config import set_process_env, vllm_process_env
 
     tmp = tempfile.TemporaryDirectory(prefix="weightsync-rl-") if workdir is None else None
     work = Path(tmp.name if tmp else workdir)
     model_dir = build_tiny_llama(work / "model", seed=0)
     cluster = Cluster(work, model_dir, engines=0, min_engines=1)
+    set_process_env(vllm_process_env(False))  # before vLLM is imported
     engine = VllmEngine(model_dir)  # the rollout engine, in this process
     worker = Worker(engine, cluster.engine_addr, "rollout-0", close_engine=False)
     history: list[dict[str, Any]] = []

@@ -21,6 +21,9 @@ from messages.dtypes import ITEMSIZE
 PROTOCOL_VERSION = 1
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
+DEFAULT_ADDR = "tcp://127.0.0.1:5555"  # the daemon's trainer socket
+DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5556"  # the daemon's engine socket
+
 # 16 MiB: measured fastest on this project's 2-core host (`python -m bench --bucket-bytes
 # 8MiB,16MiB,32MiB,64MiB`): receive buffers past glibc's 32 MiB mmap threshold are fresh
 # mappings that page-fault on every bucket, in the daemon and in every engine.

@@ -11,7 +11,7 @@
 
 from messages.canary import make_probes
 from messages.checkpoint import iter_safetensors
-from orchestrator.client import SyncResult, TrainerClient
+from orchestrator.trainer.client import SyncResult, TrainerClient
 from orchestrator.trainer.module import module_tensors, push_module
 from orchestrator.trainer.rollout import (check_alignment, non_thinking_prefix_ids, pad_routed_experts,
                                           reencode_response, replace_assistant_response_with_ids,

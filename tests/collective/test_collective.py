@@ -130,7 +130,7 @@ def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_m
         with c.client(timeout=30.0) as plain:
             st = plain.status()
         assert all(e["collective_ranks"] == 1 for e in st["engines"])
-        from orchestrator.client import TrainerClient
+        from orchestrator.trainer.client import TrainerClient
         with TrainerClient(f"tcp://127.0.0.2:0;127.0.0.1:{tport}", timeout=30.0,
                            collective_host="127.0.0.2") as client:
             for v in (1, 2):
@@ -149,8 +149,8 @@ DYING_TRAINER = r"""
 import os, signal, sys
 from examples.tiny import perturbed
 from engines.torch_engine import load_model
-from orchestrator.client import TrainerClient
-from orchestrator.trainer_group import TrainerGroup
+from orchestrator.trainer.client import TrainerClient
+from orchestrator.trainer.group import TrainerGroup
 addr, model = sys.argv[1], sys.argv[2]
 real = TrainerGroup.start
 calls = []
@@ -204,7 +204,7 @@ def test_a_byte_corrupted_on_the_collective_is_caught_by_the_engines(cluster, ti
     after packing fails the sync with CHECKSUM_MISMATCH, nothing finalized; the next push
     is READY."""
     from messages.errors import ErrorCode, WeightSyncError
-    from orchestrator.trainer_group import TrainerGroup
+    from orchestrator.trainer.group import TrainerGroup
 
     real = TrainerGroup.start
     seen = []

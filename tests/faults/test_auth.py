@@ -12,8 +12,8 @@ import pytest
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.auth import client_keys, generate
-from orchestrator.client import TrainerClient
+from messages.keys import client_keys, generate
+from orchestrator.trainer.client import TrainerClient
 
 from tests.integration.helpers import FAST_DAEMON
 from examples.launch import Cluster

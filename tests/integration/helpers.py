@@ -34,7 +34,7 @@ STALLING_TRAINER = r"""
 import sys, time
 from examples.tiny import perturbed
 from engines.torch_engine import load_model
-from orchestrator.client import TrainerClient
+from orchestrator.trainer.client import TrainerClient
 addr, model, version, transport = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 state = load_model(model).state_dict()
 c = TrainerClient(addr, timeout=60)

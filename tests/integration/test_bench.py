@@ -68,7 +68,7 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
 
 def test_daemon_never_imports_torch():
     """The daemon relays bytes; importing torch would cost it ~300 MiB of RSS for nothing."""
-    code = ("import sys; import orchestrator.cli, orchestrator.service; "
+    code = ("import sys; import orchestrator.cli, orchestrator.daemon.service; "
             "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

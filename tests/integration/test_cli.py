@@ -71,7 +71,7 @@ def test_push_of_a_directory_without_safetensors_is_a_usage_error(cluster, tmp_p
 
 
 def test_bad_environment_setting_is_a_config_error(tmp_path):
-    from orchestrator.config import child_env
+    from orchestrator.daemon.config import child_env
     r = ws("serve", "--state-db", str(tmp_path / "s.db"), env=child_env({"WEIGHTSYNC_MIN_ENGINES": "two"}))
     assert r.returncode == 2 and "WEIGHTSYNC_MIN_ENGINES" in r.stderr
 

@@ -125,7 +125,7 @@ dist.destroy_process_group()
 
 
 def test_fsdp2_sharded_model_is_gathered_per_tensor_on_two_gloo_ranks(tmp_path, tiny_model_dir, tiny_state):
-    from orchestrator.config import child_env
+    from orchestrator.daemon.config import child_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

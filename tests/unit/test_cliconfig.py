@@ -13,7 +13,7 @@ import io
 import os
 from contextlib import redirect_stderr, redirect_stdout
 
-from orchestrator import cliconfig
+from orchestrator.cli import config as cliconfig
 from orchestrator.cli import command
 
 CLI = command()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import ConfigError, load_settings
-from orchestrator.journal import Journal
+from orchestrator.daemon.config import ConfigError, load_settings
+from orchestrator.daemon.journal import Journal
 
 
 def test_flags_win_over_env_which_win_over_defaults(monkeypatch):

@@ -77,7 +77,7 @@ def test_kubectl_client_dry_run_accepts_the_manifests_where_it_can():
 
 
 def exported_metric_names() -> set[str]:
-    from orchestrator.metrics import Metrics
+    from orchestrator.daemon.metrics import Metrics
 
     m = Metrics()
     m.publish({"state": "READY", "version": 1, "dirty": False, "spool": {"bytes": 1},

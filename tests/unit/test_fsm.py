@@ -12,8 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Begin, Bucket, Failed, Finalized, Finish, ParamSpec, Probe, Register, TensorMeta
-from orchestrator import fsm
-from orchestrator.fsm import Orchestrator, State
+from orchestrator.core import fsm
+from orchestrator.core.fsm import Orchestrator, State
 
 S = State
 META = (TensorMeta("w", "float32", (4,), 0, 16),)

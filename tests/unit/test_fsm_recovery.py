@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from messages.errors import ErrorCode, StateError
 from messages.schema import Begin, Failed, Finalized, Register
-from orchestrator import fsm
-from orchestrator.fsm import State
+from orchestrator.core import fsm
+from orchestrator.core.fsm import State
 
 from tests.unit.test_fsm import ENGINES, ack, bucket, cmds, finalized, finish, to_ready
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.stream import MAX_WINDOW, WindowSizer, window_limit
+from orchestrator.trainer.stream import MAX_WINDOW, WindowSizer, window_limit
 
 
 def feed(sizer: WindowSizer, rtt: float, gap: float, n: int = 20) -> int:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.daemon.config import set_process_env, vllm_process_env
+
+# vLLM reads these at import: this process and the isolated scripts it starts (which
+# inherit its environment) host in-process engines, V1 multiprocessing off.
+set_process_env(vllm_process_env(False))
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -15,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 def vllm_engine(tiny_model_dir):
     """One in-process vLLM (V1 multiprocessing off) hosting the tiny Llama."""
     pytest.importorskip("vllm")
-    from engines.vllm_engine import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     engine = VllmEngine(tiny_model_dir, multiprocessing=False)
     yield engine
@@ -32,7 +38,7 @@ def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
     import subprocess
     import sys
 
-    from orchestrator.config import child_env
+    from orchestrator.daemon.config import child_env
     r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                        timeout=timeout, env=child_env())
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from orchestrator.config import child_env
+from orchestrator.daemon.config import child_env
 
 
 def test_rl_loop_reward_rises_and_engine_greedy_equals_the_trainers_after_every_push():

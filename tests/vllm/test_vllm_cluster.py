@@ -100,8 +100,8 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
     broadcast) fails the sync with CHECKSUM_MISMATCH on both vLLM engines (in-process and
     multiprocessing workers); nothing is finalized and the next push is READY."""
     from messages.errors import WeightSyncError
-    from orchestrator.stream import StreamMixin
-    from orchestrator.trainer_group import TrainerGroup
+    from orchestrator.trainer.stream import StreamMixin
+    from orchestrator.trainer.group import TrainerGroup
 
     if transport == "shm":
         real_msg = StreamMixin._bucket_msg

@@ -59,7 +59,7 @@ HAZARD_SCRIPT = r"""
 import json, sys
 from examples.tiny import perturbed
 from engines.torch_engine import load_model
-from engines.vllm_engine import VllmEngine
+from engines.vllm.engine import VllmEngine
 from messages.buckets import digest, iter_buckets
 from messages.canary import greedy
 from messages.schema import Probe

@@ -30,7 +30,7 @@ def moe(tmp_path_factory):
 MOE_SCRIPT = r"""
 import json, sys
 import torch
-from engines.vllm_engine import VllmEngine
+from engines.vllm.engine import VllmEngine
 from messages.buckets import iter_buckets
 from messages.canary import greedy
 from messages.checkpoint import iter_safetensors

@@ -17,7 +17,7 @@ from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
-from orchestrator.config import child_env, vllm_process_env
+from orchestrator.daemon.config import child_env, vllm_process_env
 from examples.launch import Cluster
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]

@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from engines.vllm_engine import _VllmBase
+from engines.vllm.base import VllmBase
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe
 
@@ -37,7 +37,7 @@ log = structlog.get_logger()
 PAUSE_MODES = ("keep", "wait", "abort")
 
 
-class VllmServerEngine(_VllmBase):
+class VllmServerEngine(VllmBase):
     backend = "vllm-server"
 
     def __init__(self, model_dir: str | Path, url: str, *, pause_mode: str = "keep",
@@ -197,3 +197,11 @@ class VllmServerEngine(_VllmBase):
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
             out.append(tuple(r["choices"][0]["token_ids"]))
         return tuple(out)
+
+
+def make_engine(options: dict[str, Any]) -> VllmServerEngine:
+    if not options.get("url"):
+        raise ValueError("--backend vllm-server needs --url http://HOST:PORT")
+    return VllmServerEngine(options["model"], options["url"],
+                            pause_mode=options.get("pause_mode") or "keep",
+                            bind=options.get("collective_host") or "")

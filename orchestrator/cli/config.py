@@ -19,7 +19,7 @@ from pathlib import Path
 from dataclasses import fields
 from typing import Any
 
-from orchestrator.config import Settings
+from orchestrator.daemon.config import Settings
 
 ENV_PREFIX = "WEIGHTSYNC_"
 SETTINGS_DEFAULTS = {f.name: f.default for f in fields(Settings)}

@@ -24,7 +24,7 @@ import structlog
 from messages import codec, schema
 from messages.errors import ErrorCode, MessageError, make_error
 from messages.shm import sweep_stale
-from orchestrator import fsm
+from orchestrator.core import fsm
 
 log = structlog.get_logger()
 

@@ -27,9 +27,9 @@ from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.shm import ShmFull, shm_available, sweep_stale
-from orchestrator.link import RECONNECTED
-from orchestrator.rings import InlineRing, ShmRing
-from orchestrator.trainer_group import TrainerGroup
+from messages.link import RECONNECTED
+from orchestrator.trainer.rings import InlineRing, ShmRing
+from orchestrator.trainer.group import TrainerGroup
 
 log = structlog.get_logger()
 

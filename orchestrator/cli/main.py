@@ -20,11 +20,12 @@ from rich.markup import escape
 
 from messages.errors import WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
-from orchestrator.config import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, parse_failpoints
+from orchestrator.daemon.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, parse_failpoints,
+                                        set_process_env, vllm_process_env)
 
-from orchestrator import cliconfig
-from orchestrator.tables import history_table, push_progress, status_table
-from orchestrator.cliutil import (EXIT_OK, EXIT_STARTUP, EXIT_SYNC, EXIT_USAGE, _check_endpoint,
+from orchestrator.cli import config as cliconfig
+from orchestrator.cli.tables import history_table, push_progress, status_table
+from orchestrator.cli.util import (EXIT_OK, EXIT_STARTUP, EXIT_SYNC, EXIT_USAGE, _check_endpoint,
                                   _client, _client_keys, _fail, _parse_kv, _settings, _usage,
                                   err_console)
 
@@ -83,8 +84,8 @@ def serve(
     import sqlite3
     import zmq
 
-    from orchestrator.logs import configure_logging
-    from orchestrator.service import Service
+    from orchestrator.daemon.logs import configure_logging
+    from orchestrator.daemon.service import Service
 
     s = _settings(bind=bind, engine_bind=engine_bind, state_db=state_db, min_engines=min_engines,
                   engine_timeout=engine_timeout, sync_timeout=sync_timeout,
@@ -95,8 +96,8 @@ def serve(
                   log_level=log_level, log_json=log_json)
     configure_logging(s.log_level, s.log_json)
     from messages import shm
-    from orchestrator.auth import KeysError
-    from orchestrator.locks import StateInUse
+    from messages.keys import KeysError
+    from orchestrator.daemon.locks import StateInUse
 
     shm.configure(s.shm_dir)
     service = None
@@ -150,7 +151,7 @@ def engine(
     import signal
 
     from engines.worker import Worker, make_engine
-    from orchestrator.logs import configure_logging
+    from orchestrator.daemon.logs import configure_logging
 
     s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json,
                   shm_dir=shm_dir)
@@ -165,6 +166,8 @@ def engine(
     except ConfigError as exc:
         err_console.print(f"[red]configuration error:[/red] {exc}")
         raise typer.Exit(EXIT_USAGE) from None
+    if backend == "vllm":  # vLLM reads its settings from the environment at import
+        set_process_env(vllm_process_env(vllm_mp))
     try:
         llm_args = _parse_kv(vllm_arg)
         eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
@@ -196,7 +199,7 @@ def keys_generate(
     engine: list[str] = typer.Option(["engine"], help="engine identities to create"),
 ) -> None:
     """Create the daemon's keypair (once) and allowlisted trainer and engine keypairs."""
-    from orchestrator.auth import KeysError, generate
+    from messages.keys import KeysError, generate
 
     try:
         made = generate(directory, trainer, engine)
@@ -341,11 +344,21 @@ def demo(
     backend: str = typer.Option("torch", help="torch | vllm"),
 ) -> None:
     """Everything on this machine: daemon, engines, a trainer pushing VERSIONS versions."""
-    from examples.demo import run_demo
+    try:
+        from examples.demo import run_demo
+    except ImportError:
+        _usage("weightsync demo runs from a source checkout (it needs examples/); "
+               "run it in the repository, e.g. `make demo`")
+        return
+
+    def show(st: dict[str, Any]) -> None:
+        console = Console(width=120)
+        console.print(status_table(st))
+        console.print(history_table(st))
 
     try:
         ok = run_demo(versions=versions, engines=engines, size=size, bucket_bytes=bucket_bytes,
-                      workdir=workdir, backend=backend)
+                      workdir=workdir, backend=backend, show=show)
     except WeightSyncError as err:
         _fail(err, "demo")
         return
@@ -355,8 +368,12 @@ def demo(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
     """Data-plane benchmark against raw ZeroMQ and memcpy (`python -m bench --help`)."""
-    from bench.throughput import main as bench_main
-
+    try:
+        from bench.throughput import main as bench_main
+    except ImportError:
+        _usage("weightsync bench runs from a source checkout (it needs bench/); "
+               "run it in the repository, e.g. `make bench`")
+        return
     bench_main(list(ctx.args))
 
 

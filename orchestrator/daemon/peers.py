@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from orchestrator.link import close_monitor
+from messages.link import close_monitor
 
 
 class PeerTracker:

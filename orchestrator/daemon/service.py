@@ -30,19 +30,19 @@ import zmq.asyncio
 from messages import schema
 from messages.shm import Reader, sweep_stale
 from messages.errors import ErrorCode
-from orchestrator import fsm
-from orchestrator.auth import ServerAuth
-from orchestrator.config import Settings, parse_failpoints
-from orchestrator.journal import Journal
-from orchestrator.locks import lock_state
-from orchestrator.metrics import Metrics
-from orchestrator.peers import PeerTracker
-from orchestrator.recovery import Recovery
-from orchestrator.spool import Spool
-from orchestrator.storage import Storage
-from orchestrator.transport import Pending, Stats, Transport, Waiter
-from orchestrator.dispatch import DAEMON_VERSION, Dispatch
-from orchestrator.effects import Effects
+from orchestrator.core import fsm
+from orchestrator.daemon.auth import ServerAuth
+from orchestrator.daemon.config import Settings, parse_failpoints
+from orchestrator.daemon.journal import Journal
+from orchestrator.daemon.locks import lock_state
+from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.peers import PeerTracker
+from orchestrator.daemon.recovery import Recovery
+from orchestrator.daemon.spool import Spool
+from orchestrator.daemon.storage import Storage
+from orchestrator.daemon.transport import Pending, Stats, Transport, Waiter
+from orchestrator.daemon.dispatch import DAEMON_VERSION, Dispatch
+from orchestrator.daemon.effects import Effects
 
 log = structlog.get_logger()
 

@@ -13,12 +13,12 @@ from typing import Any
 from transitions import EventData
 
 from messages.errors import WeightSyncError
-from orchestrator import syncs
-from orchestrator.commands import (AckBucket, CatchUpAck, CatchUpDone, CompleteSync,
+from orchestrator.core import syncs
+from orchestrator.core.commands import (AckBucket, CatchUpAck, CatchUpDone, CompleteSync,
                                    ForwardBucket, Journal, SendAbort, SendFinalize, SpoolBegin,
                                    SpoolCommit, SpoolDiscard, StartCatchUp, StartRollback)
-from orchestrator.records import (BucketRecord, CatchUp, EngineRecord, EngineState, SyncRecord)
-from orchestrator.states import State
+from orchestrator.core.records import (BucketRecord, CatchUp, EngineRecord, EngineState, SyncRecord)
+from orchestrator.core.states import State
 
 E = EngineState
 

@@ -19,11 +19,11 @@ import zmq
 
 from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator import fsm
-from orchestrator.spool import Spool, SpoolEntry
+from orchestrator.core import fsm
+from orchestrator.daemon.spool import Spool, SpoolEntry
 
 if TYPE_CHECKING:
-    from orchestrator.service import Service
+    from orchestrator.daemon.service import Service
 
 log = structlog.get_logger()
 

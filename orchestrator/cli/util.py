@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from messages.errors import WeightSyncError
-from orchestrator.config import ConfigError, load_settings
+from orchestrator.daemon.config import ConfigError, load_settings
 
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
@@ -46,8 +46,8 @@ def _usage(message: str) -> None:
 
 
 def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
-    from orchestrator.client import TrainerClient
-    from orchestrator.logs import configure_logging
+    from orchestrator.trainer.client import TrainerClient
+    from orchestrator.daemon.logs import configure_logging
 
     # stdout is the command's answer (a table, or JSON for scripts); warnings go to stderr
     configure_logging("warning", json=False)
@@ -74,7 +74,7 @@ def _check_endpoint(addr: str, flag: str) -> None:
 def _client_keys(directory: Optional[Path], name: str) -> Any:
     if directory is None:
         return None
-    from orchestrator.auth import KeysError, client_keys
+    from messages.keys import KeysError, client_keys
 
     try:
         return client_keys(directory, name)

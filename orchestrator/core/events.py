@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Register
-from orchestrator.records import Spooled
+from orchestrator.core.records import Spooled
 
 
 class Event:

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Bucket
-from orchestrator import events as ev
-from orchestrator import syncs
+from orchestrator.core import events as ev
+from orchestrator.core import syncs
 
 if TYPE_CHECKING:
-    from orchestrator.records import SyncRecord
+    from orchestrator.core.records import SyncRecord
 
 
 class Explain:

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from messages.schema import Begin, Probe
-from orchestrator.records import EngineRecord, GroupPlan, SyncRecord
+from orchestrator.core.records import EngineRecord, GroupPlan, SyncRecord
 
 
 def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:

@@ -27,7 +27,7 @@ log = structlog.get_logger()
 
 MANIFEST = "manifest.json"
 CURRENT = "current"
-LOCK = ".lock"  # orchestrator.locks: one daemon per spool
+LOCK = ".lock"  # orchestrator.daemon.locks: one daemon per spool
 
 
 @dataclass(frozen=True, slots=True)

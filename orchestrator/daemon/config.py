@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-DEFAULT_ADDR = "tcp://127.0.0.1:5555"
-DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5556"
+from messages.schema import DEFAULT_ADDR, DEFAULT_ENGINE_ADDR
+
+__all__ = ["DEFAULT_ADDR", "DEFAULT_ENGINE_ADDR", "ConfigError", "Settings", "load_settings"]
 ENV_PREFIX = "WEIGHTSYNC_"
 
 

@@ -13,9 +13,9 @@ from typing import Any
 from transitions import EventData
 
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator import events as ev
-from orchestrator import syncs
-from orchestrator.records import EngineState, SyncRecord
+from orchestrator.core import events as ev
+from orchestrator.core import syncs
+from orchestrator.core.records import EngineState, SyncRecord
 
 E = EngineState
 

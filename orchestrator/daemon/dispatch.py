@@ -16,8 +16,8 @@ import structlog
 from messages import codec, schema
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
-from orchestrator import fsm
-from orchestrator.transport import Pending, Waiter
+from orchestrator.core import fsm
+from orchestrator.daemon.transport import Pending, Waiter
 
 log = structlog.get_logger()
 

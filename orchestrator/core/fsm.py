@@ -22,15 +22,15 @@ from typing import Any
 from transitions import EventData, Machine, MachineError
 
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from orchestrator import events as ev
-from orchestrator import refusals, syncs
-from orchestrator.commands import (AckBucket, CatchUpAck, CatchUpDone, Command, CompleteSync,
+from orchestrator.core import events as ev
+from orchestrator.core import refusals, syncs
+from orchestrator.core.commands import (AckBucket, CatchUpAck, CatchUpDone, Command, CompleteSync,
                                    ForwardBucket, Journal, Result, SendAbort, SendFinalize,
                                    SpoolBegin, SpoolCommit, SpoolDiscard, StartCatchUp,
                                    StartRollback)
-from orchestrator.records import (CatchUp, EngineRecord, EngineState, GroupPlan, Limits,
+from orchestrator.core.records import (CatchUp, EngineRecord, EngineState, GroupPlan, Limits,
                                   Spooled, SyncRecord)
-from orchestrator.states import ACTIVE, State
+from orchestrator.core.states import ACTIVE, State
 
 __all__ = ["State", "EngineState", "TRANSITIONS", "ENGINE_TRANSITIONS", "Core", "Orchestrator",
            "Limits", "Spooled", "Result", "Command", "AckBucket", "CatchUpAck", "CatchUpDone",
@@ -155,7 +155,7 @@ class Core(refusals.Explain):
         if fn is not None:
             fn(e, e.kwargs["ev"])
 
-    from orchestrator.core_assess import (assess_abort, assess_failed,  # noqa: E402
+    from orchestrator.core.core_assess import (assess_abort, assess_failed,  # noqa: E402
                                           assess_finalized, assess_internal, assess_register,
                                           assess_shutdown, assess_tick, _loading_deadline)
 
@@ -238,7 +238,7 @@ class Core(refusals.Explain):
                 and len(live) >= max(1, self.limits.min_engines))
 
     # -- callbacks: change records, append commands; never raise, never trigger --------
-    from orchestrator.core_callbacks import (add_engine, close_failed, close_ready,  # noqa: E402
+    from orchestrator.core.core_callbacks import (add_engine, close_failed, close_ready,  # noqa: E402
                                              expire_catchups, forward_bucket, mark_lost,
                                              note_failed, note_finalized, note_heartbeat,
                                              note_loaded, note_spooled, note_trainer_gone,

@@ -25,13 +25,13 @@ import torch
 import zmq
 
 from messages import codec, schema
+from messages.schema import DEFAULT_ADDR
 from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from orchestrator.auth import ClientKeys
-from orchestrator.config import DEFAULT_ADDR
-from orchestrator.link import RECONNECTED, Link, _Reconnected
-from orchestrator.stream import REPLY_TYPES, StreamMixin, error_from_reply, window_limit
-from orchestrator.trainer_group import TrainerGroup
+from messages.keys import ClientKeys
+from messages.link import RECONNECTED, Link, _Reconnected
+from orchestrator.trainer.stream import REPLY_TYPES, StreamMixin, error_from_reply, window_limit
+from orchestrator.trainer.group import TrainerGroup
 
 log = structlog.get_logger()
 

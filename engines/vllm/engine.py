@@ -1,0 +1,175 @@
+"""The in-process vLLM engine: `vllm.LLM` hosted in the engine process, driven through
+`collective_rpc` into `engines.vllm.extension.WeightSyncExtension` on every worker.
+
+Rules: what both vLLM backends share is `engines.vllm.base`. vLLM reads its settings
+from the process environment at import: the caller sets them first (the `weightsync
+engine` command does, from `orchestrator.daemon.config.vllm_process_env`). LoRA slots
+(`engines.vllm.lora`) keep adapter tensors out of vLLM's loader and add the adapter at
+the single finalize.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+import xxhash
+
+from engines.vllm.base import EXTENSION, Parts, VllmBase
+from engines.vllm.lora import LoraSlots, vllm_rank
+from messages.errors import ErrorCode, make_error
+from messages.schema import Probe, TensorMeta
+from messages.shm import Reader, frombuffer
+
+log = structlog.get_logger()
+
+
+class VllmEngine(VllmBase):
+    """`vllm.LLM` in this process (its workers in-process or in vLLM's own processes)."""
+
+    def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
+                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20,
+                 lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> None:
+        from vllm import LLM
+
+        args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
+                "enable_prefix_caching": True, **(llm_args or {})}
+        if lora_rank:
+            args.update(enable_lora=True, max_lora_rank=vllm_rank(lora_rank), max_loras=1)
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, **args)
+        self.startup_seconds = time.perf_counter() - t0
+        self.llm_args = args
+        self.multiprocessing = multiprocessing
+        self._setup(model_dir, staging_bytes)
+        self.lora: Any = None
+        self.lora_request: Any = None
+        self._pending_begin: tuple[str, int] | None = None
+        self._base_begun = False
+        if lora_rank:
+            self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
+            self.spec.update(self.lora.spec)
+            self._reader = Reader()
+        log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
+                 multiprocessing=multiprocessing, args=args)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"llm_args": self.llm_args, "multiprocessing": self.multiprocessing}
+
+    def _workers(self) -> int:
+        return (int(self.llm_args.get("tensor_parallel_size", 1))
+                * int(self.llm_args.get("pipeline_parallel_size", 1)))
+
+    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+        return self.llm.collective_rpc(method, args=(arg,))
+
+    def _after_finalize(self) -> None:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    # -- LoRA slots: adapter tensors stay here; the base reload starts on the first base tensor
+    def begin(self, sync_id: str, version: int) -> None:
+        if self.lora is None:
+            super().begin(sync_id, version)
+            return
+        self.sync_id, self._digest = sync_id, None
+        self._pending_begin, self._base_begun = (sync_id, version), False
+        self.lora.pending.clear()
+
+    def _begin_base(self) -> None:
+        if not self._base_begun and self._pending_begin is not None:
+            super().begin(*self._pending_begin)
+            self._base_begun = True
+
+    def _local(self) -> bool:
+        return not self.multiprocessing
+
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
+        if self.lora is None:
+            return super().load_bucket(metas, buf, parts)
+        self._check(metas)
+        base = self.lora.take(metas, frombuffer(memoryview(buf)))
+        if base:
+            self._begin_base()
+            self._send_bucket(base, buf, _only(parts, base))
+
+    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
+                 parts: Parts = None) -> None:
+        if self.lora is None:
+            return super().load_shm(metas, ref, bucket_checksum, parts)
+        self._check(metas)
+        base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
+        if base:
+            self._begin_base()
+            self._send_shm(base, ref, bucket_checksum, _only(parts, base))
+
+    def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
+                        bucket_checksum: int, bind: str, seq: int | None = None,
+                        next_bucket: dict[str, int] | None = None) -> None:
+        if self.lora is not None:
+            if any(m.name in self.lora.spec for m in metas):
+                raise make_error(ErrorCode.BAD_MESSAGE, "LoRA adapters travel inline or by shm, "
+                                 "not by the collective (push them with transport inline|auto)")
+            self._begin_base()
+        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
+
+    def finalize(self, sync_id: str) -> str:
+        if self.lora is None:
+            return super().finalize(sync_id)
+        parts = []
+        if self._base_begun:
+            parts.append(super().finalize(sync_id))
+        else:
+            self.finalize_count += 1
+        if self.lora.pending:
+            self.lora_request = self.lora.activate(self.llm, self._pending_begin[1])
+            parts.append(self.lora.digest)
+        self._pending_begin = None
+        self._digest = parts[0] if len(parts) == 1 else xxhash.xxh3_128_hexdigest("".join(parts))
+        return self._digest
+
+    def abort(self) -> None:
+        if self.lora is None or self._base_begun:
+            super().abort()
+        if self.lora is not None:
+            self.lora.pending.clear()
+            self._pending_begin, self._base_begun, self._digest = None, False, None
+
+    def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
+        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
+                  for p in probes]
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        return tuple(tuple(o.outputs[0].token_ids) for o in outs)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "lora", None) is not None:
+            self.lora.close()
+        llm = self.__dict__.pop("llm", None)
+        if not self.multiprocessing:
+            # In-process workers: vLLM's shutdown tears down the process-global
+            # torch.distributed groups, which would break any other in-process LLM
+            # (measured). Dropping the reference is enough; the process owns the rest.
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()  # stops vLLM's worker processes
+
+
+def _only(parts: Parts, metas: Sequence[TensorMeta]) -> Parts:
+    return None if parts is None else {m.name: parts[m.name] for m in metas}
+
+
+def make_engine(options: dict[str, Any]) -> VllmEngine:
+    return VllmEngine(options["model"], multiprocessing=bool(options.get("vllm_mp", False)),
+                      llm_args=options.get("llm_args") or {},
+                      lora_rank=int(options.get("lora_rank") or 0),
+                      lora_targets=tuple(options.get("lora_targets") or ()))

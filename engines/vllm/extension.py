@@ -1,0 +1,283 @@
+"""The vLLM worker extension (`worker_extension_cls`): runs inside every vLLM worker, on
+every TP rank, via `collective_rpc`.
+
+Rules:
+- Every argument is a JSON string (so the same methods serve `LLM.collective_rpc`,
+  multiprocessing workers, and the OpenAI server's `/collective_rpc`, which only passes
+  strings). Tensor bytes never travel as arguments: a bucket lies in shared memory and
+  the descriptor names the segment; each worker views it itself (no copy until
+  `load_weights` copies into parameters).
+- One reload per sync: `ws_begin` starts vLLM's layerwise reload, `ws_load` feeds buckets
+  to `model.load_weights`, `ws_finalize` finalizes once (layerwise finalize where vLLM has
+  it, `process_weights_after_loading` otherwise). A second `ws_finalize` for the same
+  sync is refused here too, independently of the engine worker and the orchestrator.
+- The digest is over the checkpoint-format tensors received and applied (vLLM repacks
+  into its own layout); the canary probes prove the internal state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from messages.buckets import Digester, checksum, hash_bucket
+from messages.schema import TensorMeta
+from messages.dtypes import DTYPES
+
+
+def keep_pending_weights(flat: torch.Tensor) -> int:
+    """Copy out the weights vLLM still holds from `flat` when a bucket's load returns;
+    return how many.
+
+    vLLM's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
+    `make_online_process_loader`) does not load a weight when it arrives: it appends the
+    loader call's bound arguments, the weight tensor included, to
+    `LAYERWISE_INFO[layer].loaded_weights` and replays them in `_layerwise_process` once
+    the layer's last weight has arrived. Weights of a layer split across buckets therefore
+    outlive this call while `flat` (a receive buffer or the trainer's shm slot) is about
+    to be reused: those, and only those, are cloned. Everything else was consumed by the
+    layer's processing and needs no copy."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    ptr = flat.untyped_storage().data_ptr()
+    kept = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _name, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
+                    kept += 1
+    return kept
+
+
+def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, Any]],
+              digester: Digester, *, layerwise: bool, parts: dict[str, Any] | None = None,
+              phases: dict[str, float] | None = None) -> int:
+    """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
+    make the one copy into the parameters; the views are not cloned first. Feeds the
+    digest (from `parts`, the engine process's hashes of the same bytes, when given);
+    returns how many weights had to be kept past the call (layerwise reload)."""
+    t0 = time.perf_counter()
+    tensors = []
+    for m in metas:
+        t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
+        tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
+    with torch.no_grad():
+        model.load_weights(iter(tensors))
+    t1 = time.perf_counter()
+    kept = keep_pending_weights(flat) if layerwise else 0
+    t2 = time.perf_counter()
+    if parts is not None:  # hex from the engine process, bytes from this worker's own pass
+        for name, _t in tensors:
+            p = parts[name]
+            digester.add(name, p if isinstance(p, bytes) else bytes.fromhex(p))
+    else:
+        for name, t in tensors:
+            digester.update(name, t)
+    if phases is not None:
+        for phase, s in (("vllm_load_weights", t1 - t0), ("vllm_keep_pending", t2 - t1),
+                         ("worker_digest", time.perf_counter() - t2)):
+            phases[phase] = phases.get(phase, 0.0) + s
+    return kept
+
+
+def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: int) -> dict[str, bytes]:
+    """Check a bucket received by broadcast against its checksum and return every tensor's
+    digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
+    host = buf if buf.device.type == "cpu" else buf.cpu()
+    got, parts = hash_bucket(host.numpy(), [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]),
+                                                       m["offset"], m["nbytes"]) for m in metas],
+                             parts=True)
+    if got != expected:
+        raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
+    return parts or {}
+
+
+# In-process workers only: the engine puts a received frame here for the duration of one
+# `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
+LOCAL_BUFFERS: dict[str, Any] = {}
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
+
+    def _ws(self) -> dict[str, Any]:
+        st = getattr(self, "_ws_state", None)
+        if st is None:
+            from messages.shm import Reader
+            st = {"sync_id": None, "version": None, "reloading": False, "finalized": set(),
+                  "finalize_count": 0, "digester": None, "digest": None, "reader": Reader(),
+                  "loaded": 0, "mode": None, "kept": 0}
+            self._ws_state = st
+        return st
+
+    def _ws_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def ws_info(self, arg: str = "{}") -> dict[str, Any]:
+        st = self._ws()
+        return {"sync_id": st["sync_id"], "version": st["version"], "reloading": st["reloading"],
+                "finalize_count": st["finalize_count"], "digest": st["digest"],
+                "rank": getattr(self, "rank", 0), "mode": st["mode"],
+                "loaded": st["loaded"], "kept": st["kept"]}
+
+    def ws_begin(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if st["reloading"]:
+            if st["sync_id"] == a["sync_id"]:
+                return self.ws_info()  # repeated begin of the same sync
+            self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
+        if "posted" in st:  # a receive left posted by an ended sync: leave that group
+            self.ws_collective_close()
+        model = self._ws_model()
+        try:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            initialize_layerwise_reload(model)
+            st["mode"] = "layerwise"
+        except ImportError:
+            st["mode"] = "process_weights_after_loading"
+        st.update(sync_id=a["sync_id"], version=a["version"], reloading=True,
+                  digester=Digester(), digest=None, loaded=0, kept=0)
+        return self.ws_info()
+
+    def _ws_running(self, a: dict[str, Any], method: str) -> dict[str, Any]:
+        """The worker's state, if `a`'s sync is the reload running here."""
+        st = self._ws()
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"{method} for sync {a['sync_id']!r} but the running reload is "
+                               f"{st['sync_id']!r} (reloading={st['reloading']})")
+        return st
+
+    def ws_load(self, arg: str) -> dict[str, Any]:
+        """arg: {sync_id, shm: {name, offset, size} | local: token, checksum | null, parts |
+        null, tensors: [{name, dtype, shape, offset, nbytes}]}; returns {loaded, seconds,
+        phases}. checksum null: the engine process verified these bytes (and sent `parts`)."""
+        t0 = time.perf_counter()
+        a = json.loads(arg)
+        st = self._ws_running(a, "ws_load")
+        from messages.shm import frombuffer
+        if a.get("local") is not None:
+            mv = memoryview(LOCAL_BUFFERS[a["local"]])
+            where = "the engine's frame"
+        else:
+            ref = a["shm"]
+            mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
+            where = f"shared-memory bucket {ref['name']}"
+        phases: dict[str, float] = {}
+        if a.get("checksum") is not None:
+            if checksum(mv) != a["checksum"]:
+                raise ValueError(f"CHECKSUM_MISMATCH: {where} is corrupted")
+            phases["worker_checksum"] = time.perf_counter() - t0
+        self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
+
+    def ws_collective_load(self, arg: str) -> dict[str, Any]:
+        """arg: {sync_id, group: GroupRef, seq, size, checksum, tensors, bind, next: {seq,
+        size} | null}: this worker joins the group (rank = group rank + its vLLM rank) and
+        receives the bucket by broadcast into its own buffer; no tensor crosses
+        `collective_rpc`. With `next` (the engine already holds the following bucket's
+        load) the receive of that bucket is posted before this one loads, so it crosses
+        the network meanwhile; the next call finds it posted."""
+        t0 = time.perf_counter()
+        a = json.loads(arg)
+        st = self._ws_running(a, "ws_collective_load")
+        from messages.collective import Member
+        member = st.get("member")
+        if member is None:
+            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0),
+                                           slots=2)
+        key = (a["group"]["id"], a.get("seq"), a["size"])
+        posted = st.pop("posted", None)
+        if posted is not None and posted[0] != key:
+            member.close()  # a receive posted for another bucket would take this one's bytes
+            raise RuntimeError(f"collective bucket {key} arrived, but {posted[0]} was posted")
+        buf = member.wait(posted[1] if posted is not None else member.post(a["group"], a["size"]))
+        t1 = time.perf_counter()
+        nxt = a.get("next")
+        if nxt:
+            st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]),
+                            member.post(a["group"], nxt["size"]))
+        parts = verify_received(buf, a["tensors"], a["checksum"])
+        phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
+        self._ws_apply(buf, a["tensors"], parts, phases)
+        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
+
+    def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
+        """What vLLM's weight-transfer engine (backend weightsync) holds: digest, count."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "info"):
+            return {"native": False}
+        return {"native": True, **engine.info()}
+
+    def ws_collective_close(self, arg: str = "{}") -> str:
+        self._ws().pop("posted", None)  # shut down with the group
+        member = self._ws().pop("member", None)
+        if member is not None:
+            member.close()
+        return "ok"
+
+    def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]],
+                  parts: dict[str, Any] | None = None, phases: dict[str, float] | None = None) -> None:
+        st = self._ws()
+        st["kept"] += load_into(self._ws_model(), flat, metas, st["digester"],
+                                layerwise=st["mode"] == "layerwise", parts=parts, phases=phases)
+        st["loaded"] += len(metas)
+
+    def ws_finalize(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if a["sync_id"] in st["finalized"]:
+            return {**self.ws_info(), "duplicate": True}
+        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+            raise RuntimeError(f"ws_finalize for sync {a['sync_id']!r} without its begin")
+        t0 = time.perf_counter()
+        self._ws_end_reload()
+        st["finalized"].add(a["sync_id"])
+        st["finalize_count"] += 1
+        st["digest"] = st["digester"].hexdigest()
+        return {**self.ws_info(), "duplicate": False, "seconds": time.perf_counter() - t0}
+
+    def ws_abort(self, arg: str) -> dict[str, Any]:
+        a = json.loads(arg)
+        st = self._ws()
+        if st["reloading"] and st["sync_id"] == a["sync_id"]:
+            self._ws_end_reload()  # mixed weights, but the model is runnable again
+            st.update(digest=None, version=None)
+        return self.ws_info()
+
+    def _ws_end_reload(self) -> None:
+        st = self._ws()
+        model = self._ws_model()
+        model_config = self.vllm_config.model_config
+        if st["mode"] == "layerwise":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            finalize_layerwise_reload(model, model_config)
+        else:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+            process_weights_after_loading(model, model_config, self.device)
+        st["reloading"] = False
+        st["reader"].prune()  # drop mappings of slots the trainer unlinked; keep the rest
+
+    # -- for tests: the hazard this project exists for ----------------------------------
+    def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
+        """Run vLLM's post-load step again, as the buggy per-bucket pattern did."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        process_weights_after_loading(self._ws_model(), self.vllm_config.model_config, self.device)
+        return "ok"
+
+    def ws_unsafe_load_weights(self, arg: str) -> str:
+        """Plain `load_weights` from a shared-memory descriptor, outside any reload."""
+        a = json.loads(arg)
+        from messages.shm import frombuffer
+        st = self._ws()
+        ref = a["shm"]
+        flat = frombuffer(st["reader"].view(ref["name"], ref["offset"], ref["size"]))
+        tensors = [(m["name"], flat[m["offset"]:m["offset"] + m["nbytes"]].view(
+            DTYPES[m["dtype"]]).view(m["shape"])) for m in a["tensors"]]
+        with torch.no_grad():
+            self._ws_model().load_weights(iter(tensors))
+        return "ok"

@@ -1,0 +1,1 @@
+"""The daemon's pure core: events in, commands out. No I/O, no clock reads, no threads."""

@@ -1,0 +1,1 @@
+"""The daemon: the service around the core (sockets, effects, storage, recovery, metrics)."""
