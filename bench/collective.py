@@ -45,13 +45,27 @@ class RawBroadcast:
         gid = "raw-" + uuid.uuid4().hex[:8]
         self.procs = []
         for r in range(1, n + 1):
-            spec = {"id": gid, "host": "127.0.0.1", "port": self.store.port, "rank": r,
-                    "world_size": n + 1, "backend": "gloo", "timeout": timeout, "bind": "127.0.0.1"}
-            self.procs.append(subprocess.Popen([sys.executable, "-c", RECEIVER, json.dumps(spec),
-                                                json.dumps(sizes), str(repeats)]))
+            spec = {
+                "id": gid,
+                "host": "127.0.0.1",
+                "port": self.store.port,
+                "rank": r,
+                "world_size": n + 1,
+                "backend": "gloo",
+                "timeout": timeout,
+                "bind": "127.0.0.1",
+            }
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RECEIVER, json.dumps(spec), json.dumps(sizes), str(repeats)]
+                )
+            )
         from messages.collective import Group, GroupSpec
-        self.group = Group(GroupSpec(gid, "127.0.0.1", self.store.port, 0, n + 1, "gloo", timeout,
-                                     "127.0.0.1"), store=self.store)
+
+        self.group = Group(
+            GroupSpec(gid, "127.0.0.1", self.store.port, 0, n + 1, "gloo", timeout, "127.0.0.1"),
+            store=self.store,
+        )
 
     def once(self, buckets: list[Any]) -> float:
         t0 = time.perf_counter()
@@ -65,9 +79,18 @@ class RawBroadcast:
         self.group.close()
 
 
-def run(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines: list[int],
-        bucket_bytes: int, window: int, repeats: int, log: Any = print) -> dict[str, Any]:
-    from bench.throughput import peak_rss_mib, reset_peak
+def run(
+    workdir: Path,
+    spec_dir: Path,
+    weights: list,
+    model_bytes: int,
+    engines: list[int],
+    bucket_bytes: int,
+    window: int,
+    repeats: int,
+    log: Any = print,
+) -> dict[str, Any]:
+    from bench.common import peak_rss_mib, reset_peak
     from examples.launch import Cluster
     from messages.buckets import iter_buckets
 
@@ -77,10 +100,17 @@ def run(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines:
     for n in engines:
         raw = RawBroadcast(n, sizes, repeats + 1)
         raw.once(packed)  # warm-up: connections, first-touch of buffers
-        with Cluster(workdir / f"coll-e{n}", spec_dir, engines=n, backend="sink",
-                     daemon_args=["--log-level", "warning"],
-                     engine_args=["--log-level", "warning"]) as cluster, \
-                cluster.client(timeout=120.0) as client:
+        with (
+            Cluster(
+                workdir / f"coll-e{n}",
+                spec_dir,
+                engines=n,
+                backend="sink",
+                daemon_args=["--log-level", "warning"],
+                engine_args=["--log-level", "warning"],
+            ) as cluster,
+            cluster.client(timeout=120.0) as client,
+        ):
             pid = cluster.daemon.popen.pid
             client.push(weights, 1, bucket_bytes=bucket_bytes, window=window, transport="collective")
             before = client.status()["daemon"]["bytes_received"]
@@ -88,39 +118,58 @@ def run(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines:
             raw_s, ws_s = [], []
             for i in range(repeats):  # interleaved: raw, weightsync, raw, weightsync, ...
                 raw_s.append(raw.once(packed))
-                r = client.push(weights, 2 + i, bucket_bytes=bucket_bytes, window=window,
-                                transport="collective")
+                r = client.push(
+                    weights, 2 + i, bucket_bytes=bucket_bytes, window=window, transport="collective"
+                )
                 bad = [e["engine_id"] for e in r.engines if e["digest"] != r.digest]
                 if r.state != "READY" or bad or r.detail.get("transport") != "collective":
                     raise RuntimeError(f"collective sync not verified: {r.state}, {bad}, {r.detail}")
                 ws_s.append(r.seconds)
             st = client.status()
-            point = {"engines": n, "raw_seconds": raw_s, "weightsync_seconds": ws_s,
-                     "raw_median_s": statistics.median(raw_s), "weightsync_median_s": statistics.median(ws_s),
-                     "daemon_peak_rss_mib": round(peak_rss_mib(pid), 1),
-                     "daemon_bytes_received": st["daemon"]["bytes_received"] - before,
-                     "world_size": st["collective"]["world_size"]}
+            point = {
+                "engines": n,
+                "raw_seconds": raw_s,
+                "weightsync_seconds": ws_s,
+                "raw_median_s": statistics.median(raw_s),
+                "weightsync_median_s": statistics.median(ws_s),
+                "daemon_peak_rss_mib": round(peak_rss_mib(pid), 1),
+                "daemon_bytes_received": st["daemon"]["bytes_received"] - before,
+                "world_size": st["collective"]["world_size"],
+            }
         raw.close()
         point["ratio_vs_raw"] = point["raw_median_s"] / point["weightsync_median_s"]
         point["gbps"] = model_bytes / point["weightsync_median_s"] / 1e9
         points.append(point)
-        log(f"  collective engines={n}: weightsync {point['weightsync_median_s']:.3f}s "
+        log(
+            f"  collective engines={n}: weightsync {point['weightsync_median_s']:.3f}s "
             f"({point['gbps']:.2f} GB/s), raw broadcast {point['raw_median_s']:.3f}s, "
             f"x{point['ratio_vs_raw']:.2f} of raw; daemon {point['daemon_peak_rss_mib']:.0f} MiB, "
-            f"received {point['daemon_bytes_received']} bytes")
+            f"received {point['daemon_bytes_received']} bytes"
+        )
     one = next((p for p in points if p["engines"] == 1), None)
-    scaling = {p["engines"]: p["weightsync_median_s"] / one["weightsync_median_s"] for p in points} if one else {}
-    return {"bucket_bytes": bucket_bytes, "model_bytes": model_bytes, "repeats": repeats,
-            "points": points, "wall_vs_one_engine": scaling}
+    scaling = (
+        {p["engines"]: p["weightsync_median_s"] / one["weightsync_median_s"] for p in points} if one else {}
+    )
+    return {
+        "bucket_bytes": bucket_bytes,
+        "model_bytes": model_bytes,
+        "repeats": repeats,
+        "points": points,
+        "wall_vs_one_engine": scaling,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["collective: weightsync vs raw torch.distributed.broadcast (medians, interleaved)",
-             f"{'engines':>8} {'weightsync s':>13} {'raw s':>8} {'x raw':>6} {'x 1 engine':>11} "
-             f"{'daemon MiB':>11} {'daemon rx B':>12}"]
+    lines = [
+        "collective: weightsync vs raw torch.distributed.broadcast (medians, interleaved)",
+        f"{'engines':>8} {'weightsync s':>13} {'raw s':>8} {'x raw':>6} {'x 1 engine':>11} "
+        f"{'daemon MiB':>11} {'daemon rx B':>12}",
+    ]
     for p in result["points"]:
-        lines.append(f"{p['engines']:>8} {p['weightsync_median_s']:>13.3f} {p['raw_median_s']:>8.3f} "
-                     f"{p['ratio_vs_raw']:>6.2f} {result['wall_vs_one_engine'].get(p['engines'], 0):>11.2f} "
-                     f"{p['daemon_peak_rss_mib']:>11.0f} {p['daemon_bytes_received']:>12}")
+        lines.append(
+            f"{p['engines']:>8} {p['weightsync_median_s']:>13.3f} {p['raw_median_s']:>8.3f} "
+            f"{p['ratio_vs_raw']:>6.2f} {result['wall_vs_one_engine'].get(p['engines'], 0):>11.2f} "
+            f"{p['daemon_peak_rss_mib']:>11.0f} {p['daemon_bytes_received']:>12}"
+        )
     lines.append("targets: x raw >= 0.90; 4 engines <= 1.20 x one engine; daemon rx = 0 bytes")
     return "\n".join(lines)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
-    from bench.throughput import parse_size, peak_rss_mib, reset_peak, rss_mib
+    from bench.common import parse_size, peak_rss_mib, reset_peak, rss_mib
     from engines.sink import write_spec
     from examples.launch import Cluster
     from messages.dtypes import dtype_name
@@ -53,32 +53,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build(parse_size(args.model_bytes), parse_size(args.tensor_bytes))
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
     bucket = parse_size(args.bucket_bytes)
-    out: dict[str, Any] = {"model_mib": round(model_mib, 1), "bucket_mib": bucket / MiB,
-                           "window": args.window, "runs": []}
+    out: dict[str, Any] = {
+        "model_mib": round(model_mib, 1),
+        "bucket_mib": bucket / MiB,
+        "window": args.window,
+        "runs": [],
+    }
     me = os.getpid()
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-module-") as tmp:
         for dtype in (None, torch.bfloat16):
-            spec = [ParamSpec(n, dtype_name(dtype or t.dtype), tuple(t.shape))
-                    for n, t in module_tensors(model)]
+            spec = [
+                ParamSpec(n, dtype_name(dtype or t.dtype), tuple(t.shape)) for n, t in module_tensors(model)
+            ]
             spec_dir = write_spec(Path(tmp) / f"spec-{dtype}", spec)
-            with Cluster(Path(tmp) / f"run-{dtype}", spec_dir, engines=1, backend="sink",
-                         daemon_args=["--log-level", "warning"],
-                         engine_args=["--log-level", "warning"]) as cluster, \
-                    cluster.client(timeout=120.0) as client:
+            with (
+                Cluster(
+                    Path(tmp) / f"run-{dtype}",
+                    spec_dir,
+                    engines=1,
+                    backend="sink",
+                    daemon_args=["--log-level", "warning"],
+                    engine_args=["--log-level", "warning"],
+                ) as cluster,
+                cluster.client(timeout=120.0) as client,
+            ):
                 before = rss_mib(me)
                 reset_peak(me)
-                r = client.push_module(model, 1, dtype=dtype, bucket_bytes=bucket, window=args.window,
-                                       transport="inline")
+                r = client.push_module(
+                    model, 1, dtype=dtype, bucket_bytes=bucket, window=args.window, transport="inline"
+                )
                 extra = peak_rss_mib(me) - before
             largest = max(p.numel() for p in model.parameters()) * (2 if dtype else 4) / MiB
             bound = args.window * bucket / MiB + largest
-            run = {"dtype": str(dtype or "float32"), "state": r.state, "seconds": round(r.seconds, 3),
-                   "trainer_extra_mib": round(extra, 1), "bound_mib": round(bound, 1),
-                   "within_bound": extra <= bound * 1.25 + 16}
+            run = {
+                "dtype": str(dtype or "float32"),
+                "state": r.state,
+                "seconds": round(r.seconds, 3),
+                "trainer_extra_mib": round(extra, 1),
+                "bound_mib": round(bound, 1),
+                "within_bound": extra <= bound * 1.25 + 16,
+            }
             out["runs"].append(run)
-            print(f"push_module {model_mib:.0f} MiB model, dtype {run['dtype']}: trainer +{extra:.0f} MiB "
-                  f"(window x bucket + one tensor = {bound:.0f} MiB; model {model_mib:.0f} MiB), "
-                  f"{r.seconds:.2f}s, {r.state}")
+            print(
+                f"push_module {model_mib:.0f} MiB model, dtype {run['dtype']}: trainer +{extra:.0f} MiB "
+                f"(window x bucket + one tensor = {bound:.0f} MiB; model {model_mib:.0f} MiB), "
+                f"{r.seconds:.2f}s, {r.state}"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

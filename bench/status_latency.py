@@ -22,8 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.throughput import MiB, parse_size
-
+from bench.common import MiB, parse_size
 
 TRAINER = r"""
 import json, sys
@@ -61,14 +60,21 @@ def run(model_bytes: int, bucket_bytes: int, every: float, transport: str) -> di
     with tempfile.TemporaryDirectory(prefix="weightsync-status-") as tmp:
         work = Path(tmp)
         model = write_spec(work / "sink", spec)
-        c = Cluster(work / "d", model, engines=1, backend="sink",
-                    daemon_args=["--spool", str(work / "spool"), "--log-level", "warning"])
+        c = Cluster(
+            work / "d",
+            model,
+            engines=1,
+            backend="sink",
+            daemon_args=["--spool", str(work / "spool"), "--log-level", "warning"],
+        )
         with c:
             with c.client(timeout=10.0) as probe:
                 idle = _probe(probe, 2.0, every)
                 trainer = subprocess.Popen(
                     [sys.executable, "-c", TRAINER, c.addr, str(model), str(bucket_bytes), transport],
-                    stdout=subprocess.PIPE, text=True)
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 stop = threading.Event()
                 threading.Thread(target=lambda: (trainer.wait(), stop.set()), daemon=True).start()
                 loaded = _probe(probe, 600.0, every, stop)
@@ -76,11 +82,22 @@ def run(model_bytes: int, bucket_bytes: int, every: float, transport: str) -> di
                 spool = c.status()["spool"]
 
     def summary(xs: list[float]) -> dict:
-        return {"n": len(xs), "p50_ms": round(statistics.median(xs), 2),
-                "p99_ms": round(_percentile(xs, 0.99), 2), "max_ms": round(max(xs), 2)}
+        return {
+            "n": len(xs),
+            "p50_ms": round(statistics.median(xs), 2),
+            "p99_ms": round(_percentile(xs, 0.99), 2),
+            "max_ms": round(max(xs), 2),
+        }
 
-    return {"model_bytes": model_bytes, "bucket_bytes": bucket_bytes, "transport": transport,
-            "push": result, "spool": spool, "idle": summary(idle), "during_push": summary(loaded)}
+    return {
+        "model_bytes": model_bytes,
+        "bucket_bytes": bucket_bytes,
+        "transport": transport,
+        "push": result,
+        "spool": spool,
+        "idle": summary(idle),
+        "during_push": summary(loaded),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = run(parse_size(args.model_bytes), parse_size(args.bucket_bytes), args.every, args.transport)
     i, d = r["idle"], r["during_push"]
-    print(f"status round trip, idle daemon:        n={i['n']} p50 {i['p50_ms']} ms, p99 {i['p99_ms']} ms, max {i['max_ms']} ms")
-    print(f"status round trip, during {args.model_bytes} push with --spool ({r['push'].get('seconds', 0):.2f} s, "
-          f"{r['push'].get('state')}): n={d['n']} p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms "
-          f"(p99 / idle p99 = {d['p99_ms'] / max(i['p99_ms'], 1e-3):.1f}x)")
-    print(f"spool after the push: {r['spool']['state']}, version {r['spool']['version']}, {r['spool']['bytes']} bytes")
+    print(
+        f"status round trip, idle daemon:        n={i['n']} p50 {i['p50_ms']} ms, p99 {i['p99_ms']} ms, max {i['max_ms']} ms"
+    )
+    print(
+        f"status round trip, during {args.model_bytes} push with --spool ({r['push'].get('seconds', 0):.2f} s, "
+        f"{r['push'].get('state')}): n={d['n']} p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms "
+        f"(p99 / idle p99 = {d['p99_ms'] / max(i['p99_ms'], 1e-3):.1f}x)"
+    )
+    print(
+        f"spool after the push: {r['spool']['state']}, version {r['spool']['version']}, {r['spool']['bytes']} bytes"
+    )
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
     if args.check and d["p99_ms"] > args.target_ms:

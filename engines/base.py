@@ -6,13 +6,13 @@ raises a `DataError` (UNKNOWN_TENSOR / SHAPE_MISMATCH) with nothing applied. `fi
 is the backend's post-load step and is NOT idempotent, exactly like vLLM's
 `process_weights_after_loading`; the worker guarantees it runs once per sync. `begin`
 prepares a new sync (undoes what finalize did to the checkpoint-format weights).
-An engine may also offer `load_bucket(metas, buf, parts)`, taking the received bucket
-as is (the vLLM engine hands it to its workers by reference or through shared memory,
-without unpacking; `parts` are the tensors' digest parts when it sets `digest_parts`),
-`load_shm(metas, ref, checksum, parts)` (its workers read the trainer's slot), and
-`load_collective(metas, group, size, checksum, bind, seq, next_bucket)`, receiving a
-collective bucket itself (the vLLM engine's workers each join the group and receive
-inside vLLM, posting the next bucket's receive before loading this one).
+Optional capabilities are protocols of their own, checked with isinstance by the
+applier: `LoadsBuckets` (takes the received bucket as is: the vLLM engine hands it to
+its workers by reference or through shared memory, without unpacking), `LoadsShm` (its
+workers read the trainer's slot), `ReceivesCollective` (receives a collective bucket
+itself: the vLLM engine's workers each join the group and receive inside vLLM, posting
+the next bucket's receive before loading this one), `TakesDigestParts` (the engine
+process hashes each bucket once, for checksum and digest) and `ReportsPhases`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from messages.dtypes import dtype_name
 from messages.errors import ErrorCode, make_error
-from messages.schema import ParamSpec, Probe
+from messages.schema import ParamSpec, Probe, ShmRef, TensorMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +62,65 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def validate_bucket(spec: dict[str, ParamSpec], tensors: Sequence[tuple[str, torch.Tensor]],
-                    *, cast_ok: bool = False) -> None:
+def validate_bucket(
+    spec: dict[str, ParamSpec], tensors: Sequence[tuple[str, torch.Tensor]], *, cast_ok: bool = False
+) -> None:
     """Raise UNKNOWN_TENSOR / SHAPE_MISMATCH for the first tensor `spec` would refuse."""
     for name, t in tensors:
         want = spec.get(name)
         if want is None:
-            raise make_error(ErrorCode.UNKNOWN_TENSOR, f"no tensor named {name!r} in this model",
-                             details={"tensor": name})
+            raise make_error(
+                ErrorCode.UNKNOWN_TENSOR, f"no tensor named {name!r} in this model", details={"tensor": name}
+            )
         got_dtype = dtype_name(t.dtype)
         if tuple(t.shape) != tuple(want.shape) or (not cast_ok and got_dtype != want.dtype):
-            raise make_error(ErrorCode.SHAPE_MISMATCH,
-                             f"{name}: model has {want.dtype}{list(want.shape)}, "
-                             f"bucket has {got_dtype}{list(t.shape)}",
-                             details={"tensor": name})
+            raise make_error(
+                ErrorCode.SHAPE_MISMATCH,
+                f"{name}: model has {want.dtype}{list(want.shape)}, bucket has {got_dtype}{list(t.shape)}",
+                details={"tensor": name},
+            )
+
+
+Parts = dict[str, bytes] | None  # per-tensor digest parts from `engines.verify`
+
+
+@runtime_checkable
+class LoadsBuckets(Protocol):
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None: ...
+
+
+@runtime_checkable
+class LoadsShm(Protocol):
+    def load_shm(
+        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+    ) -> None: ...
+
+
+@runtime_checkable
+class ReceivesCollective(Protocol):
+    def load_collective(
+        self,
+        metas: Sequence[TensorMeta],
+        group: dict[str, Any],
+        size: int,
+        bucket_checksum: int,
+        bind: str,
+        seq: int | None = None,
+        next_bucket: dict[str, int] | None = None,
+    ) -> None: ...
+
+    def close_collective(self) -> None: ...
+
+
+@runtime_checkable
+class TakesDigestParts(Protocol):
+    """Its digest is kept elsewhere (vLLM: the workers): the engine process hands each
+    bucket's per-tensor digest parts along instead of the workers hashing again."""
+
+    digest_parts: bool
+
+
+@runtime_checkable
+class ReportsPhases(Protocol):
+    @property
+    def last_phases(self) -> dict[str, float]: ...

@@ -48,7 +48,7 @@ class Prefetcher(threading.Thread):
     def run(self) -> None:
         while (job := self._jobs.get()) is not None:
             kind, msg, fut = job
-            if kind == "close":
+            if kind == "close" or fut is None:
                 self.member.close()
                 continue
             self._slots.acquire()

@@ -19,15 +19,16 @@ import torch
 
 from engines.base import EngineInfo, validate_bucket
 from messages.buckets import Digester, as_bytes, copy_hashing
-from messages.dtypes import ITEMSIZE, torch_dtype
+from messages.dtypes import ITEMSIZE, Dtype, torch_dtype
 from messages.errors import ErrorCode, make_error
 from messages.schema import ParamSpec, Probe
 
 SPEC_FILE = "sink.json"
 
 
-def synthetic_spec(model_bytes: int, tensor_bytes: int = 16 << 20, dtype: str = "bfloat16"
-                   ) -> list[ParamSpec]:
+def synthetic_spec(
+    model_bytes: int, tensor_bytes: int = 16 << 20, dtype: Dtype = "bfloat16"
+) -> list[ParamSpec]:
     """Tensors of `tensor_bytes` (the last one smaller) adding up to `model_bytes`."""
     if model_bytes <= 0 or tensor_bytes <= 0:
         raise ValueError("model_bytes and tensor_bytes must be > 0")
@@ -56,8 +57,9 @@ def read_spec(directory: str | Path) -> list[ParamSpec]:
     path = Path(directory) / SPEC_FILE
     try:
         raw = json.loads(path.read_text())
-        return [ParamSpec(str(t["name"]), str(t["dtype"]), tuple(int(x) for x in t["shape"]))
-                for t in raw["tensors"]]
+        return [
+            ParamSpec(str(t["name"]), t["dtype"], tuple(int(x) for x in t["shape"])) for t in raw["tensors"]
+        ]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a sink spec ({exc})") from None
 
@@ -85,9 +87,12 @@ class SinkEngine:
         self._digest = self._digester.hexdigest()
 
     def describe(self) -> EngineInfo:
-        return EngineInfo(backend=self.backend, model=self.model_dir,
-                          spec=tuple(self.spec.values()),
-                          extra={"bytes": sum(t.numel() * t.element_size() for t in self.params.values())})
+        return EngineInfo(
+            backend=self.backend,
+            model=self.model_dir,
+            spec=tuple(self.spec.values()),
+            extra={"bytes": sum(t.numel() * t.element_size() for t in self.params.values())},
+        )
 
     def begin(self, sync_id: str = "", version: int = 0) -> None:
         self._digest = None

@@ -20,6 +20,8 @@ from typing import Any
 import structlog
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from engines.base import EngineInfo, validate_bucket
 from messages.buckets import Digester
@@ -33,9 +35,6 @@ log = structlog.get_logger()
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """A transformers causal LM from a local directory, on CPU, in eval mode."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
@@ -76,8 +75,14 @@ class TorchEngine:
 
     backend = "torch"
 
-    def __init__(self, model_dir: str | Path, *, threads: int | None = None, lora_rank: int = 0,
-                 lora_targets: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        threads: int | None = None,
+        lora_rank: int = 0,
+        lora_targets: Sequence[str] = (),
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = str(model_dir)
@@ -86,9 +91,13 @@ class TorchEngine:
         # layout: repacking it would scramble the embedding lookups that read the same storage.
         self.params, tied_ptrs = _untied(self.model)
         self.lora = self._lora_slots(lora_rank, tuple(lora_targets))
-        self.linears = [m for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
-                        and m.weight.untyped_storage().data_ptr() not in tied_ptrs
-                        and name not in self.lora]
+        self.linears = [
+            m
+            for name, m in self.model.named_modules()
+            if isinstance(m, nn.Linear)
+            and m.weight.untyped_storage().data_ptr() not in tied_ptrs
+            and name not in self.lora
+        ]
         for name, (_m, a, b) in self.lora.items():
             self.params[f"{name}.lora_A.weight"], self.params[f"{name}.lora_B.weight"] = a, b
         self.spec = {n: ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.params.items()}
@@ -100,10 +109,12 @@ class TorchEngine:
 
     # -- Engine protocol ----------------------------------------------------------------
     def describe(self) -> EngineInfo:
-        return EngineInfo(backend=self.backend, model=self.model_dir,
-                          spec=tuple(self.spec.values()),
-                          extra={"parameters": sum(t.numel() for t in self.params.values()),
-                                 "linears": len(self.linears)})
+        return EngineInfo(
+            backend=self.backend,
+            model=self.model_dir,
+            spec=tuple(self.spec.values()),
+            extra={"parameters": sum(t.numel() for t in self.params.values()), "linears": len(self.linears)},
+        )
 
     def begin(self, sync_id: str = "", version: int = 0) -> None:
         if self.packed:
@@ -154,7 +165,9 @@ class TorchEngine:
             d.update(name, t.detach())
         return d.hexdigest()
 
-    def _lora_slots(self, rank: int, targets: tuple[str, ...]) -> dict[str, tuple[nn.Linear, torch.Tensor, torch.Tensor]]:
+    def _lora_slots(
+        self, rank: int, targets: tuple[str, ...]
+    ) -> dict[str, tuple[nn.Linear, torch.Tensor, torch.Tensor]]:
         """Zero A [rank, in] / B [out, rank] for every linear whose name ends in a target
         (vLLM's `enable_lora` + `max_lora_rank`): an adapter push fills them."""
         if rank <= 0 or not targets:
@@ -163,8 +176,11 @@ class TorchEngine:
         for name, m in self.model.named_modules():
             if isinstance(m, nn.Linear) and name.split(".")[-1] in targets:
                 w = m.weight
-                out[name] = (m, torch.zeros((rank, w.shape[1]), dtype=w.dtype),
-                             torch.zeros((w.shape[0], rank), dtype=w.dtype))
+                out[name] = (
+                    m,
+                    torch.zeros((rank, w.shape[1]), dtype=w.dtype),
+                    torch.zeros((w.shape[0], rank), dtype=w.dtype),
+                )
         if not out:
             raise ValueError(f"no linear layer named {targets} for LoRA")
         return out
@@ -176,13 +192,13 @@ class TorchEngine:
             # The base weight keeps its checkpoint layout (the next adapter merges into the
             # same base); the served kernel is base + B @ A, in its own storage.
             kernel = (m.weight + b @ a).t().contiguous()
-            m.forward = _Kernel(kernel, m.bias)  # type: ignore[method-assign]
+            m.forward = _Kernel(kernel, m.bias)  # type: ignore[method-assign,assignment]
         for m in self.linears:
             w = m.weight.data
             out_f, in_f = w.shape
-            kernel = w.t().contiguous()          # [in, out]
-            w.view(-1).copy_(kernel.view(-1))    # same storage, now the kernel layout
-            m.forward = _Kernel(w.view(in_f, out_f), m.bias)  # type: ignore[method-assign]
+            kernel = w.t().contiguous()  # [in, out]
+            w.view(-1).copy_(kernel.view(-1))  # same storage, now the kernel layout
+            m.forward = _Kernel(w.view(in_f, out_f), m.bias)  # type: ignore[method-assign,assignment]
         self.packed = True
         log.debug("weights_packed", linears=len(self.linears), seconds=time.perf_counter() - t0)
 
@@ -206,6 +222,9 @@ class TorchEngine:
 
 
 def make_engine(options: dict[str, Any]) -> TorchEngine:
-    return TorchEngine(options["model"], threads=options.get("threads"),
-                       lora_rank=int(options.get("lora_rank") or 0),
-                       lora_targets=tuple(options.get("lora_targets") or ()))
+    return TorchEngine(
+        options["model"],
+        threads=options.get("threads"),
+        lora_rank=int(options.get("lora_rank") or 0),
+        lora_targets=tuple(options.get("lora_targets") or ()),
+    )

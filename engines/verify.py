@@ -64,8 +64,7 @@ class Verifier:
             buf = frame.buffer if hasattr(frame, "buffer") else frame
         got, parts = hash_bucket(buf, msg.tensors, self.parts)
         if got != msg.checksum:
-            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted",
-                                  code=ErrorCode.CHECKSUM_MISMATCH)
+            raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         return Verified(buf, parts, time.perf_counter() - t0)
 
     def close_maps(self) -> None:

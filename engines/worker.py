@@ -14,12 +14,13 @@ Rules:
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
-from collections import deque
 import socket as pysocket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,10 @@ import zmq
 from engines.applier import Applier
 from engines.base import Engine
 from messages import codec, schema
+from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
-from messages.shm import shm_available
 from messages.link import Link
+from messages.shm import shm_available
 
 log = structlog.get_logger()
 
@@ -52,11 +54,21 @@ class SyncTrack:
 
 
 class Worker:
-    def __init__(self, engine: Engine, connect: str, engine_id: str, *,
-                 heartbeat_interval: float = 1.0, ctx: zmq.Context | None = None,
-                 close_engine: bool = True, allow_shm: bool = True, keys: Any = None,
-                 failpoints: dict[str, float] | None = None, collective: bool = True,
-                 collective_bind: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        connect: str,
+        engine_id: str,
+        *,
+        heartbeat_interval: float = 1.0,
+        ctx: zmq.Context | None = None,
+        close_engine: bool = True,
+        allow_shm: bool = True,
+        keys: Any = None,
+        failpoints: dict[str, float] | None = None,
+        collective: bool = True,
+        collective_bind: str = "",
+    ) -> None:
         self.engine = engine
         self.collective = collective and "collective" in engine.describe().transports
         self.collective_bind = collective_bind  # this host's address for the group's sockets
@@ -90,22 +102,31 @@ class Worker:
         return self._next_id
 
     def _register_msg(self) -> schema.Register:
-        return schema.Register(engine_id=self.engine_id, backend=self.info.backend, id=self._id(),
-                               model=self.info.model,
-                               transports=tuple(t for t in self.info.transports
-                                                if (t != "shm" or (self.allow_shm and shm_available()))
-                                                and (t != "collective" or self.collective)),
-                               version=self.version, digest=self.digest,
-                               finalize_count=self.engine.finalize_count, pid=os.getpid(),
-                               host=pysocket.gethostname(), spec=self.info.spec,
-                               cast_ok=self.info.cast_ok,
-                               collective_ranks=self.info.collective_ranks if self.collective else 0,
-                               collective_backends=self._backends())
+        return schema.Register(
+            engine_id=self.engine_id,
+            backend=self.info.backend,
+            id=self._id(),
+            model=self.info.model,
+            transports=tuple(
+                t
+                for t in self.info.transports
+                if (t != "shm" or (self.allow_shm and shm_available()))
+                and (t != "collective" or self.collective)
+            ),
+            version=self.version,
+            digest=self.digest,
+            finalize_count=self.engine.finalize_count,
+            pid=os.getpid(),
+            host=pysocket.gethostname(),
+            spec=self.info.spec,
+            cast_ok=self.info.cast_ok,
+            collective_ranks=self.info.collective_ranks if self.collective else 0,
+            collective_backends=self._backends(),
+        )
 
-    def _backends(self) -> tuple[str, ...]:
+    def _backends(self) -> tuple[Backend, ...]:
         if not self.collective:
             return ()
-        from messages.collective import available_backends
         return available_backends()
 
     def run(self) -> None:
@@ -128,8 +149,14 @@ class Worker:
         poller.register(link.monitor, zmq.POLLIN)
         told: str | None = None
         self._send(self._register_msg())
-        log.info("engine_started", engine_id=self.engine_id, backend=self.info.backend,
-                 connect=self.connect, model=self.info.model, tensors=len(self.info.spec))
+        log.info(
+            "engine_started",
+            engine_id=self.engine_id,
+            backend=self.info.backend,
+            connect=self.connect,
+            model=self.info.model,
+            tensors=len(self.info.spec),
+        )
         next_hb = time.monotonic() + self.heartbeat_interval
         started = time.monotonic()
         next_wait_note = started + 5.0
@@ -142,12 +169,15 @@ class Worker:
                     log.error("handshake_refused", connect=self.connect, reason=link.failure)
                 if not self.registered and time.monotonic() >= next_wait_note:
                     # ZeroMQ connects silently: say what this engine is waiting for.
-                    log.warning("waiting_for_orchestrator", connect=self.connect,
-                                engine_id=self.engine_id,
-                                waited_s=round(time.monotonic() - started, 1))
+                    log.warning(
+                        "waiting_for_orchestrator",
+                        connect=self.connect,
+                        engine_id=self.engine_id,
+                        waited_s=round(time.monotonic() - started, 1),
+                    )
                     next_wait_note = time.monotonic() + 10.0
                 timeout = max(0.0, next_hb - time.monotonic())
-                events = dict(poller.poll(min(timeout, 0.5) * 1000))
+                events = dict(poller.poll(int(min(timeout, 0.5) * 1000)))
                 if rfd in events:
                     try:
                         os.read(rfd, 65536)
@@ -175,8 +205,12 @@ class Worker:
             os.close(wfd)
             if self.close_engine:
                 self.engine.close()
-            log.info("engine_stopped", engine_id=self.engine_id, version=self.version,
-                     finalize_count=self.engine.finalize_count)
+            log.info(
+                "engine_stopped",
+                engine_id=self.engine_id,
+                version=self.version,
+                finalize_count=self.engine.finalize_count,
+            )
 
     def _send(self, msg: schema.Message, payload: tuple[Any, ...] = ()) -> None:
         """Queue and send without blocking: with no live connection (no daemon yet, a
@@ -247,11 +281,20 @@ class Worker:
         elif isinstance(msg, schema.Finalize):
             if msg.sync_id in self.finalized_syncs:
                 self.duplicates_refused += 1
-                log.warning("duplicate_finalize_refused", sync_id=msg.sync_id, version=msg.version,
-                            engine_id=self.engine_id)
-                self._send(schema.Failed(sync_id=msg.sync_id, code=ErrorCode.INVALID_STATE.value,
-                                         message="finalize already ran for this sync; refused",
-                                         duplicate=True))
+                log.warning(
+                    "duplicate_finalize_refused",
+                    sync_id=msg.sync_id,
+                    version=msg.version,
+                    engine_id=self.engine_id,
+                )
+                self._send(
+                    schema.Failed(
+                        sync_id=msg.sync_id,
+                        code=ErrorCode.INVALID_STATE.value,
+                        message="finalize already ran for this sync; refused",
+                        duplicate=True,
+                    )
+                )
                 return
             t = self._track(msg, applier)
             self.finalized_syncs.add(msg.sync_id)
@@ -270,12 +313,15 @@ class Worker:
             elif "daemon_state" in msg.body:
                 self.registered = True
                 self._reregister_sent = False
-                log.info("engine_registration_acknowledged", engine_id=self.engine_id,
-                         state=msg.body.get("state"), daemon_state=msg.body.get("daemon_state"))
+                log.info(
+                    "engine_registration_acknowledged",
+                    engine_id=self.engine_id,
+                    state=msg.body.get("state"),
+                    daemon_state=msg.body.get("daemon_state"),
+                )
         elif isinstance(msg, schema.Error):
             if msg.code == ErrorCode.DUPLICATE_ENGINE.value:
-                log.error("engine_refused", engine_id=self.engine_id, code=msg.code,
-                          reason=msg.message)
+                log.error("engine_refused", engine_id=self.engine_id, code=msg.code, reason=msg.message)
                 self.refused = msg.message
                 self._stop.set()
                 return
@@ -291,8 +337,6 @@ ENGINE_FACTORIES: dict[str, str] = {
 
 
 def make_engine(backend: str, options: dict[str, Any]) -> Engine:
-    import importlib
-
     target = ENGINE_FACTORIES.get(backend)
     if target is None:
         raise ValueError(f"unknown backend {backend!r} (known: {', '.join(ENGINE_FACTORIES)})")

@@ -19,14 +19,21 @@ from rich.table import Table
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
 
-def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
-             bucket_bytes: int = 4 * 1024 * 1024, workdir: Path | None = None,
-             backend: str = "torch", show: Callable[[Any], None] | None = None) -> bool:
+def run_demo(
+    *,
+    versions: int = 3,
+    engines: int = 2,
+    size: str = "small",
+    bucket_bytes: int = 4 * 1024 * 1024,
+    workdir: Path | None = None,
+    backend: str = "torch",
+    show: Callable[[Any], None] | None = None,
+) -> bool:
     """`show(status)` renders the daemon's final status (the CLI passes its tables)."""
-    from examples.tiny import build_tiny_llama, perturbed
     from engines.torch_engine import load_model
-    from messages.canary import make_probes
     from examples.launch import Cluster
+    from examples.tiny import build_tiny_llama, perturbed
+    from messages.canary import make_probes
 
     console = Console(width=120)
     tmp = None
@@ -40,19 +47,30 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
         trainer = load_model(model_dir)
         base = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
         nparams = sum(v.numel() for v in base.values())
-        console.print(f"model: random Llama '{size}', {nparams / 1e6:.1f}M parameters, "
-                      f"{len(base)} tensors, saved to {model_dir} ({time.perf_counter() - t0:.1f}s)")
+        console.print(
+            f"model: random Llama '{size}', {nparams / 1e6:.1f}M parameters, "
+            f"{len(base)} tensors, saved to {model_dir} ({time.perf_counter() - t0:.1f}s)"
+        )
         engine_args = ["--threads", "1"] if backend == "torch" else []
-        cluster = Cluster(workdir, model_dir, engines=engines, backend=backend,
-                          engine_args=engine_args)
+        cluster = Cluster(workdir, model_dir, engines=engines, backend=backend, engine_args=engine_args)
         all_ok = True
         console.print(f"starting the daemon and {engines} {backend} engine(s)...")
         with cluster:
-            console.print(f"daemon {cluster.addr} with {engines} {backend} engine(s) registered; "
-                          f"logs in {cluster.log_dir}")
+            console.print(
+                f"daemon {cluster.addr} with {engines} {backend} engine(s) registered; "
+                f"logs in {cluster.log_dir}"
+            )
             table = Table(title="pushes", title_justify="left")
-            for col in ("version", "buckets", "MB", "sync s", "MB/s", "digest", "probes match",
-                        "finalize_count"):
+            for col in (
+                "version",
+                "buckets",
+                "MB",
+                "sync s",
+                "MB/s",
+                "digest",
+                "probes match",
+                "finalize_count",
+            ):
                 table.add_column(col)
             with cluster.client(timeout=60.0) as client:
                 for v in range(1, versions + 1):
@@ -62,18 +80,26 @@ def run_demo(*, versions: int = 3, engines: int = 2, size: str = "small",
                     expected = [p.expected for p in probes]
                     r = client.push(weights.items(), v, bucket_bytes=bucket_bytes, probes=probes)
                     engine_probes = {e["engine_id"]: [tuple(x) for x in e["probes"]] for e in r.engines}
-                    match = all(ps == expected for ps in engine_probes.values()) and \
-                        len(engine_probes) == engines
+                    match = (
+                        all(ps == expected for ps in engine_probes.values()) and len(engine_probes) == engines
+                    )
                     digests_ok = all(e["digest"] == r.digest for e in r.engines)
                     all_ok &= match and digests_ok
-                    table.add_row(str(v), str(r.buckets), f"{r.bytes / 1e6:.1f}", f"{r.seconds:.3f}",
-                                  f"{r.throughput / 1e6:.0f}",
-                                  r.digest[:12] + ("" if digests_ok else " MISMATCH"),
-                                  f"{'yes' if match else 'NO'} ({len(engine_probes)}/{engines} engines)",
-                                  ",".join(str(e["finalize_count"]) for e in r.engines))
-                    console.print(f"version {v}: READY in {r.seconds:.3f}s, {r.bytes / 1e6:.1f} MB, "
-                                  f"{r.throughput / 1e6:.0f} MB/s; every engine's probe matches the "
-                                  f"trainer: {'yes' if match else 'NO'}")
+                    table.add_row(
+                        str(v),
+                        str(r.buckets),
+                        f"{r.bytes / 1e6:.1f}",
+                        f"{r.seconds:.3f}",
+                        f"{r.throughput / 1e6:.0f}",
+                        r.digest[:12] + ("" if digests_ok else " MISMATCH"),
+                        f"{'yes' if match else 'NO'} ({len(engine_probes)}/{engines} engines)",
+                        ",".join(str(e["finalize_count"]) for e in r.engines),
+                    )
+                    console.print(
+                        f"version {v}: READY in {r.seconds:.3f}s, {r.bytes / 1e6:.1f} MB, "
+                        f"{r.throughput / 1e6:.0f} MB/s; every engine's probe matches the "
+                        f"trainer: {'yes' if match else 'NO'}"
+                    )
                 st = client.status()
             console.print(table)
             if show is not None:

@@ -18,8 +18,8 @@ from typing import Any
 
 from messages.errors import WeightSyncError
 from messages.keys import client_keys
-from orchestrator.trainer.client import TrainerClient
 from orchestrator.daemon.config import child_env
+from orchestrator.trainer.client import TrainerClient
 
 
 class LaunchError(RuntimeError):
@@ -53,10 +53,14 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     fh = open(log_path, "ab")
-    popen = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=fh,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=child_env({"PYTHONUNBUFFERED": "1", **(env or {})}),
-                             start_new_session=True)
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=child_env({"PYTHONUNBUFFERED": "1", **(env or {})}),
+        start_new_session=True,
+    )
     fh.close()
     return Proc(name, popen, log_path)
 
@@ -89,10 +93,24 @@ class Cluster:
 
     def start_daemon(self) -> Proc:
         min_engines = self.engines if self.min_engines is None else self.min_engines
-        p = spawn("daemon", ["serve", "--bind", self.addr, "--engine-bind", self.engine_addr,
-                             "--state-db", str(self.state_db), "--min-engines", str(min_engines),
-                             *(["--keys", str(self.keys)] if self.keys else []),
-                             *self.daemon_args], self.log_dir, self.env)
+        p = spawn(
+            "daemon",
+            [
+                "serve",
+                "--bind",
+                self.addr,
+                "--engine-bind",
+                self.engine_addr,
+                "--state-db",
+                str(self.state_db),
+                "--min-engines",
+                str(min_engines),
+                *(["--keys", str(self.keys)] if self.keys else []),
+                *self.daemon_args,
+            ],
+            self.log_dir,
+            self.env,
+        )
         if self.procs and self.procs[0].name == "daemon":
             self.procs[0] = p  # a restart replaces the old daemon
         else:
@@ -102,10 +120,25 @@ class Cluster:
     def start_engine(self, engine_id: str, extra: list[str] | None = None) -> Proc:
         if self.model_dir is None:
             raise LaunchError("no model directory for the engines")
-        p = spawn(engine_id, ["engine", "--backend", self.backend, "--model", str(self.model_dir),
-                              "--connect", self.engine_addr, "--engine-id", engine_id,
-                              *(["--keys", str(self.keys)] if self.keys else []),
-                              *self.engine_args, *(extra or [])], self.log_dir, self.env)
+        p = spawn(
+            engine_id,
+            [
+                "engine",
+                "--backend",
+                self.backend,
+                "--model",
+                str(self.model_dir),
+                "--connect",
+                self.engine_addr,
+                "--engine-id",
+                engine_id,
+                *(["--keys", str(self.keys)] if self.keys else []),
+                *self.engine_args,
+                *(extra or []),
+            ],
+            self.log_dir,
+            self.env,
+        )
         # a restart under the same id replaces the dead process
         self.procs = [q for q in self.procs if q.name != engine_id or q.popen.poll() is None]
         self.procs.append(p)

@@ -41,14 +41,15 @@ def sample(engine: Any, prompt: tuple[int, ...], n: int, max_tokens: int, seed: 
     return [list(c.token_ids) for c in out[0].outputs]
 
 
-def policy_step(model: Any, opt: Any, prompt: tuple[int, ...], completions: list[list[int]],
-                rewards: list[float]) -> float:
+def policy_step(
+    model: Any, opt: Any, prompt: tuple[int, ...], completions: list[list[int]], rewards: list[float]
+) -> float:
     import torch
 
     adv = torch.tensor(rewards) - sum(rewards) / len(rewards)
     ids = torch.tensor([list(prompt) + c for c in completions])
-    logits = model(ids).logits[:, len(prompt) - 1:-1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(prompt):, None]).squeeze(-1)
+    logits = model(ids).logits[:, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(prompt) :, None]).squeeze(-1)
     loss = -(adv[:, None] * logp).sum(-1).mean()
     opt.zero_grad()
     loss.backward()
@@ -65,8 +66,15 @@ def pick_target(engine: Any, prompt: tuple[int, ...], max_tokens: int) -> int:
     return counts.most_common(1)[0][0]
 
 
-def run(steps: int = 8, group: int = 64, max_tokens: int = 8, target: int = -1, lr: float = 0.05,
-        workdir: Path | None = None, log: Any = print) -> dict[str, Any]:
+def run(
+    steps: int = 8,
+    group: int = 64,
+    max_tokens: int = 8,
+    target: int = -1,
+    lr: float = 0.05,
+    workdir: Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     import torch
 
     from engines.torch_engine import load_model
@@ -106,8 +114,13 @@ def run(steps: int = 8, group: int = 64, max_tokens: int = 8, target: int = -1, 
                 client.wait_ready(step)
                 served = engine.generate([PROMPT], max_tokens)[0]  # the engine, after the push
                 model.train()
-                row = {"step": step, "reward": sum(rewards) / len(rewards), "loss": round(loss, 4),
-                       "push_s": round(r.seconds, 3), "greedy_matches": served == probes[0].expected}
+                row = {
+                    "step": step,
+                    "reward": sum(rewards) / len(rewards),
+                    "loss": round(loss, 4),
+                    "push_s": round(r.seconds, 3),
+                    "greedy_matches": served == probes[0].expected,
+                }
                 history.append(row)
                 log(json.dumps(row))
     finally:
@@ -117,8 +130,13 @@ def run(steps: int = 8, group: int = 64, max_tokens: int = 8, target: int = -1, 
         if tmp is not None:
             tmp.cleanup()
     first, last = history[0]["reward"], history[-1]["reward"]
-    return {"history": history, "target": target, "reward_first": first, "reward_last": last,
-            "all_greedy_match": all(h["greedy_matches"] for h in history)}
+    return {
+        "history": history,
+        "target": target,
+        "reward_first": first,
+        "reward_last": last,
+        "all_greedy_match": all(h["greedy_matches"] for h in history),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,8 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--group", type=int, default=64, help="completions sampled per step")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--target", type=int, default=-1,
-                    help="the token the reward asks for (-1: the one the initial policy emits most)")
+    ap.add_argument(
+        "--target",
+        type=int,
+        default=-1,
+        help="the token the reward asks for (-1: the one the initial policy emits most)",
+    )
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args(argv)
     out = run(args.steps, args.group, args.max_tokens, args.target, args.lr)

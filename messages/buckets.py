@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import xxhash
 
-from messages.checksums import checksum  # noqa: F401  (re-exported: one definition)
+from messages.checksums import checksum
 from messages.dtypes import DTYPES, dtype_name
-from messages.schema import DEFAULT_BUCKET_BYTES, TensorMeta  # noqa: F401  (re-exported)
+from messages.schema import DEFAULT_BUCKET_BYTES, TensorMeta
 
 ALIGN = 64
 
@@ -37,7 +37,12 @@ class PackedBucket:
         return int(self.data.numel())
 
     def frame(self) -> memoryview:
-        return memoryview(self.data.numpy())
+        return memoryview(self.data.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def _buffer(t: torch.Tensor) -> Any:
+    """A flat CPU tensor's bytes as a buffer (numpy arrays are buffers; their stubs say not)."""
+    return t.numpy()
 
 
 def _aligned(n: int) -> int:
@@ -106,16 +111,20 @@ def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
     chunk of `dst` to every streaming hasher (the checksum and the digest in one loop)."""
     n = src.numel()
     for off in range(0, n, CHUNK):
-        d = dst[off:off + CHUNK]
-        copy_bytes(d, src[off:off + CHUNK])
+        d = dst[off : off + CHUNK]
+        copy_bytes(d, src[off : off + CHUNK])
         if hashers:
             v = d.numpy()
             for h in hashers:
                 h.update(v)
 
 
-def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None = None,
-          digester: Digester | None = None) -> PackedBucket:
+def _pack(
+    seq: int,
+    items: list[tuple[str, torch.Tensor]],
+    alloc: Alloc | None = None,
+    digester: Digester | None = None,
+) -> PackedBucket:
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in items:
@@ -126,29 +135,33 @@ def _pack(seq: int, items: list[tuple[str, torch.Tensor]], alloc: Alloc | None =
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
     frame_hash = xxhash.xxh3_64()  # streaming: equal to checksum(data) at the end
     pos = 0
-    for meta, (name, t) in zip(metas, items):
+    for meta, (name, t) in zip(metas, items, strict=True):
         if meta.offset > pos:  # padding is part of the checksummed frame: make it zeros
-            pad = data[pos:meta.offset]
+            pad = data[pos : meta.offset]
             pad.zero_()
-            frame_hash.update(pad.numpy())
+            frame_hash.update(_buffer(pad))
         tensor_hash = digester.start(name, t) if digester is not None else None
         hashers = (frame_hash,) if tensor_hash is None else (frame_hash, tensor_hash)
         if meta.nbytes and isinstance(t, Cast):  # the casting copy writes the bucket itself
-            dst = data[meta.offset:meta.offset + meta.nbytes]
+            dst = data[meta.offset : meta.offset + meta.nbytes]
             dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
             for h in hashers:
-                h.update(dst.numpy())
+                h.update(_buffer(dst))
         elif meta.nbytes:
-            copy_hashing(data[meta.offset:meta.offset + meta.nbytes], as_bytes(t), *hashers)
+            copy_hashing(data[meta.offset : meta.offset + meta.nbytes], as_bytes(t), *hashers)
         if digester is not None:
             digester.finish(name, tensor_hash)
         pos = meta.offset + meta.nbytes
     return PackedBucket(seq, tuple(metas), data, frame_hash.intdigest())
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, alloc: Alloc | None = None,
-                 digester: Digester | None = None) -> Iterator[PackedBucket]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    alloc: Alloc | None = None,
+    digester: Digester | None = None,
+) -> Iterator[PackedBucket]:
     """Stream (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor
     goes alone). Holds one bucket's worth of references at a time. `alloc(seq, nbytes)`
     provides the bucket's buffer (e.g. a shared-memory slot); default: a new tensor.
@@ -184,7 +197,7 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(mv, dtype=torch.uint8)
     for m in metas:
-        raw = flat[m.offset:m.offset + m.nbytes]
+        raw = flat[m.offset : m.offset + m.nbytes]
         dtype = DTYPES[m.dtype]
         t = raw.view(dtype) if dtype != torch.uint8 else raw
         yield m.name, t.view(m.shape) if m.shape else t.reshape(())
@@ -195,8 +208,9 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
 HASH_CHUNK = 1 << 20
 
 
-def hash_bucket(buf: Any, metas: Sequence[TensorMeta], parts: bool = False
-                ) -> tuple[int, dict[str, bytes] | None]:
+def hash_bucket(
+    buf: Any, metas: Sequence[TensorMeta], parts: bool = False
+) -> tuple[int, dict[str, bytes] | None]:
     """The bucket checksum of `buf` and, with `parts`, every tensor's digest part
     (`Digester.add`), in one pass over the bytes."""
     mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
@@ -207,10 +221,10 @@ def hash_bucket(buf: Any, metas: Sequence[TensorMeta], parts: bool = False
     pos = 0
     for m in metas:
         if m.offset > pos:
-            frame.update(mv[pos:m.offset])
+            frame.update(mv[pos : m.offset])
         h = Digester.start_meta(m.name, m.dtype, tuple(m.shape))
         for off in range(m.offset, m.offset + m.nbytes, HASH_CHUNK):
-            chunk = mv[off:min(off + HASH_CHUNK, m.offset + m.nbytes)]
+            chunk = mv[off : min(off + HASH_CHUNK, m.offset + m.nbytes)]
             frame.update(chunk)
             h.update(chunk)
         out[m.name] = h.digest()

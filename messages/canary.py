@@ -27,8 +27,7 @@ def greedy(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int) -> tu
     return tuple(out)
 
 
-def make_probes(model: torch.nn.Module, prompts: Iterable[Sequence[int]], max_tokens: int = 8
-                ) -> list[Probe]:
+def make_probes(model: torch.nn.Module, prompts: Iterable[Sequence[int]], max_tokens: int = 8) -> list[Probe]:
     """Probes with `expected` = this model's greedy tokens (run on the weights being pushed)."""
     was_training = model.training
     model.eval()

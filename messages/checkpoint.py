@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
+from messages.dtypes import Dtype
 from messages.schema import ParamSpec
 
 
@@ -28,8 +30,6 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def _index(files: list[Path]) -> None:
     """Open every file's header now: corrupt, truncated or overlapping files are refused
     before a sync begins, never halfway through one."""
-    from safetensors import SafetensorError, safe_open
-
     owner: dict[str, str] = {}
     for f in files:
         try:
@@ -45,8 +45,6 @@ def _index(files: list[Path]) -> None:
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Lazily yields every tensor of every *.safetensors file under `path` (validated now)."""
-    from safetensors import SafetensorError, safe_open
-
     files = safetensors_files(path)
     _index(files)
 
@@ -64,8 +62,6 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def checkpoint_spec(path: str | Path) -> dict[str, ParamSpec]:
     """Name -> ParamSpec of every tensor in the checkpoint, from the headers only."""
-    from safetensors import safe_open
-
     spec: dict[str, ParamSpec] = {}
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
@@ -78,6 +74,15 @@ def checkpoint_spec(path: str | Path) -> dict[str, ParamSpec]:
     return spec
 
 
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "I32": "int32",
-              "I64": "int64", "BOOL": "bool"}
+_ST_DTYPES: dict[str, Dtype] = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I8": "int8",
+    "U8": "uint8",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+}

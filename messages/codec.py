@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any, Union
 
 import msgspec
@@ -50,10 +50,10 @@ def _bad(reason: str) -> MessageError:
     return MessageError(ErrorCode.BAD_MESSAGE, reason)
 
 
-@lru_cache(maxsize=None)
-def _decoder(allowed: tuple[str, ...]) -> msgspec.msgpack.Decoder:
+@cache
+def _decoder(allowed: tuple[str, ...]) -> msgspec.msgpack.Decoder[Any]:
     types = tuple(MESSAGE_TYPES[t] for t in allowed if t != "ok") or (Ok,)
-    return msgspec.msgpack.Decoder(Union[types] if len(types) > 1 else types[0])  # type: ignore[valid-type]
+    return msgspec.msgpack.Decoder(Union[types] if len(types) > 1 else types[0])
 
 
 def _raw_bytes(raw: Any) -> Any:
@@ -73,8 +73,10 @@ def _envelope(buf: Any, allowed: tuple[str, ...]) -> _Envelope:
     if type(env.v) is not int:
         raise _bad("v: missing or not an int")
     if env.v != PROTOCOL_VERSION:
-        raise MessageError(ErrorCode.UNSUPPORTED_PROTOCOL,
-                           f"protocol v{env.v} is not supported (this side speaks v{PROTOCOL_VERSION})")
+        raise MessageError(
+            ErrorCode.UNSUPPORTED_PROTOCOL,
+            f"protocol v{env.v} is not supported (this side speaks v{PROTOCOL_VERSION})",
+        )
     if type(env.type) is not str:
         raise _bad("type: missing or not a string")
     if env.type not in allowed:
@@ -85,12 +87,14 @@ def _envelope(buf: Any, allowed: tuple[str, ...]) -> _Envelope:
 def _refusal(mtype: str, exc: Exception) -> MessageError:
     text = str(exc)
     if "$.tensors" in text and "length <=" in text and "`$.tensors`" in text:
-        return MessageError(ErrorCode.TOO_LARGE, f"{mtype}: more than {MAX_TENSORS_PER_BUCKET} "
-                                                 f"tensors in one bucket")
+        return MessageError(
+            ErrorCode.TOO_LARGE, f"{mtype}: more than {MAX_TENSORS_PER_BUCKET} tensors in one bucket"
+        )
     return _bad(f"{mtype}: {text}")
 
 
 # -- checks that span fields or frames --------------------------------------------------
+
 
 def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None:
     seen: set[str] = set()
@@ -106,8 +110,9 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
         if t.nbytes != numel * itemsize:
             raise _bad(f"{where}: nbytes {t.nbytes} != numel {numel} * itemsize {itemsize}")
         if t.offset + t.nbytes > frame_len:
-            raise _bad(f"{where}: bytes [{t.offset}, {t.offset + t.nbytes}) outside the "
-                       f"{frame_len}-byte frame")
+            raise _bad(
+                f"{where}: bytes [{t.offset}, {t.offset + t.nbytes}) outside the {frame_len}-byte frame"
+            )
 
 
 def frame_len(frame: Any) -> int:
@@ -124,8 +129,10 @@ def _validate(msg: Message, payload: list[Any]) -> None:
             raise _bad(f"{msg.TYPE}: a collective load needs its size")
         if size is not None:  # collective: the bytes come by broadcast (a copy may ride along)
             if len(payload) > 1 or (payload and frame_len(payload[0]) != size):
-                raise _bad(f"{msg.TYPE}: a collective bucket carries at most one payload frame "
-                           f"of exactly its size {size}")
+                raise _bad(
+                    f"{msg.TYPE}: a collective bucket carries at most one payload frame "
+                    f"of exactly its size {size}"
+                )
             _check_tensors(msg.tensors, size)  # type: ignore[attr-defined]
         elif shm is None:
             if len(payload) != 1:
@@ -141,6 +148,7 @@ def _validate(msg: Message, payload: list[Any]) -> None:
 
 # -- public API -------------------------------------------------------------------------
 
+
 def encode_header(msg: Message) -> bytes:
     """The MessagePack header of `msg` (payload frames travel separately)."""
     if isinstance(msg, Ok):  # an ok's body fields sit at the top level of the header
@@ -155,8 +163,9 @@ def encode(msg: Message, payload: Sequence[Any] = ()) -> list[Any]:
     return [encode_header(msg), *payload]
 
 
-def decode(frames: Sequence[Any], *, allowed: Sequence[str] | None = None,
-           max_header_bytes: int = MAX_HEADER_BYTES) -> Decoded:
+def decode(
+    frames: Sequence[Any], *, allowed: Sequence[str] | None = None, max_header_bytes: int = MAX_HEADER_BYTES
+) -> Decoded:
     """`[header, *payload]` -> Decoded(msg, payload). Raises MessageError on anything wrong."""
     if not frames:
         raise _bad("empty message")

@@ -23,13 +23,17 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
 import torch.distributed as dist
 
 log = structlog.get_logger()
+
+# torch.distributed's store classes (TCPStore, PrefixStore) are not in its type stubs.
+Store = Any
+Backend = Literal["gloo", "nccl"]
 
 PREFIX = "weightsync"
 
@@ -48,23 +52,24 @@ def local_host_for(remote: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((remote, 9))
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
 
 
-def available_backends() -> tuple[str, ...]:
+def available_backends() -> tuple[Backend, ...]:
     """What this process can join: gloo always; NCCL when a CUDA device is present."""
-    out = ["gloo"]
+    out: list[Backend] = ["gloo"]
     if torch.cuda.is_available() and dist.is_nccl_available():
         out.append("nccl")
     return tuple(out)
 
 
-def host_store(host: str, timeout: float) -> dist.TCPStore:
+def host_store(host: str, timeout: float) -> Store:
     """The trainer's store (rank 0): bound on `host`, an ephemeral port (read `.port`)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,40 +89,54 @@ class GroupSpec:
 class Group:
     """One member's handle on one process group; `broadcast` is the only data call."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store | None = None) -> None:
+    def __init__(self, spec: GroupSpec, store: Store | None = None) -> None:
         self.spec = spec
         self.broken = False
-        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" \
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if spec.backend == "nccl"
             else torch.device("cpu")
+        )
         td = datetime.timedelta(seconds=spec.timeout)
         t0 = time.perf_counter()
         try:
-            base = store if store is not None else dist.TCPStore(
-                spec.host, spec.port, is_master=False, timeout=td)
+            base = (
+                store
+                if store is not None
+                else dist.TCPStore(spec.host, spec.port, is_master=False, timeout=td)
+            )
             prefixed = dist.PrefixStore(f"{PREFIX}/{spec.id}/", base)
             self.pg = self._make_pg(prefixed, td)
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
-            raise CollectiveError(f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
-                                  f"join ({type(exc).__name__}: {_short(exc)})",
-                                  timed_out=_timed_out(exc)) from None
+            raise CollectiveError(
+                f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
+                f"join ({type(exc).__name__}: {_short(exc)})",
+                timed_out=_timed_out(exc),
+            ) from None
         self._store = base  # keep the client connection for the group's lifetime
-        log.info("group_joined", group=spec.id, rank=spec.rank, world_size=spec.world_size,
-                 backend=spec.backend, seconds=round(time.perf_counter() - t0, 3))
+        log.info(
+            "group_joined",
+            group=spec.id,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            backend=spec.backend,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
 
-    def _make_pg(self, store: dist.Store, td: datetime.timedelta) -> dist.ProcessGroup:
+    def _make_pg(self, store: Store, td: datetime.timedelta) -> Any:
         s = self.spec
         if s.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td
             return dist.ProcessGroupNCCL(store, s.rank, s.world_size, opts)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = td
-        opts._devices = [dist.ProcessGroupGloo.create_device(
-            hostname=s.bind or local_host_for(s.host))]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=s.bind or local_host_for(s.host))]
         return dist.ProcessGroupGloo(store, s.rank, s.world_size, opts)
 
-    def broadcast(self, tensor: torch.Tensor, *, give_up: Callable[[], str | None] | None = None,
-                  poll: float = 0.002) -> None:
+    def broadcast(
+        self, tensor: torch.Tensor, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
+    ) -> None:
         """Broadcast `tensor` from rank 0 (in place on the others). Raises CollectiveError
         when a member fails, after the group's timeout, or as soon as `give_up()` returns a
         reason; in each case the group is shut down and marked broken."""
@@ -136,8 +155,9 @@ class Group:
             self.close()
             raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
 
-    def wait(self, started: Any, *, give_up: Callable[[], str | None] | None = None,
-             poll: float = 0.002) -> None:
+    def wait(
+        self, started: Any, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
+    ) -> None:
         work, deadline = started
         try:
             if give_up is None:
@@ -148,8 +168,9 @@ class Group:
                 if reason is not None:
                     raise CollectiveError(f"broadcast abandoned: {reason}")
                 if time.monotonic() > deadline:
-                    raise CollectiveError(f"broadcast passed its {self.spec.timeout}s deadline",
-                                          timed_out=True)
+                    raise CollectiveError(
+                        f"broadcast passed its {self.spec.timeout}s deadline", timed_out=True
+                    )
                 time.sleep(poll)
             work.wait()  # raises the member's failure, if that is how it completed
         except CollectiveError:
@@ -157,8 +178,9 @@ class Group:
             raise
         except Exception as exc:
             self.close()
-            raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}",
-                                  timed_out=_timed_out(exc)) from None
+            raise CollectiveError(
+                f"broadcast in group {self.spec.id} failed: {_short(exc)}", timed_out=_timed_out(exc)
+            ) from None
 
     def close(self) -> None:
         """Shut the group down (peers blocked in a call with us get an error at once)."""
@@ -195,25 +217,32 @@ class Member:
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._next = 0
 
-    def ensure(self, ref: dict) -> Group:
+    def ensure(self, ref: dict[str, Any]) -> Group:
         g = self.group
         if g is not None and g.spec.id == ref["id"] and not g.broken:
             return g
         if g is not None:
             g.close()
         self.group = None
-        spec = GroupSpec(id=ref["id"], host=ref["host"], port=ref["port"],
-                         rank=ref["rank"] + self.rank_offset, world_size=ref["world_size"],
-                         backend=ref["backend"], timeout=ref["timeout"], bind=self.bind)
+        spec = GroupSpec(
+            id=ref["id"],
+            host=ref["host"],
+            port=ref["port"],
+            rank=ref["rank"] + self.rank_offset,
+            world_size=ref["world_size"],
+            backend=ref["backend"],
+            timeout=ref["timeout"],
+            bind=self.bind,
+        )
         self.group = Group(spec)
         return self.group
 
-    def receive(self, ref: dict, size: int) -> torch.Tensor:
+    def receive(self, ref: dict[str, Any], size: int) -> torch.Tensor:
         """The bucket's `size` bytes, received in place into the next buffer (a view of it:
         valid until that buffer comes round again)."""
         return self.wait(self.post(ref, size))
 
-    def post(self, ref: dict, size: int) -> tuple[torch.Tensor, Any]:
+    def post(self, ref: dict[str, Any], size: int) -> tuple[torch.Tensor, Any]:
         """Start receiving the next broadcast of `size` bytes into the next buffer and
         return at once (the backend receives on its own threads); `wait` for it. Posts
         must follow the order the root broadcasts in."""

@@ -14,16 +14,24 @@ from typing import Any
 
 import torch
 
-FIELDS = ("device", "handle", "storage_bytes", "storage_offset_bytes", "ref_counter_handle",
-          "ref_counter_offset", "event_handle", "event_sync_required")
+FIELDS = (
+    "device",
+    "handle",
+    "storage_bytes",
+    "storage_offset_bytes",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
 
 
 def export(buf: torch.Tensor) -> dict[str, Any]:
     """A handle to `buf` (a contiguous uint8 CUDA tensor) another process can open."""
     if buf.device.type != "cuda" or buf.dtype != torch.uint8 or not buf.is_contiguous():
         raise ValueError("CUDA IPC exports contiguous uint8 CUDA tensors only")
-    parts = buf.untyped_storage()._share_cuda_()
-    ref = dict(zip(FIELDS, parts))
+    parts = buf.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+    ref = dict(zip(FIELDS, parts, strict=True))
     ref["offset"] = buf.storage_offset()
     ref["numel"] = buf.numel()
     return ref

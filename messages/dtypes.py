@@ -7,18 +7,43 @@ use by the code that has tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
-ITEMSIZE: dict[str, int] = {
-    "float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+Dtype = Literal[
+    "float32",
+    "float64",
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+]
+
+ITEMSIZE: dict[Dtype, int] = {
+    "float32": 4,
+    "float64": 8,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
 }
 _TORCH: dict[str, Any] = {}
 
 
 def _torch_tables() -> dict[str, Any]:
     if not _TORCH:
-        import torch
+        import torch  # noqa: PLC0415 (the daemon validates dtypes without torch)
 
         dtypes = {name: getattr(torch, name) for name in ITEMSIZE}
         _TORCH["DTYPES"] = dtypes
@@ -32,9 +57,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> Dtype:
     try:
-        return _torch_tables()["NAMES"][dtype]
+        return cast(Dtype, _torch_tables()["NAMES"][dtype])
     except KeyError:
         raise ValueError(f"dtype {dtype} is not supported on the wire") from None
 

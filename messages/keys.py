@@ -57,7 +57,7 @@ def generate(directory: str | Path, trainers: list[str], engines: list[str]) -> 
     An identity that exists already is kept as it is (not overwritten, not an error), so
     the same command adds identities to an existing directory."""
     d = Path(directory)
-    for role, names in (("trainer", trainers), ("engine", engines)):
+    for names in (trainers, engines):
         for name in names:
             if not name or "/" in name or name.startswith(".") or name == "server":
                 raise KeysError(f"bad identity name {name!r}")

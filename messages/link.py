@@ -12,30 +12,40 @@ used by the thread that owns the client's socket, like the socket itself.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from messages.errors import ErrorCode, make_error
 
-_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-           zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
 
 
-class _Reconnected:
+class Reconnected:
     """`_recv`'s answer when the connection came back: resend what is in flight."""
 
 
-RECONNECTED = _Reconnected()
+RECONNECTED = Reconnected()
 
 
 class Link:
-    def __init__(self, sock: zmq.Socket, addr: str, connect_timeout: float,
-                 reconnect_timeout: float) -> None:
-        self.monitor: zmq.Socket = sock.get_monitor_socket(_EVENTS)
+    def __init__(
+        self, sock: zmq.Socket[Any], addr: str, connect_timeout: float, reconnect_timeout: float
+    ) -> None:
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(_EVENTS)
         self.sock = sock
         self.addr = addr
         self.connect_timeout = connect_timeout
@@ -66,10 +76,12 @@ class Link:
                     self.tcp_seen = False
                 self.up = False
             elif ev in _FAILED:
-                why = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the daemon refused this client's key",
-                       zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security mechanism mismatch (CURVE on "
-                                                            "one side only?)"}
-                self.failure = why.get(ev, "the daemon's public key does not match --keys")
+                why: dict[int, str] = {
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the daemon refused this client's key",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security mechanism mismatch (CURVE on "
+                    "one side only?)",
+                }
+                self.failure = why.get(int(ev), "the daemon's public key does not match --keys")
 
     def check(self) -> None:
         """Raise UNAUTHORIZED or UNREACHABLE once the monitor has shown it."""
@@ -77,18 +89,23 @@ class Link:
         if self.up:
             return
         if self.failure is not None:
-            raise make_error(ErrorCode.UNAUTHORIZED, f"{self.addr}: security handshake failed: "
-                             f"{self.failure}")
+            raise make_error(
+                ErrorCode.UNAUTHORIZED, f"{self.addr}: security handshake failed: {self.failure}"
+            )
         waited = time.monotonic() - self.down_since
         limit = self.reconnect_timeout if self.ever_up else self.connect_timeout
         if waited < limit:
             return
         if self.tcp_seen:
-            raise make_error(ErrorCode.UNAUTHORIZED, f"{self.addr} accepted the connection but the "
-                             f"handshake did not complete in {limit:g}s (wrong --keys?)")
+            raise make_error(
+                ErrorCode.UNAUTHORIZED,
+                f"{self.addr} accepted the connection but the "
+                f"handshake did not complete in {limit:g}s (wrong --keys?)",
+            )
         what = "lost the daemon at" if self.ever_up else "no daemon at"
-        raise make_error(ErrorCode.UNREACHABLE, f"{what} {self.addr}: nothing accepted a "
-                         f"connection for {waited:.1f}s")
+        raise make_error(
+            ErrorCode.UNREACHABLE, f"{what} {self.addr}: nothing accepted a connection for {waited:.1f}s"
+        )
 
     def take_reconnect(self) -> bool:
         hit, self.reconnected = self.reconnected, False
@@ -98,7 +115,7 @@ class Link:
         close_monitor(self.sock, self.monitor)
 
 
-def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+def close_monitor(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
     """Stop a socket's monitor and close its PAIR end (before the socket itself closes)."""
     try:
         sock.disable_monitor()

@@ -20,14 +20,27 @@ BEGIN = "<!-- GENERATED from messages/schema.py: python -m messages.protocol_doc
 END = "<!-- END GENERATED -->"
 
 SECTIONS = [
-    ("Trainer -> orchestrator", (schema.Hello, schema.Status, schema.Begin, schema.Bucket,
-                                 schema.Finish, schema.Abort)),
+    (
+        "Trainer -> orchestrator",
+        (schema.Hello, schema.Status, schema.Begin, schema.Bucket, schema.Finish, schema.Abort),
+    ),
     ("Replies", (schema.Ok, schema.Error)),
-    ("Engine -> orchestrator", (schema.Register, schema.Heartbeat, schema.Loaded,
-                                schema.Finalized, schema.Failed)),
+    (
+        "Engine -> orchestrator",
+        (schema.Register, schema.Heartbeat, schema.Loaded, schema.Finalized, schema.Failed),
+    ),
     ("Orchestrator -> engine", (schema.Load, schema.Finalize, schema.Abort)),
-    ("Nested", (schema.TensorMeta, schema.ParamSpec, schema.Probe, schema.ShmRef,
-                schema.CollectiveOffer, schema.GroupRef)),
+    (
+        "Nested",
+        (
+            schema.TensorMeta,
+            schema.ParamSpec,
+            schema.Probe,
+            schema.ShmRef,
+            schema.CollectiveOffer,
+            schema.GroupRef,
+        ),
+    ),
 ]
 
 
@@ -46,23 +59,42 @@ def _type(t: Any) -> str:
         return " or ".join(f"`{v}`" for v in t.values)
     if isinstance(t, mi.DictType):
         return "map"
-    return {mi.IntType: "int", mi.StrType: "str", mi.BoolType: "bool", mi.FloatType: "float",
-            mi.AnyType: "any"}.get(type(t), type(t).__name__)
+    names: dict[type, str] = {
+        mi.IntType: "int",
+        mi.StrType: "str",
+        mi.BoolType: "bool",
+        mi.FloatType: "float",
+        mi.AnyType: "any",
+    }
+    return names.get(type(t), type(t).__name__)
 
 
 def _constraints(t: Any) -> str:
     """A field's constraint: its description where the schema gives one, else its bounds."""
     if isinstance(t, mi.UnionType):
         return "; ".join(c for c in (_constraints(x) for x in t.types) if c)
-    described = t.extra_json_schema.get("description") if isinstance(t, mi.Metadata) and \
-        t.extra_json_schema else None
+    described = (
+        t.extra_json_schema.get("description") if isinstance(t, mi.Metadata) and t.extra_json_schema else None
+    )
     if isinstance(t, mi.Metadata):
         t = t.type
-    out = [described] if described else [
-        fmt.format(getattr(t, attr)) for attr, fmt in (
-            ("ge", ">= {}"), ("gt", "> {}"), ("le", "<= {}"), ("lt", "< {}"),
-            ("min_length", "length >= {}"), ("max_length", "length <= {}"),
-            ("pattern", "matches `{}`")) if getattr(t, attr, None) is not None]
+    out = (
+        [described]
+        if described
+        else [
+            fmt.format(getattr(t, attr))
+            for attr, fmt in (
+                ("ge", ">= {}"),
+                ("gt", "> {}"),
+                ("le", "<= {}"),
+                ("lt", "< {}"),
+                ("min_length", "length >= {}"),
+                ("max_length", "length <= {}"),
+                ("pattern", "matches `{}`"),
+            )
+            if getattr(t, attr, None) is not None
+        ]
+    )
     if isinstance(t, (mi.VarTupleType, mi.ListType)):
         inner = _constraints(t.item_type)
         if inner:
@@ -70,8 +102,10 @@ def _constraints(t: Any) -> str:
     return "; ".join(out)
 
 
-def table(cls: type) -> str:
+def table(cls: type[msgspec.Struct]) -> str:
     info = mi.type_info(cls)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"{cls!r} is not a message struct")
     head = f"### `{cls.__struct_config__.tag or cls.__name__}`"
     rows = ["| field | type | constraint | default |", "|---|---|---|---|"]
     for f in info.fields:
@@ -84,8 +118,13 @@ def table(cls: type) -> str:
 
 
 def generate() -> str:
-    parts = [BEGIN, "", "Every header also carries `v` (int, must be "
-             f"{schema.PROTOCOL_VERSION}) and `type` (the tag after each heading).", ""]
+    parts = [
+        BEGIN,
+        "",
+        "Every header also carries `v` (int, must be "
+        f"{schema.PROTOCOL_VERSION}) and `type` (the tag after each heading).",
+        "",
+    ]
     for title, classes in SECTIONS:
         parts += [f"## Fields: {title}", ""]
         for cls in classes:
@@ -107,7 +146,7 @@ def main(argv: list[str]) -> int:
         path = Path(argv[1])
         path.write_text(splice(path.read_text()))
         return 0
-    print(generate())
+    sys.stdout.write(generate() + "\n")
     return 0
 
 

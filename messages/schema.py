@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from messages.dtypes import ITEMSIZE
+from messages.dtypes import Dtype
 
 PROTOCOL_VERSION = 1
 """Major version of the wire protocol, checked on every message (independent of the package)."""
@@ -42,8 +42,15 @@ MAX_SENDERS = 1024
 MAX_PROBES = 64
 MAX_PROBE_TOKENS = 4096
 
-Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z",
-                         description="1-128 of [A-Za-z0-9._:@+-], not starting with a dot or dash")]
+Id = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=MAX_ID_LEN,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z",
+        description="1-128 of [A-Za-z0-9._:@+-], not starting with a dot or dash",
+    ),
+]
 Version = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
 RequestId = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
 Seq = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
@@ -60,19 +67,36 @@ Tokens = Annotated[tuple[TokenId, ...], Meta(max_length=MAX_PROBE_TOKENS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9, description="0..1e9")]
 MAX_PHASES = 32
 PhaseName = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]+$")]
-Dtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
-TensorName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[^\x00-\x1f]+\Z",
-                                 description=f"1-{MAX_NAME_LEN} chars, no control characters")]
+TensorName = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=MAX_NAME_LEN,
+        pattern=r"^[^\x00-\x1f]+\Z",
+        description=f"1-{MAX_NAME_LEN} chars, no control characters",
+    ),
+]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN, description=f"<= {MAX_TEXT_LEN} chars")]
 LongText = Annotated[str, Meta(max_length=65536, description="<= 65536 chars")]
-Host = Annotated[str, Meta(max_length=255, pattern=r"^[^\x00-\x1f/]*\Z",
-                           description="<= 255 chars, no control characters or '/'")]
-Digest = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\Z",
-                             description="lowercase hex, 1-128 chars")]
+Host = Annotated[
+    str,
+    Meta(
+        max_length=255, pattern=r"^[^\x00-\x1f/]*\Z", description="<= 255 chars, no control characters or '/'"
+    ),
+]
+Digest = Annotated[
+    str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\Z", description="lowercase hex, 1-128 chars")
+]
 # Where a bucket lies in shared memory: only names the segment code itself makes are
 # accepted (messages.shm.SEGMENT_PATTERN); never a path, never a dot-name.
-SegmentName = Annotated[str, Meta(max_length=96, pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
-                                  description="weightsync.KIND.PID.HEX12 (made by messages.shm)")]
+SegmentName = Annotated[
+    str,
+    Meta(
+        max_length=96,
+        pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
+        description="weightsync.KIND.PID.HEX12 (made by messages.shm)",
+    ),
+]
 Transport = Literal["inline", "shm", "collective", "auto"]
 Backend = Literal["gloo", "nccl"]
 Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
@@ -83,7 +107,8 @@ Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}"
 class _Wire(msgspec.Struct, frozen=True):
     def to_wire(self) -> dict[str, Any]:
         """Plain MessagePack-able data (spool manifests, tests)."""
-        return msgspec.to_builtins(self)
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
 
 
 class TensorMeta(_Wire, frozen=True):
@@ -155,6 +180,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 # -- trainer -> orchestrator ------------------------------------------------------------
 
+
 class Hello(Message, frozen=True, tag="hello"):
     id: RequestId = 0
     client: Annotated[str, Meta(max_length=256)] = ""
@@ -211,6 +237,7 @@ class Status(Message, frozen=True, tag="status"):
 
 # -- replies ----------------------------------------------------------------------------
 
+
 class Ok(Message, frozen=True, tag="ok"):
     """The body's keys travel at the top level of the header (see `codec`)."""
 
@@ -229,6 +256,7 @@ class Error(Message, frozen=True, tag="error"):
 
 
 # -- engine -> orchestrator -------------------------------------------------------------
+
 
 class Register(Message, frozen=True, tag="register"):
     engine_id: Id
@@ -285,6 +313,7 @@ class Failed(Message, frozen=True, tag="failed"):
 
 # -- orchestrator -> engine -------------------------------------------------------------
 
+
 class Load(Message, frozen=True, tag="load"):
     PAYLOAD: ClassVar[str] = "bucket"
     sync_id: Id
@@ -307,8 +336,23 @@ class Finalize(Message, frozen=True, tag="finalize"):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
-for _cls in (Hello, Begin, Bucket, Finish, Abort, Status, Ok, Error, Register, Heartbeat,
-             Loaded, Finalized, Failed, Load, Finalize):
-    _cls.TYPE = _cls.__struct_config__.tag  # the header's `type`, for code that reads TYPE
+for _cls in (
+    Hello,
+    Begin,
+    Bucket,
+    Finish,
+    Abort,
+    Status,
+    Ok,
+    Error,
+    Register,
+    Heartbeat,
+    Loaded,
+    Finalized,
+    Failed,
+    Load,
+    Finalize,
+):
+    _cls.TYPE = str(_cls.__struct_config__.tag)  # the header's `type`, for code that reads TYPE
     MESSAGE_TYPES[_cls.TYPE] = _cls
 del _cls

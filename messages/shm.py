@@ -96,7 +96,7 @@ def open_segment(name: str, need: int) -> tuple[int, int]:
     except FileNotFoundError:
         raise _refuse(name, "does not exist") from None
     except OSError as exc:  # ELOOP: a symlink; EACCES, ENXIO: not ours to read
-        raise _refuse(name, f"cannot be opened ({errno.errorcode.get(exc.errno, exc.errno)})") from None
+        raise _refuse(name, f"cannot be opened ({errno.errorcode.get(exc.errno or 0, exc.errno)})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -143,8 +143,10 @@ class Segment:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise ShmFull(exc.errno, f"{_DIR} has no room for a {size}-byte shared-memory "
-                                         f"segment ({os.strerror(exc.errno)})") from None
+                raise ShmFull(
+                    exc.errno,
+                    f"{_DIR} has no room for a {size}-byte shared-memory segment ({os.strerror(exc.errno)})",
+                ) from None
             raise
         if self._mm is not None:
             _unmap(self._mm)
@@ -156,12 +158,12 @@ class Segment:
         mv = memoryview(data).cast("B")
         n = mv.nbytes
         self.resize(offset + n)
-        self._mm[offset:offset + n] = mv  # type: ignore[index]
+        self._mm[offset : offset + n] = mv  # type: ignore[index]
         return n
 
     def view(self, offset: int = 0, size: int | None = None) -> memoryview:
         size = self.size - offset if size is None else size
-        return memoryview(self._mm)[offset:offset + size]  # type: ignore[arg-type]
+        return memoryview(self._mm)[offset : offset + size]  # type: ignore[arg-type]
 
     def close(self) -> None:
         if self._mm is not None:
@@ -196,12 +198,13 @@ class Reader:
             fd, total = open_segment(name, offset + size)
             try:
                 # MAP_POPULATE: the page tables are filled in one call, not one fault per page
-                mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                               prot=mmap.PROT_READ)
+                mm = mmap.mmap(
+                    fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
+                )
             finally:
                 os.close(fd)
             self._maps[name] = cached = (total, mm)
-        return memoryview(cached[1])[offset:offset + size]
+        return memoryview(cached[1])[offset : offset + size]
 
     def prune(self) -> None:
         """Drop the mappings of segments that are gone (their owner unlinked them): a
@@ -218,7 +221,7 @@ class Reader:
 
 def frombuffer(mv: memoryview) -> Any:
     """uint8 tensor over a (possibly read-only) buffer, without copying."""
-    import torch  # here, not at the top: the daemon reads segments without torch
+    import torch  # noqa: PLC0415 (the daemon reads segments without torch)
 
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)

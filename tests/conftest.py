@@ -27,10 +27,14 @@ MATRIX_ROWS: list[dict] = []
 
 
 def pytest_addoption(parser):
-    parser.addoption("--matrix-out", default=None,
-                     help="write the fault-matrix rows measured by tests/faults to this JSON file")
-    parser.addoption("--fuzz-cases", type=int, default=300,
-                     help="hypothesis cases per fuzzed socket (slow mode: 10000)")
+    parser.addoption(
+        "--matrix-out",
+        default=None,
+        help="write the fault-matrix rows measured by tests/faults to this JSON file",
+    )
+    parser.addoption(
+        "--fuzz-cases", type=int, default=300, help="hypothesis cases per fuzzed socket (slow mode: 10000)"
+    )
 
 
 @pytest.fixture

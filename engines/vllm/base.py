@@ -27,12 +27,13 @@ import structlog
 import torch
 
 from engines.base import EngineInfo, validate_bucket
-from messages.shm import Segment, frombuffer
-from messages.buckets import checksum, iter_buckets
-from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.buckets import digest as weights_digest
+from messages.buckets import iter_buckets
+from messages.checkpoint import checkpoint_spec, iter_safetensors
+from messages.checksums import checksum
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, TensorMeta
+from messages.shm import Segment
 
 log = structlog.get_logger()
 
@@ -46,6 +47,7 @@ def _arg(**kw: Any) -> str:
 def _meta_tensor(m: TensorMeta) -> torch.Tensor:
     """A storage-free stand-in with the meta's dtype and shape, for validation only."""
     from messages.dtypes import DTYPES
+
     return torch.empty(m.shape, dtype=DTYPES[m.dtype], device="meta")
 
 
@@ -81,8 +83,14 @@ class VllmBase:
         return {}
 
     def describe(self) -> EngineInfo:
-        return EngineInfo(backend=self.backend, model=self.model_dir, spec=tuple(self.spec.values()),
-                          cast_ok=True, extra=self._extra(), collective_ranks=self._workers())
+        return EngineInfo(
+            backend=self.backend,
+            model=self.model_dir,
+            spec=tuple(self.spec.values()),
+            cast_ok=True,
+            extra=self._extra(),
+            collective_ranks=self._workers(),
+        )
 
     def _workers(self) -> int:
         """Group members this engine brings: one per vLLM worker (TP x PP)."""
@@ -115,11 +123,11 @@ class VllmBase:
         wire = [m.to_wire() for m in metas]
         if self._local():
             from engines.vllm.extension import LOCAL_BUFFERS
+
             token = f"{self.sync_id}/{id(buf)}"
             LOCAL_BUFFERS[token] = buf
             try:
-                self._timed("ws_load", sync_id=self.sync_id, local=token, tensors=wire,
-                            parts=_hex(parts))
+                self._timed("ws_load", sync_id=self.sync_id, local=token, tensors=wire, parts=_hex(parts))
             finally:
                 LOCAL_BUFFERS.pop(token, None)
             return
@@ -127,23 +135,33 @@ class VllmBase:
         n = self.staging.write(buf)
         self.staged_bytes += n
         self._add("staging", time.perf_counter() - t0)
-        self._timed("ws_load", sync_id=self.sync_id, tensors=wire, parts=_hex(parts),
-                    checksum=None if parts is not None else checksum(self.staging.view(0, n)),
-                    shm={"name": self.staging.name, "offset": 0, "size": n})
+        self._timed(
+            "ws_load",
+            sync_id=self.sync_id,
+            tensors=wire,
+            parts=_hex(parts),
+            checksum=None if parts is not None else checksum(self.staging.view(0, n)),
+            shm={"name": self.staging.name, "offset": 0, "size": n},
+        )
 
-    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
-                 parts: Parts = None) -> None:
+    def load_shm(
+        self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts = None
+    ) -> None:
         """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
         copy); they copy into parameters (and verify the checksum themselves unless the
         engine process has: `parts` given)."""
         self._check(metas)
         self._send_shm(metas, ref, bucket_checksum, parts)
 
-    def _send_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
-                  parts: Parts) -> None:
-        self._timed("ws_load", sync_id=self.sync_id, shm=ref.to_wire(), parts=_hex(parts),
-                    checksum=None if parts is not None else bucket_checksum,
-                    tensors=[m.to_wire() for m in metas])
+    def _send_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts) -> None:
+        self._timed(
+            "ws_load",
+            sync_id=self.sync_id,
+            shm=ref.to_wire(),
+            parts=_hex(parts),
+            checksum=None if parts is not None else bucket_checksum,
+            tensors=[m.to_wire() for m in metas],
+        )
 
     def _timed(self, method: str, **kw: Any) -> list[Any]:
         """Run a load rpc; add the workers' own split of its time to this sync's phases."""
@@ -161,17 +179,32 @@ class VllmBase:
     def _add(self, phase: str, seconds: float) -> None:
         self._phases[phase] = self._phases.get(phase, 0.0) + seconds
 
-    def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str, seq: int | None = None,
-                        next_bucket: dict[str, int] | None = None) -> None:
+    def load_collective(
+        self,
+        metas: Sequence[TensorMeta],
+        group: dict[str, Any],
+        size: int,
+        bucket_checksum: int,
+        bind: str,
+        seq: int | None = None,
+        next_bucket: dict[str, int] | None = None,
+    ) -> None:
         """collective transport: every vLLM worker joins the group and receives the bucket
         itself (rank = group rank + worker rank), verifies it and loads it; with
         `next_bucket` ({seq, size} of the load queued behind this one) the workers post
         its receive before loading this one."""
         self._check(metas)
-        self._timed("ws_collective_load", sync_id=self.sync_id, group=group, size=size,
-                    checksum=bucket_checksum, bind=bind, tensors=[m.to_wire() for m in metas],
-                    seq=seq, next=next_bucket)
+        self._timed(
+            "ws_collective_load",
+            sync_id=self.sync_id,
+            group=group,
+            size=size,
+            checksum=bucket_checksum,
+            bind=bind,
+            tensors=[m.to_wire() for m in metas],
+            seq=seq,
+            next=next_bucket,
+        )
 
     def close_collective(self) -> None:
         self.rpc("ws_collective_close")
@@ -216,5 +249,3 @@ class VllmBase:
 
     def close(self) -> None:
         self.staging.close()
-
-

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
 import xxhash
 
 from engines.vllm.base import EXTENSION, Parts, VllmBase
@@ -31,13 +30,26 @@ log = structlog.get_logger()
 class VllmEngine(VllmBase):
     """`vllm.LLM` in this process (its workers in-process or in vLLM's own processes)."""
 
-    def __init__(self, model_dir: str | Path, *, multiprocessing: bool = False,
-                 llm_args: dict[str, Any] | None = None, staging_bytes: int = 64 << 20,
-                 lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        multiprocessing: bool = False,
+        llm_args: dict[str, Any] | None = None,
+        staging_bytes: int = 64 << 20,
+        lora_rank: int = 0,
+        lora_targets: Sequence[str] = (),
+    ) -> None:
         from vllm import LLM
 
-        args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "seed": 0,
-                "enable_prefix_caching": True, **(llm_args or {})}
+        args = {
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 256,
+            "seed": 0,
+            "enable_prefix_caching": True,
+            **(llm_args or {}),
+        }
         if lora_rank:
             args.update(enable_lora=True, max_lora_rank=vllm_rank(lora_rank), max_loras=1)
         t0 = time.perf_counter()
@@ -54,15 +66,21 @@ class VllmEngine(VllmBase):
             self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
             self.spec.update(self.lora.spec)
             self._reader = Reader()
-        log.info("vllm_started", model=self.model_dir, seconds=round(self.startup_seconds, 2),
-                 multiprocessing=multiprocessing, args=args)
+        log.info(
+            "vllm_started",
+            model=self.model_dir,
+            seconds=round(self.startup_seconds, 2),
+            multiprocessing=multiprocessing,
+            args=args,
+        )
 
     def _extra(self) -> dict[str, Any]:
         return {"llm_args": self.llm_args, "multiprocessing": self.multiprocessing}
 
     def _workers(self) -> int:
-        return (int(self.llm_args.get("tensor_parallel_size", 1))
-                * int(self.llm_args.get("pipeline_parallel_size", 1)))
+        return int(self.llm_args.get("tensor_parallel_size", 1)) * int(
+            self.llm_args.get("pipeline_parallel_size", 1)
+        )
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
         return self.llm.collective_rpc(method, args=(arg,))
@@ -96,8 +114,9 @@ class VllmEngine(VllmBase):
             self._begin_base()
             self._send_bucket(base, buf, _only(parts, base))
 
-    def load_shm(self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int,
-                 parts: Parts = None) -> None:
+    def load_shm(
+        self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts = None
+    ) -> None:
         if self.lora is None:
             return super().load_shm(metas, ref, bucket_checksum, parts)
         self._check(metas)
@@ -106,13 +125,23 @@ class VllmEngine(VllmBase):
             self._begin_base()
             self._send_shm(base, ref, bucket_checksum, _only(parts, base))
 
-    def load_collective(self, metas: Sequence[TensorMeta], group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str, seq: int | None = None,
-                        next_bucket: dict[str, int] | None = None) -> None:
+    def load_collective(
+        self,
+        metas: Sequence[TensorMeta],
+        group: dict[str, Any],
+        size: int,
+        bucket_checksum: int,
+        bind: str,
+        seq: int | None = None,
+        next_bucket: dict[str, int] | None = None,
+    ) -> None:
         if self.lora is not None:
             if any(m.name in self.lora.spec for m in metas):
-                raise make_error(ErrorCode.BAD_MESSAGE, "LoRA adapters travel inline or by shm, "
-                                 "not by the collective (push them with transport inline|auto)")
+                raise make_error(
+                    ErrorCode.BAD_MESSAGE,
+                    "LoRA adapters travel inline or by shm, "
+                    "not by the collective (push them with transport inline|auto)",
+                )
             self._begin_base()
         super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
 
@@ -125,10 +154,16 @@ class VllmEngine(VllmBase):
         else:
             self.finalize_count += 1
         if self.lora.pending:
-            self.lora_request = self.lora.activate(self.llm, self._pending_begin[1])
+            self.lora_request = self.lora.activate(
+                self.llm, self._pending_begin[1] if self._pending_begin else 0
+            )
             parts.append(self.lora.digest)
         self._pending_begin = None
-        self._digest = parts[0] if len(parts) == 1 else xxhash.xxh3_128_hexdigest("".join(parts))
+        self._digest = (
+            parts[0]
+            if len(parts) == 1
+            else xxhash.xxh3_128_hexdigest("".join(p or "" for p in parts).encode())
+        )
         return self._digest
 
     def abort(self) -> None:
@@ -143,8 +178,7 @@ class VllmEngine(VllmBase):
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=list(p.prompt)) for p in probes]
-        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True)
-                  for p in probes]
+        params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True) for p in probes]
         outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return tuple(tuple(o.outputs[0].token_ids) for o in outs)
 
@@ -169,7 +203,10 @@ def _only(parts: Parts, metas: Sequence[TensorMeta]) -> Parts:
 
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:
-    return VllmEngine(options["model"], multiprocessing=bool(options.get("vllm_mp", False)),
-                      llm_args=options.get("llm_args") or {},
-                      lora_rank=int(options.get("lora_rank") or 0),
-                      lora_targets=tuple(options.get("lora_targets") or ()))
+    return VllmEngine(
+        options["model"],
+        multiprocessing=bool(options.get("vllm_mp", False)),
+        llm_args=options.get("llm_args") or {},
+        lora_rank=int(options.get("lora_rank") or 0),
+        lora_targets=tuple(options.get("lora_targets") or ()),
+    )

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from messages.buckets import Digester, checksum, hash_bucket
-from messages.schema import TensorMeta
+from messages.buckets import Digester, hash_bucket
+from messages.checksums import checksum
 from messages.dtypes import DTYPES
+from messages.schema import TensorMeta
 
 
 def keep_pending_weights(flat: torch.Tensor) -> int:
@@ -53,9 +54,16 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
     return kept
 
 
-def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, Any]],
-              digester: Digester, *, layerwise: bool, parts: dict[str, Any] | None = None,
-              phases: dict[str, float] | None = None) -> int:
+def load_into(
+    model: torch.nn.Module,
+    flat: torch.Tensor,
+    metas: list[dict[str, Any]],
+    digester: Digester,
+    *,
+    layerwise: bool,
+    parts: dict[str, Any] | None = None,
+    phases: dict[str, float] | None = None,
+) -> int:
     """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
     make the one copy into the parameters; the views are not cloned first. Feeds the
     digest (from `parts`, the engine process's hashes of the same bytes, when given);
@@ -63,10 +71,10 @@ def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, 
     t0 = time.perf_counter()
     tensors = []
     for m in metas:
-        t = flat[m["offset"]:m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
+        t = flat[m["offset"] : m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
         tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
     with torch.no_grad():
-        model.load_weights(iter(tensors))
+        model.load_weights(iter(tensors))  # type: ignore[operator]  # vLLM models define it
     t1 = time.perf_counter()
     kept = keep_pending_weights(flat) if layerwise else 0
     t2 = time.perf_counter()
@@ -78,8 +86,11 @@ def load_into(model: torch.nn.Module, flat: torch.Tensor, metas: list[dict[str, 
         for name, t in tensors:
             digester.update(name, t)
     if phases is not None:
-        for phase, s in (("vllm_load_weights", t1 - t0), ("vllm_keep_pending", t2 - t1),
-                         ("worker_digest", time.perf_counter() - t2)):
+        for phase, s in (
+            ("vllm_load_weights", t1 - t0),
+            ("vllm_keep_pending", t2 - t1),
+            ("worker_digest", time.perf_counter() - t2),
+        ):
             phases[phase] = phases.get(phase, 0.0) + s
     return kept
 
@@ -88,9 +99,11 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     """Check a bucket received by broadcast against its checksum and return every tensor's
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
-    got, parts = hash_bucket(host.numpy(), [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]),
-                                                       m["offset"], m["nbytes"]) for m in metas],
-                             parts=True)
+    got, parts = hash_bucket(
+        host.numpy(),
+        [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"]) for m in metas],
+        parts=True,
+    )
     if got != expected:
         raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
     return parts or {}
@@ -104,13 +117,29 @@ LOCAL_BUFFERS: dict[str, Any] = {}
 class WeightSyncExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
 
+    # set by vLLM's Worker, which this class is mixed into
+    model_runner: Any
+    vllm_config: Any
+    device: Any
+
     def _ws(self) -> dict[str, Any]:
         st = getattr(self, "_ws_state", None)
         if st is None:
             from messages.shm import Reader
-            st = {"sync_id": None, "version": None, "reloading": False, "finalized": set(),
-                  "finalize_count": 0, "digester": None, "digest": None, "reader": Reader(),
-                  "loaded": 0, "mode": None, "kept": 0}
+
+            st = {
+                "sync_id": None,
+                "version": None,
+                "reloading": False,
+                "finalized": set(),
+                "finalize_count": 0,
+                "digester": None,
+                "digest": None,
+                "reader": Reader(),
+                "loaded": 0,
+                "mode": None,
+                "kept": 0,
+            }
             self._ws_state = st
         return st
 
@@ -119,10 +148,17 @@ class WeightSyncExtension:
 
     def ws_info(self, arg: str = "{}") -> dict[str, Any]:
         st = self._ws()
-        return {"sync_id": st["sync_id"], "version": st["version"], "reloading": st["reloading"],
-                "finalize_count": st["finalize_count"], "digest": st["digest"],
-                "rank": getattr(self, "rank", 0), "mode": st["mode"],
-                "loaded": st["loaded"], "kept": st["kept"]}
+        return {
+            "sync_id": st["sync_id"],
+            "version": st["version"],
+            "reloading": st["reloading"],
+            "finalize_count": st["finalize_count"],
+            "digest": st["digest"],
+            "rank": getattr(self, "rank", 0),
+            "mode": st["mode"],
+            "loaded": st["loaded"],
+            "kept": st["kept"],
+        }
 
     def ws_begin(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)
@@ -136,20 +172,30 @@ class WeightSyncExtension:
         model = self._ws_model()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
             initialize_layerwise_reload(model)
             st["mode"] = "layerwise"
         except ImportError:
             st["mode"] = "process_weights_after_loading"
-        st.update(sync_id=a["sync_id"], version=a["version"], reloading=True,
-                  digester=Digester(), digest=None, loaded=0, kept=0)
+        st.update(
+            sync_id=a["sync_id"],
+            version=a["version"],
+            reloading=True,
+            digester=Digester(),
+            digest=None,
+            loaded=0,
+            kept=0,
+        )
         return self.ws_info()
 
     def _ws_running(self, a: dict[str, Any], method: str) -> dict[str, Any]:
         """The worker's state, if `a`'s sync is the reload running here."""
         st = self._ws()
         if not st["reloading"] or st["sync_id"] != a["sync_id"]:
-            raise RuntimeError(f"{method} for sync {a['sync_id']!r} but the running reload is "
-                               f"{st['sync_id']!r} (reloading={st['reloading']})")
+            raise RuntimeError(
+                f"{method} for sync {a['sync_id']!r} but the running reload is "
+                f"{st['sync_id']!r} (reloading={st['reloading']})"
+            )
         return st
 
     def ws_load(self, arg: str) -> dict[str, Any]:
@@ -160,6 +206,7 @@ class WeightSyncExtension:
         a = json.loads(arg)
         st = self._ws_running(a, "ws_load")
         from messages.shm import frombuffer
+
         if a.get("local") is not None:
             mv = memoryview(LOCAL_BUFFERS[a["local"]])
             where = "the engine's frame"
@@ -186,10 +233,10 @@ class WeightSyncExtension:
         a = json.loads(arg)
         st = self._ws_running(a, "ws_collective_load")
         from messages.collective import Member
+
         member = st.get("member")
         if member is None:
-            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0),
-                                           slots=2)
+            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0), slots=2)
         key = (a["group"]["id"], a.get("seq"), a["size"])
         posted = st.pop("posted", None)
         if posted is not None and posted[0] != key:
@@ -199,8 +246,7 @@ class WeightSyncExtension:
         t1 = time.perf_counter()
         nxt = a.get("next")
         if nxt:
-            st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]),
-                            member.post(a["group"], nxt["size"]))
+            st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
         parts = verify_received(buf, a["tensors"], a["checksum"])
         phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
         self._ws_apply(buf, a["tensors"], parts, phases)
@@ -220,11 +266,23 @@ class WeightSyncExtension:
             member.close()
         return "ok"
 
-    def _ws_apply(self, flat: torch.Tensor, metas: list[dict[str, Any]],
-                  parts: dict[str, Any] | None = None, phases: dict[str, float] | None = None) -> None:
+    def _ws_apply(
+        self,
+        flat: torch.Tensor,
+        metas: list[dict[str, Any]],
+        parts: dict[str, Any] | None = None,
+        phases: dict[str, float] | None = None,
+    ) -> None:
         st = self._ws()
-        st["kept"] += load_into(self._ws_model(), flat, metas, st["digester"],
-                                layerwise=st["mode"] == "layerwise", parts=parts, phases=phases)
+        st["kept"] += load_into(
+            self._ws_model(),
+            flat,
+            metas,
+            st["digester"],
+            layerwise=st["mode"] == "layerwise",
+            parts=parts,
+            phases=phases,
+        )
         st["loaded"] += len(metas)
 
     def ws_finalize(self, arg: str) -> dict[str, Any]:
@@ -255,9 +313,11 @@ class WeightSyncExtension:
         model_config = self.vllm_config.model_config
         if st["mode"] == "layerwise":
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
             finalize_layerwise_reload(model, model_config)
         else:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
             process_weights_after_loading(model, model_config, self.device)
         st["reloading"] = False
         st["reader"].prune()  # drop mappings of slots the trainer unlinked; keep the rest
@@ -266,6 +326,7 @@ class WeightSyncExtension:
     def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
         """Run vLLM's post-load step again, as the buggy per-bucket pattern did."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
         process_weights_after_loading(self._ws_model(), self.vllm_config.model_config, self.device)
         return "ok"
 
@@ -273,11 +334,17 @@ class WeightSyncExtension:
         """Plain `load_weights` from a shared-memory descriptor, outside any reload."""
         a = json.loads(arg)
         from messages.shm import frombuffer
+
         st = self._ws()
         ref = a["shm"]
         flat = frombuffer(st["reader"].view(ref["name"], ref["offset"], ref["size"]))
-        tensors = [(m["name"], flat[m["offset"]:m["offset"] + m["nbytes"]].view(
-            DTYPES[m["dtype"]]).view(m["shape"])) for m in a["tensors"]]
+        tensors = [
+            (
+                m["name"],
+                flat[m["offset"] : m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]]).view(m["shape"]),
+            )
+            for m in a["tensors"]
+        ]
         with torch.no_grad():
-            self._ws_model().load_weights(iter(tensors))
+            self._ws_model().load_weights(iter(tensors))  # type: ignore[operator]
         return "ok"

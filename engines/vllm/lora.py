@@ -37,8 +37,9 @@ def is_lora(name: str) -> bool:
 
 
 class LoraSlots:
-    def __init__(self, model_dir: str, base_spec: dict[str, ParamSpec], rank: int,
-                 targets: Sequence[str]) -> None:
+    def __init__(
+        self, model_dir: str, base_spec: dict[str, ParamSpec], rank: int, targets: Sequence[str]
+    ) -> None:
         self.model_dir, self.rank, self.targets = model_dir, rank, tuple(targets)
         self.spec: dict[str, ParamSpec] = {}
         for name, p in base_spec.items():
@@ -63,7 +64,7 @@ class LoraSlots:
         base = []
         for m in metas:
             if m.name in self.spec:
-                t = flat[m.offset:m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+                t = flat[m.offset : m.offset + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
                 self.pending[m.name] = t.clone()
             else:
                 base.append(m)
@@ -76,12 +77,24 @@ class LoraSlots:
 
         path = Path(self.dir.name) / f"v{version}"
         path.mkdir(parents=True, exist_ok=True)
-        save_file({f"base_model.model.{n}": t.contiguous() for n, t in self.pending.items()},
-                  str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.rank,
-            "target_modules": list(self.targets), "bias": "none", "lora_dropout": 0.0,
-            "base_model_name_or_path": self.model_dir}))
+        save_file(
+            {f"base_model.model.{n}": t.contiguous() for n, t in self.pending.items()},
+            str(path / "adapter_model.safetensors"),
+        )
+        (path / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "task_type": "CAUSAL_LM",
+                    "r": self.rank,
+                    "lora_alpha": self.rank,
+                    "target_modules": list(self.targets),
+                    "bias": "none",
+                    "lora_dropout": 0.0,
+                    "base_model_name_or_path": self.model_dir,
+                }
+            )
+        )
         d = Digester()
         for n in sorted(self.pending):
             d.update(n, self.pending[n])

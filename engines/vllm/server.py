@@ -23,6 +23,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,16 @@ PAUSE_MODES = ("keep", "wait", "abort")
 class VllmServerEngine(VllmBase):
     backend = "vllm-server"
 
-    def __init__(self, model_dir: str | Path, url: str, *, pause_mode: str = "keep",
-                 timeout: float = 600.0, staging_bytes: int = 64 << 20, bind: str = "") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        url: str,
+        *,
+        pause_mode: str = "keep",
+        timeout: float = 600.0,
+        staging_bytes: int = 64 << 20,
+        bind: str = "",
+    ) -> None:
         self.bind = bind  # this host's address for the collective group's sockets
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -56,7 +65,8 @@ class VllmServerEngine(VllmBase):
             raise RuntimeError(
                 f"{self.url} does not run the weightsync extension ({exc}); start it with "
                 "--worker-extension-cls engines.vllm_extension.WeightSyncExtension and "
-                "VLLM_SERVER_DEV_MODE=1") from None
+                "VLLM_SERVER_DEV_MODE=1"
+            ) from None
         self._setup(model_dir, staging_bytes)
         self.finalize_count = min(w["finalize_count"] for w in self.workers)
         self.paused = False
@@ -64,13 +74,19 @@ class VllmServerEngine(VllmBase):
         self._native_finalizes = 0
         self._pending: tuple[str, int] | None = None  # begin deferred to the first bucket
         self._mode: str | None = None  # "native" | "extension" for the running sync
-        log.info("vllm_server_attached", url=self.url, model=self.served_model,
-                 workers=len(self.workers), pause_mode=pause_mode)
+        log.info(
+            "vllm_server_attached",
+            url=self.url,
+            model=self.served_model,
+            workers=len(self.workers),
+            pause_mode=pause_mode,
+        )
 
     def _http(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
@@ -82,8 +98,13 @@ class VllmServerEngine(VllmBase):
         return json.loads(raw) if raw else None
 
     def _extra(self) -> dict[str, Any]:
-        return {"url": self.url, "served_model": self.served_model, "pause_mode": self.pause_mode,
-                "workers": len(self.workers), "native_weight_transfer": self.native}
+        return {
+            "url": self.url,
+            "served_model": self.served_model,
+            "pause_mode": self.pause_mode,
+            "workers": len(self.workers),
+            "native_weight_transfer": self.native,
+        }
 
     def _workers(self) -> int:
         return len(self.workers)
@@ -121,18 +142,35 @@ class VllmServerEngine(VllmBase):
         self._start("extension")
         super().load_shm(metas, ref, bucket_checksum, parts)
 
-    def load_collective(self, metas: Any, group: dict[str, Any], size: int,
-                        bucket_checksum: int, bind: str, seq: int | None = None,
-                        next_bucket: dict[str, int] | None = None) -> None:
+    def load_collective(
+        self,
+        metas: Any,
+        group: dict[str, Any],
+        size: int,
+        bucket_checksum: int,
+        bind: str,
+        seq: int | None = None,
+        next_bucket: dict[str, int] | None = None,
+    ) -> None:
         if not self.native:
             self._start("extension")
             super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
             return
         self._check(metas)
         self._start("native")
-        self._http("POST", "/update_weights", {"update_info": {
-            "sync_id": self.sync_id, "group": group, "size": size, "checksum": bucket_checksum,
-            "tensors": [m.to_wire() for m in metas]}})
+        self._http(
+            "POST",
+            "/update_weights",
+            {
+                "update_info": {
+                    "sync_id": self.sync_id,
+                    "group": group,
+                    "size": size,
+                    "checksum": bucket_checksum,
+                    "tensors": [m.to_wire() for m in metas],
+                }
+            },
+        )
 
     def finalize(self, sync_id: str) -> str:
         self._start("extension")  # a sync with no bucket (all-partial) still finalizes once
@@ -189,12 +227,21 @@ class VllmServerEngine(VllmBase):
         finally:
             self._resume()
 
-    def probe(self, probes: list[Probe] | tuple[Probe, ...]) -> tuple[tuple[int, ...], ...]:
+    def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
         out = []
         for p in probes:
-            r = self._http("POST", "/v1/completions", {
-                "model": self.served_model, "prompt": list(p.prompt), "max_tokens": p.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+            r = self._http(
+                "POST",
+                "/v1/completions",
+                {
+                    "model": self.served_model,
+                    "prompt": list(p.prompt),
+                    "max_tokens": p.max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             out.append(tuple(r["choices"][0]["token_ids"]))
         return tuple(out)
 
@@ -202,6 +249,9 @@ class VllmServerEngine(VllmBase):
 def make_engine(options: dict[str, Any]) -> VllmServerEngine:
     if not options.get("url"):
         raise ValueError("--backend vllm-server needs --url http://HOST:PORT")
-    return VllmServerEngine(options["model"], options["url"],
-                            pause_mode=options.get("pause_mode") or "keep",
-                            bind=options.get("collective_host") or "")
+    return VllmServerEngine(
+        options["model"],
+        options["url"],
+        pause_mode=options.get("pause_mode") or "keep",
+        bind=options.get("collective_host") or "",
+    )

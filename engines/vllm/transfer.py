@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from messages.buckets import Digester
 
@@ -86,9 +89,16 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         t0 = time.perf_counter()
         buf = self.member.receive(info.group, info.size)
         from engines.vllm.extension import load_into, verify_received
+
         parts = verify_received(buf, info.tensors, info.checksum)
-        load_into(self.model, buf, info.tensors, self.digester, layerwise=True,  # started in
-                  parts=parts)                                                   # start_weight_update
+        load_into(
+            self.model,
+            buf,
+            info.tensors,
+            self.digester,
+            layerwise=True,  # started in
+            parts=parts,
+        )  # start_weight_update
         self.loaded += len(info.tensors)
         self.seconds += time.perf_counter() - t0
 
@@ -101,8 +111,13 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.digester = None
 
     def info(self) -> dict[str, Any]:
-        return {"digest": self.digest, "finalize_count": self.finalize_count, "loaded": self.loaded,
-                "seconds": self.seconds, "backend": BACKEND}
+        return {
+            "digest": self.digest,
+            "finalize_count": self.finalize_count,
+            "loaded": self.loaded,
+            "seconds": self.seconds,
+            "backend": BACKEND,
+        }
 
     def shutdown(self) -> None:
         if self.member is not None:

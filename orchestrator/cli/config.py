@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from orchestrator.daemon.config import Settings
@@ -46,8 +46,11 @@ def commands(group: Command, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tup
 
 
 def options(cmd: Command) -> list[Any]:
-    return [p for p in cmd.params
-            if p.param_type_name == "option" and p.name not in SKIP and not getattr(p, "hidden", False)]
+    return [
+        p
+        for p in cmd.params
+        if p.param_type_name == "option" and p.name not in SKIP and not getattr(p, "hidden", False)
+    ]
 
 
 def wire_envvars(group: Command) -> None:
@@ -87,7 +90,7 @@ def default_map(cfg: dict[str, Any], group: Command) -> dict[str, Any]:
             if k.replace("-", "_") in by_key:
                 values[by_key[k.replace("-", "_")]] = v
                 used.add(k)
-        for k, v in (section.items() if isinstance(section, dict) and section is not cfg else ()):
+        for k, v in section.items() if isinstance(section, dict) and section is not cfg else ():
             if isinstance(v, dict):
                 continue
             name = by_key.get(k.replace("-", "_"))
@@ -121,19 +124,33 @@ def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
             value = ctx.params.get(p.name)
             if value is None and p.name in SETTINGS_DEFAULTS:  # unset: the daemon's own default
                 value = SETTINGS_DEFAULTS[p.name]
-            rows.append({"command": name, "option": "--" + key_of(p).replace("_", "-"),
-                         "env": p.envvar, "value": str(value) if isinstance(value, Path) else value,
-                         "source": {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "config file",
-                                    "DEFAULT": "default"}.get(source.name if source else "DEFAULT", "default")})
+            rows.append(
+                {
+                    "command": name,
+                    "option": "--" + key_of(p).replace("_", "-"),
+                    "env": p.envvar,
+                    "value": str(value) if isinstance(value, Path) else value,
+                    "source": {
+                        "COMMANDLINE": "flag",
+                        "ENVIRONMENT": "env",
+                        "DEFAULT_MAP": "config file",
+                        "DEFAULT": "default",
+                    }.get(source.name if source else "DEFAULT", "default"),
+                }
+            )
     if as_json:
         print(json.dumps(rows, default=str))
         return
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="effective settings (flag > WEIGHTSYNC_* env > config file > default)", title_justify="left")
+    t = Table(
+        title="effective settings (flag > WEIGHTSYNC_* env > config file > default)", title_justify="left"
+    )
     for col in ("command", "option", "value", "source", "env"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["command"], r["option"], "" if r["value"] is None else str(r["value"]), r["source"], r["env"])
+        t.add_row(
+            r["command"], r["option"], "" if r["value"] is None else str(r["value"]), r["source"], r["env"]
+        )
     Console().print(t)

@@ -20,25 +20,49 @@ from rich.markup import escape
 
 from messages.errors import WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
-from orchestrator.daemon.config import (DEFAULT_ADDR, DEFAULT_ENGINE_ADDR, ConfigError, parse_failpoints,
-                                        set_process_env, vllm_process_env)
-
 from orchestrator.cli import config as cliconfig
 from orchestrator.cli.tables import history_table, push_progress, status_table
-from orchestrator.cli.util import (EXIT_OK, EXIT_STARTUP, EXIT_SYNC, EXIT_USAGE, _check_endpoint,
-                                  _client, _client_keys, _fail, _parse_kv, _settings, _usage,
-                                  err_console)
+from orchestrator.cli.util import (
+    EXIT_OK,
+    EXIT_STARTUP,
+    EXIT_SYNC,
+    EXIT_USAGE,
+    _check_endpoint,
+    _client,
+    _client_keys,
+    _fail,
+    _parse_kv,
+    _settings,
+    _usage,
+    err_console,
+)
+from orchestrator.daemon.config import (
+    DEFAULT_ADDR,
+    DEFAULT_ENGINE_ADDR,
+    ConfigError,
+    parse_failpoints,
+    set_process_env,
+    vllm_process_env,
+)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Weight sync between RL trainers and inference engines. Every option can "
-                       "also come from WEIGHTSYNC_<OPTION> or a TOML --config file.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Weight sync between RL trainers and inference engines. Every option can "
+    "also come from WEIGHTSYNC_<OPTION> or a TOML --config file.",
+)
 
 
 @app.callback()
-def root(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", envvar="WEIGHTSYNC_CONFIG",
-                                               help="TOML file of option defaults: top-level keys "
-                                                    "for every command, [serve], [push] ... tables")) -> None:
+def root(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        envvar="WEIGHTSYNC_CONFIG",
+        help="TOML file of option defaults: top-level keys for every command, [serve], [push] ... tables",
+    ),
+) -> None:
     """Weight sync between RL trainers and inference engines."""
     if config is not None:
         try:
@@ -52,9 +76,11 @@ app.add_typer(config_app, name="config")
 
 
 @config_app.command("show")
-def config_show(ctx: typer.Context,
-                command: Optional[list[str]] = typer.Argument(None, help="only these commands"),
-                as_json: bool = typer.Option(False, "--json", help="a JSON list on stdout")) -> None:
+def config_show(
+    ctx: typer.Context,
+    command: Optional[list[str]] = typer.Argument(None, help="only these commands"),
+    as_json: bool = typer.Option(False, "--json", help="a JSON list on stdout"),
+) -> None:
     """Print every option's effective value and its source (flag, env, config file, default)."""
     cliconfig.show(ctx.find_root(), tuple(command or ()), as_json)
 
@@ -63,37 +89,61 @@ def config_show(ctx: typer.Context,
 def serve(
     bind: Optional[str] = typer.Option(None, help=f"trainer socket (default {DEFAULT_ADDR})"),
     engine_bind: Optional[str] = typer.Option(None, help=f"engine socket (default {DEFAULT_ENGINE_ADDR})"),
-    state_db: Optional[str] = typer.Option(None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"),
+    state_db: Optional[str] = typer.Option(
+        None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
+    ),
     min_engines: Optional[int] = typer.Option(None, help="engines required to begin a sync"),
-    engine_timeout: Optional[float] = typer.Option(None, help="seconds without heartbeat before an engine is lost"),
-    sync_timeout: Optional[float] = typer.Option(None, help="seconds without trainer activity before a sync fails"),
+    engine_timeout: Optional[float] = typer.Option(
+        None, help="seconds without heartbeat before an engine is lost"
+    ),
+    sync_timeout: Optional[float] = typer.Option(
+        None, help="seconds without trainer activity before a sync fails"
+    ),
     bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
     finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
     spool: Optional[str] = typer.Option(None, help="keep the last READY version here: rollback and rejoin"),
     max_frame_bytes: Optional[int] = typer.Option(None, help="largest bucket frame accepted"),
     max_pending: Optional[int] = typer.Option(None, help="unanswered bucket requests per trainer"),
     keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
-    trainer_grace: Optional[float] = typer.Option(None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"),
+    trainer_grace: Optional[float] = typer.Option(
+        None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"
+    ),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
-    metrics_bind: Optional[str] = typer.Option(None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"),
+    metrics_bind: Optional[str] = typer.Option(
+        None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
+    ),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
     """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
     import sqlite3
+
     import zmq
 
     from orchestrator.daemon.logs import configure_logging
     from orchestrator.daemon.service import Service
 
-    s = _settings(bind=bind, engine_bind=engine_bind, state_db=state_db, min_engines=min_engines,
-                  engine_timeout=engine_timeout, sync_timeout=sync_timeout,
-                  bucket_timeout=bucket_timeout, finalize_timeout=finalize_timeout,
-                  spool=spool, max_frame_bytes=max_frame_bytes, max_pending=max_pending, keys=keys,
-                  failpoints=failpoint, trainer_grace=trainer_grace, shm_dir=shm_dir,
-                  metrics_bind=metrics_bind,
-                  log_level=log_level, log_json=log_json)
+    s = _settings(
+        bind=bind,
+        engine_bind=engine_bind,
+        state_db=state_db,
+        min_engines=min_engines,
+        engine_timeout=engine_timeout,
+        sync_timeout=sync_timeout,
+        bucket_timeout=bucket_timeout,
+        finalize_timeout=finalize_timeout,
+        spool=spool,
+        max_frame_bytes=max_frame_bytes,
+        max_pending=max_pending,
+        keys=keys,
+        failpoints=failpoint,
+        trainer_grace=trainer_grace,
+        shm_dir=shm_dir,
+        metrics_bind=metrics_bind,
+        log_level=log_level,
+        log_json=log_json,
+    )
     configure_logging(s.log_level, s.log_json)
     from messages import shm
     from messages.keys import KeysError
@@ -123,24 +173,37 @@ def engine(
     connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
     engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads"),
-    vllm_mp: bool = typer.Option(False, "--vllm-mp/--no-vllm-mp",
-                                 help="vLLM V1 multiprocessing (workers in their own processes)"),
-    vllm_arg: list[str] = typer.Option([], "--vllm-arg",
-                                       help="KEY=VALUE passed to vllm.LLM (VALUE parsed as JSON if it can be)"),
+    vllm_mp: bool = typer.Option(
+        False, "--vllm-mp/--no-vllm-mp", help="vLLM V1 multiprocessing (workers in their own processes)"
+    ),
+    vllm_arg: list[str] = typer.Option(
+        [], "--vllm-arg", help="KEY=VALUE passed to vllm.LLM (VALUE parsed as JSON if it can be)"
+    ),
     url: Optional[str] = typer.Option(None, help="vllm-server backend: the server's base URL"),
     pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
-    lora_rank: int = typer.Option(0, min=0, max=1024, help="LoRA slots of this rank on --lora-targets "
-                                  "(torch: adapter pushes merge at finalize; vllm: also pass "
-                                  "--vllm-arg enable_lora=true)"),
+    lora_rank: int = typer.Option(
+        0,
+        min=0,
+        max=1024,
+        help="LoRA slots of this rank on --lora-targets "
+        "(torch: adapter pushes merge at finalize; vllm: also pass "
+        "--vllm-arg enable_lora=true)",
+    ),
     lora_targets: str = typer.Option("", help="comma-separated module names for LoRA, e.g. q_proj,v_proj"),
-    collective: bool = typer.Option(True, "--collective/--no-collective",
-                                    help="offer the collective transport (torch.distributed)"),
-    collective_host: str = typer.Option("", help="this host's address for the collective group's "
-                                        "sockets [default: the route to the trainer's store]"),
-    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory (needs server.key, NAME.key_secret)"),
+    collective: bool = typer.Option(
+        True, "--collective/--no-collective", help="offer the collective transport (torch.distributed)"
+    ),
+    collective_host: str = typer.Option(
+        "",
+        help="this host's address for the collective group's "
+        "sockets [default: the route to the trainer's store]",
+    ),
+    keys: Optional[Path] = typer.Option(
+        None, help="CURVE keys directory (needs server.key, NAME.key_secret)"
+    ),
     key_name: str = typer.Option("engine", help="identity in the keys directory"),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
@@ -153,8 +216,9 @@ def engine(
     from engines.worker import Worker, make_engine
     from orchestrator.daemon.logs import configure_logging
 
-    s = _settings(heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json,
-                  shm_dir=shm_dir)
+    s = _settings(
+        heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json, shm_dir=shm_dir
+    )
     configure_logging(s.log_level, s.log_json)
     from messages import shm as shm_mod
 
@@ -170,16 +234,34 @@ def engine(
         set_process_env(vllm_process_env(vllm_mp))
     try:
         llm_args = _parse_kv(vllm_arg)
-        eng = make_engine(backend, {"model": str(model), "threads": threads, "vllm_mp": vllm_mp,
-                                    "llm_args": llm_args, "url": url, "pause_mode": pause_mode,
-                                    "collective_host": collective_host, "lora_rank": lora_rank,
-                                    "lora_targets": [t for t in lora_targets.split(",") if t]})
+        eng = make_engine(
+            backend,
+            {
+                "model": str(model),
+                "threads": threads,
+                "vllm_mp": vllm_mp,
+                "llm_args": llm_args,
+                "url": url,
+                "pause_mode": pause_mode,
+                "collective_host": collective_host,
+                "lora_rank": lora_rank,
+                "lora_targets": [t for t in lora_targets.split(",") if t],
+            },
+        )
     except Exception as exc:  # any backend failing to start is exit 3, with its reason
         err_console.print(f"[red]engine startup failed:[/red] {type(exc).__name__}: {exc}")
         raise typer.Exit(EXIT_STARTUP) from None
-    worker = Worker(eng, connect, engine_id or f"{socket.gethostname()}-{os.getpid()}",
-                    heartbeat_interval=s.heartbeat_interval, allow_shm=shm, keys=curve,
-                    failpoints=failpoints, collective=collective, collective_bind=collective_host)
+    worker = Worker(
+        eng,
+        connect,
+        engine_id or f"{socket.gethostname()}-{os.getpid()}",
+        heartbeat_interval=s.heartbeat_interval,
+        allow_shm=shm,
+        keys=curve,
+        failpoints=failpoints,
+        collective=collective,
+        collective_bind=collective_host,
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     worker.run()
@@ -268,8 +350,10 @@ def abort(
     if as_json:
         print(json.dumps({"ok": True, "aborted": sync_id, **body}, sort_keys=True, default=str))
     else:
-        print(f"aborted sync {sync_id}: daemon {body.get('state')}, version {body.get('version')}, "
-              f"dirty={body.get('dirty')}")
+        print(
+            f"aborted sync {sync_id}: daemon {body.get('state')}, version {body.get('version')}, "
+            f"dirty={body.get('dirty')}"
+        )
 
 
 INT63 = 2**63 - 1
@@ -277,19 +361,29 @@ INT63 = 2**63 - 1
 
 @app.command()
 def push(
-    checkpoint: Path = typer.Argument(..., exists=True, file_okay=False,
-                                      help="directory of *.safetensors files"),
+    checkpoint: Path = typer.Argument(
+        ..., exists=True, file_okay=False, help="directory of *.safetensors files"
+    ),
     version: int = typer.Option(..., min=0, max=INT63, help="version number (must be newer than served)"),
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
     bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
-    window: Optional[int] = typer.Option(None, min=1, max=64, help="unacknowledged buckets in flight "
-                                         "[default: sized from measured acks, 2 to 8]"),
+    window: Optional[int] = typer.Option(
+        None,
+        min=1,
+        max=64,
+        help="unacknowledged buckets in flight [default: sized from measured acks, 2 to 8]",
+    ),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     transport: str = typer.Option("auto", help="auto | shm | inline | collective"),
-    collective_host: str = typer.Option("", help="collective: this host's address for the group's "
-                                        "store [default: the route to the daemon]"),
-    partial: bool = typer.Option(False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"),
-    engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"),
+    collective_host: str = typer.Option(
+        "", help="collective: this host's address for the group's store [default: the route to the daemon]"
+    ),
+    partial: bool = typer.Option(
+        False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"
+    ),
+    engines_wait: float = typer.Option(
+        0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"
+    ),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     as_json: bool = typer.Option(False, "--json"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
@@ -310,28 +404,48 @@ def push(
         _usage(f"cannot read checkpoint: {exc}")
     # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with _client(addr, keys, key_name, timeout=timeout, collective_host=collective_host) as c, \
-            push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress:
+    with (
+        _client(addr, keys, key_name, timeout=timeout, collective_host=collective_host) as c,
+        push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress,
+    ):
         try:
-            r = c.push(named, version, bucket_bytes=bucket_bytes, window=window,
-                       transport=transport, partial=partial, progress=progress,
-                       engines_wait=engines_wait)
+            r = c.push(
+                named,
+                version,
+                bucket_bytes=bucket_bytes,
+                window=window,
+                transport=transport,
+                partial=partial,
+                progress=progress,
+                engines_wait=engines_wait,
+            )
         except WeightSyncError as err:
             _fail(err, "push", as_json)
             return
         except CheckpointError as exc:
             _usage(f"cannot read checkpoint: {exc} (the sync was aborted)")
             return
-    out = {"ok": True, "sync_id": r.sync_id, "version": r.version, "state": r.state,
-           "buckets": r.buckets, "bytes": r.bytes, "seconds": round(r.seconds, 4), "digest": r.digest,
-           "throughput_mb_s": round(r.throughput / 1e6, 1), "transport": r.detail.get("transport"),
-           "engines": [e["engine_id"] for e in r.engines]}
+    out = {
+        "ok": True,
+        "sync_id": r.sync_id,
+        "version": r.version,
+        "state": r.state,
+        "buckets": r.buckets,
+        "bytes": r.bytes,
+        "seconds": round(r.seconds, 4),
+        "digest": r.digest,
+        "throughput_mb_s": round(r.throughput / 1e6, 1),
+        "transport": r.detail.get("transport"),
+        "engines": [e["engine_id"] for e in r.engines],
+    }
     if as_json:
         print(json.dumps(out, sort_keys=True))
     else:
-        print(f"version {r.version} {r.state}: {r.buckets} buckets, {r.bytes} bytes in "
-              f"{r.seconds:.3f}s ({r.throughput / 1e6:.1f} MB/s) to {len(r.engines)} engine(s); "
-              f"digest {r.digest}")
+        print(
+            f"version {r.version} {r.state}: {r.buckets} buckets, {r.bytes} bytes in "
+            f"{r.seconds:.3f}s ({r.throughput / 1e6:.1f} MB/s) to {len(r.engines)} engine(s); "
+            f"digest {r.digest}"
+        )
 
 
 @app.command()
@@ -347,8 +461,10 @@ def demo(
     try:
         from examples.demo import run_demo
     except ImportError:
-        _usage("weightsync demo runs from a source checkout (it needs examples/); "
-               "run it in the repository, e.g. `make demo`")
+        _usage(
+            "weightsync demo runs from a source checkout (it needs examples/); "
+            "run it in the repository, e.g. `make demo`"
+        )
         return
 
     def show(st: dict[str, Any]) -> None:
@@ -357,8 +473,15 @@ def demo(
         console.print(history_table(st))
 
     try:
-        ok = run_demo(versions=versions, engines=engines, size=size, bucket_bytes=bucket_bytes,
-                      workdir=workdir, backend=backend, show=show)
+        ok = run_demo(
+            versions=versions,
+            engines=engines,
+            size=size,
+            bucket_bytes=bucket_bytes,
+            workdir=workdir,
+            backend=backend,
+            show=show,
+        )
     except WeightSyncError as err:
         _fail(err, "demo")
         return
@@ -371,8 +494,10 @@ def bench(ctx: typer.Context) -> None:
     try:
         from bench.throughput import main as bench_main
     except ImportError:
-        _usage("weightsync bench runs from a source checkout (it needs bench/); "
-               "run it in the repository, e.g. `make bench`")
+        _usage(
+            "weightsync bench runs from a source checkout (it needs bench/); "
+            "run it in the repository, e.g. `make bench`"
+        )
         return
     bench_main(list(ctx.args))
 
@@ -380,7 +505,7 @@ def bench(ctx: typer.Context) -> None:
 def command() -> Any:
     """The click command behind `weightsync`, each option wired to its WEIGHTSYNC_* variable."""
     cmd = typer.main.get_command(app)
-    cliconfig.wire_envvars(cmd)  # type: ignore[arg-type]
+    cliconfig.wire_envvars(cmd)
     return cmd
 
 

@@ -14,22 +14,37 @@ from rich.table import Table
 
 def status_table(st: dict[str, Any]) -> Table:
     sync = st.get("sync")
-    title = (f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  "
-             f"dirty={st.get('dirty')}")
+    title = f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  dirty={st.get('dirty')}"
     if sync:
-        title += (f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets "
-                  f"{sync['bytes']} B via {sync.get('transport')}")
+        title += (
+            f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets "
+            f"{sync['bytes']} B via {sync.get('transport')}"
+        )
     group = st.get("collective")
     if group:
-        title += (f"\ncollective group {group['group']}: {group['backend']}, world size "
-                  f"{group['world_size']}, store {group['store']}")
+        title += (
+            f"\ncollective group {group['group']}: {group['backend']}, world size "
+            f"{group['world_size']}, store {group['store']}"
+        )
     t = Table(title=title, title_justify="left")
     for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
         t.add_column(col)
     for e in st.get("engines", []):
-        t.add_row(*[str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
-                    for c in ("engine_id", "backend", "state", "version", "finalize_count",
-                              "digest", "host", "pid")])
+        t.add_row(
+            *[
+                str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
+                for c in (
+                    "engine_id",
+                    "backend",
+                    "state",
+                    "version",
+                    "finalize_count",
+                    "digest",
+                    "host",
+                    "pid",
+                )
+            ]
+        )
     return t
 
 
@@ -50,8 +65,14 @@ def push_progress(checkpoint: Path, version: int, enabled: bool) -> Iterator[Cal
     if not enabled:
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     from messages.checkpoint import checkpoint_spec
     from messages.dtypes import ITEMSIZE
@@ -62,9 +83,14 @@ def push_progress(checkpoint: Path, version: int, enabled: bool) -> Iterator[Cal
         for d in p.shape:
             n *= d
         total += n
-    columns = (TextColumn("[bold]v{task.fields[version]}[/bold] {task.description}"), BarColumn(),
-               DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[buckets]} buckets applied by every engine"))
+    columns = (
+        TextColumn("[bold]v{task.fields[version]}[/bold] {task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[buckets]} buckets applied by every engine"),
+    )
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("pushing", total=total, version=version, buckets=0)
         state = {"buckets": 0}

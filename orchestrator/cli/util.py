@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from messages.errors import WeightSyncError
-from orchestrator.daemon.config import ConfigError, load_settings
+from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
 
 
-def _settings(**kw: Any):
+def _settings(**kw: Any) -> Settings:
     try:
         return load_settings(**kw)
     except ConfigError as exc:
@@ -46,8 +46,8 @@ def _usage(message: str) -> None:
 
 
 def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
-    from orchestrator.trainer.client import TrainerClient
     from orchestrator.daemon.logs import configure_logging
+    from orchestrator.trainer.client import TrainerClient
 
     # stdout is the command's answer (a table, or JSON for scripts); warnings go to stderr
     configure_logging("warning", json=False)
@@ -62,7 +62,7 @@ def _check_endpoint(addr: str, flag: str) -> None:
     """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(addr)
     except zmq.ZMQError as exc:

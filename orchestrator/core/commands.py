@@ -1,5 +1,10 @@
-"""What the FSM asks the service to do: plain data, appended to the outbox by the FSM's
-callbacks and executed, in order, by `service.py` (the only code that does I/O)."""
+"""What the core asks the service to do: plain data the service executes in order.
+
+Rules: a command carries everything the service needs to carry it out (which engines
+get a bucket and how, what to journal, what to answer); the service never reads the
+core's records to fill in the rest. Persisting commands (`Journal`, `Spool*`) are
+written before engines are told and before any reply (docs/ARCHITECTURE.md).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,29 @@ from typing import Any
 
 from messages.errors import WeightSyncError
 from messages.schema import Probe
+from orchestrator.core.records import GroupPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOpened:
+    """A sync began: how its buckets travel, so the service can read what arrives."""
+
+    sync_id: str
+    version: int
+    kind: str  # "sync" | "rollback"
+    transport: str  # "inline" | "shm" | "mixed" | "collective"
+    spool: bool  # its buckets are written to the spool as they are forwarded
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardBucket:
     sync_id: str
     key: tuple[int, int]  # (sender, seq)
+    version: int
     engine_ids: tuple[str, ...]
+    shm_engines: tuple[str, ...] = ()  # read the bucket from the trainer's shared memory
+    group: GroupPlan | None = None  # collective: each engine hears of it and receives by broadcast
+    spool: bool = False  # write the bucket to the spool before any engine is told
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +66,8 @@ class CompleteSync:
     body: dict[str, Any] | None  # ok body, or None with `error`
     error: WeightSyncError | None = None
     summary: dict[str, Any] | None = None  # the sync's record as `status.last_sync` shows it
+    state: str = ""  # the daemon's state after it
+    dirty: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +100,12 @@ class SpoolDiscard:
 
 @dataclass(frozen=True, slots=True)
 class StartRollback:
-    """Feed the spooled version to every engine as the (already begun) sync `sync_id`."""
+    """Feed the spooled version to every engine as the (already begun) sync `sync_id`,
+    then finish it expecting `digest`."""
 
     sync_id: str
     version: int
+    digest: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,14 +132,26 @@ class CatchUpDone:
     reason: str = ""
 
 
-Command = (ForwardBucket | AckBucket | SendFinalize | SendAbort | CompleteSync | Journal
-           | SpoolBegin | SpoolCommit | SpoolDiscard | StartRollback | StartCatchUp | CatchUpAck
-           | CatchUpDone)
+Command = (
+    SyncOpened
+    | ForwardBucket
+    | AckBucket
+    | SendFinalize
+    | SendAbort
+    | CompleteSync
+    | Journal
+    | SpoolBegin
+    | SpoolCommit
+    | SpoolDiscard
+    | StartRollback
+    | StartCatchUp
+    | CatchUpAck
+    | CatchUpDone
+)
+PERSIST = (Journal, SpoolBegin, SpoolCommit, SpoolDiscard)
 
 
 @dataclass(slots=True)
 class Result:
     reply: dict[str, Any] | None  # None: the reply is deferred until the sync completes
     commands: list[Command] = field(default_factory=list)
-
-

@@ -1,8 +1,10 @@
-"""The core's inputs: one frozen dataclass per event; `TRIGGER` names its rows in the table.
+"""The core's inputs: one frozen dataclass per event; `TRIGGER` names it in the table.
 
 Rules: events are plain data the service builds from decoded messages, the clock and
-its own observations (a trainer's connection closed, a bug surfaced, the spool changed).
-The core (`fsm.Core.handle`) takes nothing else.
+its own observations (a trainer's connection closed, a bug surfaced, the spool changed,
+what a bucket's bytes hashed to, whether a connection is still open). The core
+(`Core.handle`) takes nothing else: facts that need I/O are found by the service and
+carried here, and the core decides what they mean.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class OfMessage(Event):
 
     @property
     def sync_id(self) -> str:
-        return self.msg.sync_id
+        return str(self.msg.sync_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,15 @@ class BeginSync(OfMessage):
 
 @dataclass(frozen=True, slots=True)
 class BucketIn(OfMessage):
+    """A bucket, with what the service found out about its bytes (it holds them)."""
+
     TRIGGER: ClassVar[str] = "bucket"
     msg: Bucket
-    nbytes: int  # the frame's size; the service verified its checksum
+    nbytes: int  # its size: the inline frame's, the shm slot's, or the collective `size`
+    has_payload: bool = True  # a frame came with it (inline, or a collective spool copy)
+    checksum_ok: bool | None = None  # the frame (or the shm slot) hashed right; None: not read
+    shm_error: str | None = None  # the trainer's shm slot could not be read (why)
+    pending: int = 0  # bucket requests of this connection still unanswered
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +68,14 @@ class AbortSync(Event):
 class EngineRegistered(Event):
     TRIGGER: ClassVar[str] = "register"
     msg: Register
+    other_connection: bool = False  # the id is known on another, still open, connection
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Event):
     TRIGGER: ClassVar[str] = "heartbeat"
     engine_id: str
+    registered_here: bool = True  # from the connection that registered this id
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,27 +1,17 @@
-"""What the FSM keeps about engines, syncs, the spool and its limits: plain data."""
+"""What the core keeps about engines, syncs, the spool and its limits: plain data."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from messages.errors import WeightSyncError
-from messages.schema import Finalized, ParamSpec, Probe
+from messages.schema import Backend, Finalized, ParamSpec, Probe
+from orchestrator.core.states import EngineState
+from orchestrator.core.table import engine_move
 
 
-class EngineState(str, Enum):
-    """An engine's lifecycle, driven by fsm.ENGINE_TRANSITIONS (its own machine)."""
-
-    STALE = "STALE"  # holds no verified version (new, failed, or mid-sync when it broke)
-    JOINING = "JOINING"  # being brought to the served version from the spool
-    LOADING = "LOADING"  # a participant of the running sync
-    FINALIZING = "FINALIZING"  # told to run its post-load step
-    READY = "READY"  # serves the daemon's version, digest verified
-    LOST = "LOST"  # missed its heartbeats
-
-
-@dataclass(eq=False)  # not slots: the engine machine adds its trigger methods to the record
+@dataclass(eq=False, slots=True)
 class EngineRecord:
     engine_id: str
     backend: str
@@ -40,12 +30,24 @@ class EngineRecord:
     collective_ranks: int = 0  # members it brings to a collective group (0: cannot join)
     collective_backends: tuple[str, ...] = ()
 
+    def move(self, trigger: str) -> None:
+        """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
+        self.state = engine_move(self.state, trigger)
+
     def view(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "backend": self.backend, "state": self.state.value,
-                "version": self.version, "digest": self.digest,
-                "finalize_count": self.finalize_count, "model": self.model,
-                "host": self.host, "pid": self.pid, "transports": list(self.transports),
-                "collective_ranks": self.collective_ranks}
+        return {
+            "engine_id": self.engine_id,
+            "backend": self.backend,
+            "state": self.state.value,
+            "version": self.version,
+            "digest": self.digest,
+            "finalize_count": self.finalize_count,
+            "model": self.model,
+            "host": self.host,
+            "pid": self.pid,
+            "transports": list(self.transports),
+            "collective_ranks": self.collective_ranks,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ class GroupPlan:
     session: str
     host: str  # the trainer's store
     port: int
-    backend: str
+    backend: Backend
     members: tuple[tuple[str, int, int], ...]  # (engine_id, first rank, ranks)
     timeout: float
 
@@ -70,9 +72,14 @@ class GroupPlan:
         return next(r for eid, r, _ in self.members if eid == engine_id)
 
     def view(self) -> dict[str, Any]:
-        return {"group": self.id, "backend": self.backend, "world_size": self.world_size,
-                "store": f"{self.host}:{self.port}", "timeout_s": self.timeout,
-                "members": {eid: {"rank": r, "ranks": n} for eid, r, n in self.members}}
+        return {
+            "group": self.id,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "store": f"{self.host}:{self.port}",
+            "timeout_s": self.timeout,
+            "members": {eid: {"rank": r, "ranks": n} for eid, r, n in self.members},
+        }
 
 
 @dataclass(slots=True)
@@ -110,13 +117,20 @@ class SyncRecord:
     trainer_lost_at: float | None = None  # the trainer's connection closed (grace running)
 
     def view(self) -> dict[str, Any]:
-        return {"sync_id": self.sync_id, "version": self.version, "kind": self.kind,
-                "buckets": len(self.buckets), "bytes": self.nbytes,
-                "acked": sum(1 for b in self.buckets.values() if b.done),
-                "engines": list(self.participants), "transport": self.transport,
-                "shm_engines": list(self.shm_engines), "started_at": self.started_at,
-                "collective": self.group.view() if self.group else None,
-                "trainer_connected": self.trainer_lost_at is None}
+        return {
+            "sync_id": self.sync_id,
+            "version": self.version,
+            "kind": self.kind,
+            "buckets": len(self.buckets),
+            "bytes": self.nbytes,
+            "acked": sum(1 for b in self.buckets.values() if b.done),
+            "engines": list(self.participants),
+            "transport": self.transport,
+            "shm_engines": list(self.shm_engines),
+            "started_at": self.started_at,
+            "collective": self.group.view() if self.group else None,
+            "trainer_connected": self.trainer_lost_at is None,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,5 +165,5 @@ class Limits:
     trainer_grace: float = 2.0  # seconds a sync outlives its trainer's closed connection
     host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
     spool: bool = False  # the service keeps the last READY version on disk
-
-
+    max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes
+    max_pending: int = 64  # unanswered bucket requests per trainer connection

@@ -1,5 +1,4 @@
-"""The daemon's states (one sync at a time); a module of its own so that the core and the
-modules it is assembled from share them without importing each other."""
+"""The daemon's states (one sync at a time) and an engine's lifecycle states."""
 
 from __future__ import annotations
 
@@ -14,3 +13,14 @@ class State(str, Enum):
 
 
 ACTIVE = [State.LOADING_BUCKETS, State.FINALIZING]
+
+
+class EngineState(str, Enum):
+    """An engine's lifecycle (core.table.ENGINE_ROWS)."""
+
+    STALE = "STALE"  # holds no verified version (new, failed, or mid-sync when it broke)
+    JOINING = "JOINING"  # being brought to the served version from the spool
+    LOADING = "LOADING"  # a participant of the running sync
+    FINALIZING = "FINALIZING"  # told to run its post-load step
+    READY = "READY"  # serves the daemon's version, digest verified
+    LOST = "LOST"  # missed its heartbeats, or its connection closed

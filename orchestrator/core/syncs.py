@@ -1,6 +1,6 @@
 """Pure questions about one sync's record: is it complete, which tensors are missing, did
 the canaries match, how do its buckets travel, what does its summary say. No state
-changes here: the core (fsm.py) asks, then its table decides.
+changes here: the core's triggers (sync.py) ask, then decide.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def missing_tensors(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[st
     return None
 
 
-def canary_mismatch(probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]
-                    ) -> tuple[int, int, int | None, int | None] | None:
+def canary_mismatch(
+    probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]
+) -> tuple[int, int, int | None, int | None] | None:
     """(probe index, first differing position, got, expected) or None if all match."""
     for i, p in enumerate(probes):
         if p.expected is None:
@@ -59,8 +60,9 @@ def canary_mismatch(probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]
     return None
 
 
-def plan_transport(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord],
-                   daemon_host: str) -> tuple[tuple[str, ...], str]:
+def plan_transport(
+    msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord], daemon_host: str
+) -> tuple[tuple[str, ...], str]:
     """Which engines read this sync's buckets from the trainer's shared memory.
 
     shm needs the engine on the trainer's host and advertising "shm". The others get
@@ -69,15 +71,20 @@ def plan_transport(msg: Begin, participants: tuple[str, ...], engines: dict[str,
     """
     if msg.transport not in ("shm", "auto") or not msg.host:
         return (), "inline"
-    able = tuple(e for e in participants
-                 if engines[e].host == msg.host and "shm" in engines[e].transports)
+    able = tuple(e for e in participants if engines[e].host == msg.host and "shm" in engines[e].transports)
     if not able or (len(able) < len(participants) and daemon_host != msg.host):
         return (), "inline"
     return able, "shm" if len(able) == len(participants) else "mixed"
 
 
-def plan_group(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord],
-               current: GroupPlan | None, new_id: str, timeout: float) -> GroupPlan | None:
+def plan_group(
+    msg: Begin,
+    participants: tuple[str, ...],
+    engines: dict[str, EngineRecord],
+    current: GroupPlan | None,
+    new_id: str,
+    timeout: float,
+) -> GroupPlan | None:
     """The collective group for this sync, or None when it cannot be used: the trainer
     offered a store and every participant can join with a backend all of them speak (NCCL
     only when every member has a GPU). The current group is reused when its session and
@@ -103,8 +110,19 @@ def plan_group(msg: Begin, participants: tuple[str, ...], engines: dict[str, Eng
 
 
 def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
-    return {"sync_id": s.sync_id, "version": s.version, "status": status, "kind": s.kind,
-            "buckets": len(s.buckets), "bytes": s.nbytes, "seconds": round(now - s.started_at, 6),
-            "engine_ids": list(s.participants), "transport": s.transport,
-            **({"group": s.group.id, "world_size": s.group.world_size, "backend": s.group.backend}
-               if s.group else {})}
+    return {
+        "sync_id": s.sync_id,
+        "version": s.version,
+        "status": status,
+        "kind": s.kind,
+        "buckets": len(s.buckets),
+        "bytes": s.nbytes,
+        "seconds": round(now - s.started_at, 6),
+        "engine_ids": list(s.participants),
+        "transport": s.transport,
+        **(
+            {"group": s.group.id, "world_size": s.group.world_size, "backend": s.group.backend}
+            if s.group
+            else {}
+        ),
+    }

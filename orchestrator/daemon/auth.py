@@ -17,7 +17,7 @@ from messages.keys import ROLES, KeysError, load_key
 
 
 class ServerAuth:
-    def __init__(self, ctx: zmq.Context, directory: str | Path) -> None:  # type: ignore[type-arg]
+    def __init__(self, ctx: zmq.Context, directory: str | Path) -> None:
         d = Path(directory)
         public, secret = load_key(d / "server.key_secret", secret=True)
         if secret is None:
@@ -31,7 +31,7 @@ class ServerAuth:
         for role, folder in ROLES.items():
             self.auth.configure_curve(domain=role, location=str(d / folder))
 
-    def apply(self, sock: zmq.Socket, role: str) -> None:  # type: ignore[type-arg]
+    def apply(self, sock: zmq.Socket, role: str) -> None:
         sock.curve_server = True
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret

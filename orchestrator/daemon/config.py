@@ -34,9 +34,9 @@ class Settings:
     shm_dir: str = "/dev/shm"  # shared-memory segments (a private tmpfs works too)
     metrics_bind: str = ""  # HOST:PORT for Prometheus metrics over HTTP ("" = off)
     max_header_bytes: int = 16 * 1024 * 1024
-    max_frame_bytes: int = 4 * 1024 ** 3  # one bucket's bytes; ZeroMQ drops a peer past 2x
+    max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes; ZeroMQ drops a peer past 2x
     max_pending: int = 64  # unanswered bucket requests per trainer connection
-    keys: str = ""  # CURVE keys directory ("" = no authentication; see orchestrator/auth.py)
+    keys: str = ""  # CURVE keys directory ("" = no authentication; see messages/keys.py)
     spool: str = ""  # directory for the last READY version's buckets ("" = no rollback)
     failpoints: str = ""  # fault injection for tests: "name=value,..." (see parse_failpoints)
     log_level: str = "info"
@@ -46,8 +46,11 @@ class Settings:
 def _parse(value: str, default: Any, name: str) -> Any:
     kind = type(default)
     try:
-        if isinstance(default, bool) or default is None and value.lower() in (
-                "1", "0", "true", "false", "yes", "no"):
+        if (
+            isinstance(default, bool)
+            or default is None
+            and value.lower() in ("1", "0", "true", "false", "yes", "no")
+        ):
             return value.lower() in ("1", "true", "yes", "on")
         if kind is int:
             return int(value)
@@ -85,11 +88,10 @@ FAILPOINTS = {
     "finalize_sleep": "engine: sleep this many seconds before the post-load step",
     "crash_on_loaded": "daemon: raise inside the handler of the Nth engine `loaded` message",
     "kill_after_persisted": "daemon: SIGKILL itself once the journal/spool writes of the batch "
-                            "caused by this message type (begin, finish, loaded, ...) are durable",
-    "kill_after_told": "daemon: SIGKILL itself once the engines were told of that batch, "
-                       "before any reply",
+    "caused by this message type (begin, finish, loaded, ...) are durable",
+    "kill_after_told": "daemon: SIGKILL itself once the engines were told of that batch, before any reply",
     "kill_in_broadcast": "engine: SIGKILL itself as it joins the broadcast of bucket seq N "
-                         "(collective transport), leaving the trainer mid-broadcast",
+    "(collective transport), leaving the trainer mid-broadcast",
 }
 
 
@@ -129,9 +131,13 @@ def vllm_process_env(multiprocessing: bool, kv_cache_gib: int | None = None) -> 
     is the engine's explicit `--vllm-mp/--no-vllm-mp` choice.
     """
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
-    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib or 1), "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "TOKENIZERS_PARALLELISM": "false"}
+    defaults = {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib or 1),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for k, v in defaults.items():
         env[k] = os.environ.get(k, v)
     if kv_cache_gib is not None:

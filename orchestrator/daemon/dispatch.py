@@ -1,14 +1,17 @@
 """Inputs from both sockets, decoded and handed to the core: the daemon's dispatcher.
 
-Rules: mixed into `service.Service`. Each message is decoded once (the schema validates
-it), turned into a core event, and the core's commands go to `Effects._execute`. A
-refusal is answered with its typed error; nothing else is done for it.
+Rules: each message is decoded once (the schema validates it; a refusal is answered with
+the request's id whenever it can be read), turned into a core event with the facts only
+this process can find (what a bucket's bytes hash to, whether a connection is still
+open, how many requests a connection has pending), and fed to the core; its commands
+go to the effects runner. Deciding what those facts mean is the core's job, never this
+module's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -16,242 +19,314 @@ import structlog
 from messages import codec, schema
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
-from orchestrator.core import fsm
-from orchestrator.daemon.transport import Pending, Waiter
+from messages.shm import Reader
+from orchestrator import __version__
+from orchestrator.core import Core
+from orchestrator.core import events as ev
+from orchestrator.core.commands import ForwardBucket, Result
+from orchestrator.daemon.config import Settings
+from orchestrator.daemon.effects import Effects
+from orchestrator.daemon.inflight import Inflight, Pending
+from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.transport import Stats, Transport, Waiter
 
 log = structlog.get_logger()
 
 TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
 ENGINE_TYPES = ("register", "heartbeat", "loaded", "finalized", "failed")
-DAEMON_VERSION = "0.1.0"
+DAEMON_VERSION = __version__
 
 
-class Dispatch:
-    async def _on_trainer(self, ident: bytes, frames: list[Any]) -> None:
+class Dispatcher:
+    def __init__(
+        self,
+        core: Core,
+        effects: Effects,
+        transport: Transport,
+        inflight: Inflight,
+        settings: Settings,
+        metrics: Metrics,
+        stats: Stats,
+        shm_reader: Reader,
+        status: Callable[[], dict[str, Any]],
+        failpoints: dict[str, Any],
+        fail_internal: Callable[[str, BaseException], Awaitable[None]],
+    ) -> None:
+        self.core = core
+        self.effects = effects
+        self.transport = transport
+        self.inflight = inflight
+        self.settings = settings
+        self.metrics = metrics
+        self.stats = stats
+        self.shm_reader = shm_reader
+        self.status = status
+        self.failpoints = failpoints
+        self.fail_internal = fail_internal
+
+    async def feed(
+        self, event: ev.Event, then: Callable[[Result], None] | None = None, trigger: str = ""
+    ) -> Result:
+        """The event into the core (a refusal raises, having changed nothing), then its
+        commands; `then(result)` is this input's own reply, sent after they persisted."""
+        res = self.core.handle(event, time.monotonic())
+        done = (lambda: then(res)) if then is not None else None
+        await self.effects.execute(res.commands, done, trigger or event.TRIGGER)
+        return res
+
+    def _error(self, err: MessageError) -> WeightSyncError:
+        """A decode refusal, saying where the daemon is."""
+        return self.core.error(err.code, err.reason)
+
+    # -- the trainer socket ---------------------------------------------------------------
+    async def on_trainer(self, ident: bytes, frames: list[Any]) -> None:
         if not frames:
             return
         try:
-            decoded = codec.decode(frames, allowed=TRAINER_TYPES,
-                                   max_header_bytes=self.settings.max_header_bytes)
+            decoded = codec.decode(
+                frames, allowed=TRAINER_TYPES, max_header_bytes=self.settings.max_header_bytes
+            )
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="trainer")
-            self._reply_error(Waiter(ident, codec.peek_id(frames[0])), err)
+            self.transport.reply_error(Waiter(ident, codec.peek_id(frames[0])), self._error(err))
             return
         msg = decoded.msg
-        w = Waiter(ident, msg.id)
-        now = time.monotonic()
-        self._batch_trigger = msg.TYPE
+        w = Waiter(ident, getattr(msg, "id", 0))
         sync_id = getattr(msg, "sync_id", None)
         if sync_id is not None and not isinstance(msg, schema.Abort):
-            self.sync_owners[sync_id].add(ident)  # dropped with the sync or the connection
+            self.inflight.owners[sync_id].add(ident)  # dropped with the sync or the connection
         try:
             if isinstance(msg, schema.Status):
-                self._reply_ok(w, self.status())
+                self.transport.reply_ok(w, self.status())
             elif isinstance(msg, schema.Hello):
-                self._reply_ok(w, {"protocol": schema.PROTOCOL_VERSION, "daemon": DAEMON_VERSION,
-                                   "state": self.core.state.value,
-                                   "version": self.core.served_version})
+                self.transport.reply_ok(
+                    w,
+                    {
+                        "protocol": schema.PROTOCOL_VERSION,
+                        "daemon": DAEMON_VERSION,
+                        "state": self.core.state.value,
+                        "version": self.core.served_version,
+                    },
+                )
             elif isinstance(msg, schema.Begin):
-                res = self.core.handle_begin(msg, now)
                 # max_pending: what the trainer's automatic window must stay within
-                body = {**(res.reply or {}), "max_pending": self.settings.max_pending}
-                # journaled before the trainer hears ok
-                await self._execute(res.commands, then=lambda: self._reply_ok(w, body))
+                await self.feed(
+                    ev.BeginSync(msg),
+                    lambda r: self.transport.reply_ok(
+                        w, {**(r.reply or {}), "max_pending": self.settings.max_pending}
+                    ),
+                )
             elif isinstance(msg, schema.Bucket):
-                self._check_limits(ident, msg, decoded.payload)
-                await self._on_bucket(w, msg, decoded.payload, now)
+                await self.bucket(w, msg, decoded.payload)
             elif isinstance(msg, schema.Finish):
-                res = self.core.handle_finish(msg, now)
-                self.finish_waiters[msg.sync_id].append(w)
-                await self._execute(res.commands)
+                await self.finish(w, msg)
             elif isinstance(msg, schema.Abort):
-                res = self.core.handle_abort(msg.sync_id, msg.reason, now)
-                body = res.reply or {}
-                await self._execute(res.commands, then=lambda: self._reply_ok(w, body))
+                await self.feed(
+                    ev.AbortSync(msg.sync_id, msg.reason), lambda r: self.transport.reply_ok(w, r.reply or {})
+                )
         except WeightSyncError as err:
-            log.info("request_refused", type=msg.TYPE, code=err.code.value, reason=err.message,
-                     sync_id=getattr(msg, "sync_id", None))
-            self._reply_error(w, err)
+            log.info(
+                "request_refused", type=msg.TYPE, code=err.code.value, reason=err.message, sync_id=sync_id
+            )
+            self.transport.reply_error(w, err)
         except Exception as exc:  # our bug: fail the sync, tell the trainer, keep serving
             log.exception("request_crashed", type=msg.TYPE)
-            await self._fail_internal("trainer", exc)
-            self._reply_error(w, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
-                                            state=self.core.state.value,
-                                            version=self.core.served_version))
+            await self.fail_internal("trainer", exc)
+            self.transport.reply_error(w, self.core.error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
-    def _check_limits(self, ident: bytes, msg: schema.Bucket, payload: list[Any]) -> None:
-        s = self.settings
-        sizes = [msg.shm.size] if msg.shm is not None else (
-            [msg.size] if msg.size is not None else [len(f) for f in payload])
-        big = [n for n in sizes if n > s.max_frame_bytes]
-        if big:
-            raise make_error(ErrorCode.TOO_LARGE, f"bucket frame of {big[0]} bytes exceeds "
-                             f"max_frame_bytes {s.max_frame_bytes}; use smaller buckets",
-                             state=self.core.state.value, version=self.core.served_version)
-        pending = sum(1 for ws in self.bucket_waiters.values() for w in ws if w.ident == ident)
-        if pending >= s.max_pending:
-            raise make_error(ErrorCode.TOO_LARGE, f"{pending} bucket requests already pending on "
-                             f"this connection (max_pending {s.max_pending}); lower the window",
-                             state=self.core.state.value, version=self.core.served_version)
-
-    async def _on_bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any], now: float) -> None:
-        sync = self.core.require_sync(msg.sync_id, "bucket")  # a typed cause if it is not running
-        if msg.size is not None:
-            frame, nbytes = self._collective_bucket(sync, msg, payload), msg.size
-        elif sync.transport == "collective":
-            raise make_error(ErrorCode.BAD_MESSAGE, "this sync's buckets travel by the collective: "
-                             "send their size, not their bytes or a shm slot",
-                             state=self.core.state.value, sync_id=msg.sync_id)
+    async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any]) -> None:
+        """A bucket, with the facts about its bytes that only this process can find."""
+        route = self.inflight.routes.get(msg.sync_id)
+        transport = route.transport if route is not None else ""
+        frame, checksum_ok, shm_error = None, None, None
+        if msg.size is not None:  # collective: a copy rides along only to be spooled
+            nbytes = msg.size
+            if payload and transport == "collective" and route is not None and route.spool:
+                frame = payload[0]
+                checksum_ok = checksum(frame.buffer) == msg.checksum
         elif msg.shm is not None:
-            if sync.transport == "inline":
-                raise make_error(ErrorCode.BAD_MESSAGE,
-                                 "shm bucket, but this sync did not negotiate shared memory "
-                                 "(begin with transport=shm|auto from the engines' host)",
-                                 state=self.core.state.value, sync_id=msg.sync_id)
             nbytes = msg.shm.size
-            frame = None
-            try:  # the same check every engine makes (messages.shm.open_segment)
-                view = self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
-            except MessageError as exc:
-                raise make_error(exc.code, f"bucket seq {msg.seq}: {exc.reason}",
-                                 state=self.core.state.value, sync_id=msg.sync_id) from None
-            if sync.transport == "mixed":  # cut an inline frame for the engines without shm
-                frame = bytes(view)
-                if checksum(frame) != msg.checksum:
-                    raise make_error(ErrorCode.CHECKSUM_MISMATCH,
-                                     f"bucket seq {msg.seq}: shm checksum mismatch; nothing applied",
-                                     state=self.core.state.value, sync_id=msg.sync_id)
-            del view
-            # pure shm: the daemon never touches the bytes; every engine verifies the checksum
+            if transport in ("shm", "mixed"):
+                try:  # the same check every engine makes (messages.shm.open_segment)
+                    view = self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+                except MessageError as exc:
+                    shm_error = exc.reason
+                else:
+                    if transport == "mixed":  # cut an inline frame for the engines without shm
+                        frame = bytes(view)
+                        checksum_ok = checksum(frame) == msg.checksum
+                    del view  # pure shm: the daemon never touches the bytes; engines verify
         else:
             frame = payload[0]
             nbytes = len(frame)
-            if checksum(frame.buffer) != msg.checksum:
-                raise make_error(ErrorCode.CHECKSUM_MISMATCH,
-                                 f"bucket seq {msg.seq}: checksum does not match the frame; nothing applied",
-                                 state=self.core.state.value, version=self.core.served_version,
-                                 sync_id=msg.sync_id)
-        key = (msg.sender, msg.seq)
-        pkey = (msg.sync_id, key)
-        self.pending[pkey] = Pending(msg, frame)
+            if transport in ("inline", "shm", "mixed"):
+                checksum_ok = checksum(frame.buffer) == msg.checksum
+        event = ev.BucketIn(
+            msg,
+            nbytes,
+            has_payload=bool(payload),
+            checksum_ok=checksum_ok,
+            shm_error=shm_error,
+            pending=self.inflight.pending_on(w.ident),
+        )
+        key = (msg.sync_id, (msg.sender, msg.seq))
+        self.inflight.frames[key] = Pending(msg, frame)
         try:
-            res = self.core.handle_bucket(msg, nbytes, now)
+            res = self.core.handle(event, time.monotonic())
         except WeightSyncError:
-            self.pending.pop(pkey, None)
+            self.inflight.frames.pop(key, None)
             raise
         if res.reply is not None:
-            self.pending.pop(pkey, None)
-            self._reply_ok(w, res.reply)
+            self.inflight.frames.pop(key, None)
+            self.transport.reply_ok(w, res.reply)
         else:
-            self.bucket_waiters[pkey].append(w)
+            self.inflight.bucket_waiters[key].append(w)
+        if not any(isinstance(c, ForwardBucket) for c in res.commands):
+            self.inflight.frames.pop(key, None)  # a resend: nothing to forward
         self.stats.buckets += 1
         self.stats.bytes_announced += nbytes
         if frame is not None:  # bytes that passed through this process (not shm, not broadcast)
             self.stats.bytes_in += nbytes
             self.metrics.received_bytes.inc(nbytes)
-        await self._execute(res.commands)  # _forward drops the pending frame once sent
+        await self.effects.execute(res.commands, trigger="bucket")  # forwarding drops the frame
 
-    def _collective_bucket(self, sync: Any, msg: schema.Bucket, payload: list[Any]) -> Any:
-        """The frame the daemon keeps of a collective bucket: the spool copy when this daemon
-        spools (the trainer sends it along, and the checksum is checked here as for inline),
-        else nothing: the bytes reach the engines by broadcast and never pass through here."""
-        if sync.transport != "collective":
-            raise make_error(ErrorCode.BAD_MESSAGE, "collective bucket, but this sync did not "
-                             "negotiate a collective group (begin with transport=collective|auto "
-                             "and a collective offer)", state=self.core.state.value, sync_id=msg.sync_id)
-        if self.spool is None or sync.kind != "sync":
-            return None
-        if not payload:
-            raise make_error(ErrorCode.BAD_MESSAGE, "this daemon spools: a collective bucket must "
-                             "carry a copy of its bytes (begin's reply says spool_copy)",
-                             state=self.core.state.value, sync_id=msg.sync_id)
-        frame = payload[0]
-        if checksum(frame.buffer) != msg.checksum:
-            raise make_error(ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq}: checksum does not "
-                             "match the spool copy; nothing applied",
-                             state=self.core.state.value, sync_id=msg.sync_id)
-        return frame
+    async def finish(self, w: Waiter, msg: schema.Finish) -> None:
+        res = self.core.handle(ev.FinishSync(msg), time.monotonic())
+        self.inflight.finish_waiters[msg.sync_id].append(w)
+        await self.effects.execute(res.commands, trigger="finish")
 
-    async def _on_engine(self, ident: bytes, frames: list[Any]) -> None:
+    async def local_request(
+        self,
+        msg: schema.Bucket | schema.Finish,
+        payload: list[Any],
+        on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None],
+    ) -> None:
+        """The daemon's own request (a rollback's), answered through `on_reply`."""
+        w = Waiter(b"", 0, on_reply)
         try:
-            decoded = codec.decode(frames, allowed=ENGINE_TYPES,
-                                   max_header_bytes=self.settings.max_header_bytes)
+            if isinstance(msg, schema.Bucket):
+                await self.bucket(w, msg, payload)
+            else:
+                await self.finish(w, msg)
+        except WeightSyncError as err:
+            on_reply(None, err)
+
+    async def trainer_disconnected(self, ident: bytes) -> None:
+        for sync_id in self.inflight.connection_closed(ident):
+            log.warning("trainer_disconnected", sync_id=sync_id)
+            await self.feed(ev.TrainerGone(sync_id))
+
+    # -- the engine socket ----------------------------------------------------------------
+    async def on_engine(self, ident: bytes, frames: list[Any]) -> None:
+        try:
+            decoded = codec.decode(
+                frames, allowed=ENGINE_TYPES, max_header_bytes=self.settings.max_header_bytes
+            )
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="engine")
-            self._reply_engine(ident, schema.Error(
-                id=codec.peek_id(frames[0]), code=err.code.value, message=err.reason,
-                state=self.core.state.value))
+            self.transport.reply_engine(
+                ident,
+                schema.Error(
+                    id=codec.peek_id(frames[0]),
+                    code=err.code.value,
+                    message=err.reason,
+                    state=self.core.state.value,
+                ),
+            )
             return
         msg = decoded.msg
-        now = time.monotonic()
-        self._batch_trigger = msg.TYPE
         if isinstance(msg, schema.Register):
-            holder = self._live_holder(msg, ident)
-            if holder is not None:
-                log.error("duplicate_engine_refused", engine_id=msg.engine_id, host=msg.host,
-                          pid=msg.pid, holder_host=holder.host, holder_pid=holder.pid)
-                self._reply_engine(ident, schema.Error(
-                    id=msg.id, code=ErrorCode.DUPLICATE_ENGINE.value,
-                    message=f"engine id {msg.engine_id!r} is held by a live engine (pid "
-                            f"{holder.pid} on {holder.host or '?'}); give this one another "
-                            f"--engine-id, or stop the other",
-                    state=self.core.state.value,
-                    details={"holder_host": holder.host, "holder_pid": holder.pid}))
-                return
-            old = self.engine_ident.get(msg.engine_id)
-            if old is not None and old != ident:
-                self.ident_engine.pop(old, None)
-            self.engine_ident[msg.engine_id] = ident
-            self.ident_engine[ident] = msg.engine_id
-            res = self.core.handle_register(msg, now)
-            log.info("engine_registered", engine_id=msg.engine_id, backend=msg.backend,
-                     version=msg.version, state=res.reply.get("state") if res.reply else None)
-            self._reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
-            await self._execute(res.commands)
+            await self.register(ident, msg)
             return
-        engine_id = self.ident_engine.get(ident)
+        engine_id = self.transport.engine_of(ident)
         if isinstance(msg, schema.Heartbeat):
-            known = engine_id == msg.engine_id
-            res = self.core.handle_heartbeat(msg.engine_id, now) if known else fsm.Result({"known": False})
-            self._reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
-            await self._execute(res.commands)
+            res = self.core.handle(
+                ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id), time.monotonic()
+            )
+            self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
+            await self.effects.execute(res.commands, trigger="heartbeat")
             return
         if engine_id is None:
             log.warning("unregistered_engine_message", type=msg.TYPE)
-            self._reply_engine(ident, schema.Error(
-                id=msg.id, code=ErrorCode.INVALID_STATE.value, message="register first",
-                state=self.core.state.value))
+            self.transport.reply_engine(
+                ident,
+                schema.Error(
+                    id=getattr(msg, "id", 0),
+                    code=ErrorCode.INVALID_STATE.value,
+                    message="register first",
+                    state=self.core.state.value,
+                ),
+            )
             return
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
             self.metrics.apply_seconds.labels(engine_id).observe(msg.seconds)
-            res = self.core.handle_loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), now)
+            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq)))
         elif isinstance(msg, schema.Finalized):
-            log.info("engine_finalized", engine_id=engine_id, sync_id=msg.sync_id,
-                     version=msg.version, finalize_count=msg.finalize_count, seconds=msg.seconds)
+            log.info(
+                "engine_finalized",
+                engine_id=engine_id,
+                sync_id=msg.sync_id,
+                version=msg.version,
+                finalize_count=msg.finalize_count,
+                seconds=msg.seconds,
+            )
             self.metrics.finalize_seconds.labels(engine_id).observe(msg.seconds)
-            res = self.core.handle_finalized(engine_id, msg, now)
+            await self.feed(ev.EngineFinalized(engine_id, msg))
         elif isinstance(msg, schema.Failed):
-            log.warning("engine_reported_failure", engine_id=engine_id, sync_id=msg.sync_id,
-                        code=msg.code, reason=msg.message, duplicate=msg.duplicate)
-            res = self.core.handle_failed(engine_id, msg, now)
-        else:
-            return
-        await self._execute(res.commands)
+            log.warning(
+                "engine_reported_failure",
+                engine_id=engine_id,
+                sync_id=msg.sync_id,
+                code=msg.code,
+                reason=msg.message,
+                duplicate=msg.duplicate,
+            )
+            await self.feed(ev.EngineFailed(engine_id, msg))
 
-    def _live_holder(self, msg: schema.Register, ident: bytes) -> Any:
-        """The record of another live process holding `msg.engine_id`, else None. A new
-        registration of the same process (same host and pid, e.g. after a reconnect) or of
-        a dead one (its connection closed, or it missed its heartbeats) is a rejoin."""
-        rec = self.core.engines.get(msg.engine_id)
-        old = self.engine_ident.get(msg.engine_id)
-        if rec is None or old is None or old == ident or rec.state == "LOST":
-            return None
-        if (rec.host, rec.pid) == (msg.host, msg.pid):
-            return None
-        if self.engine_peers is not None and not self.engine_peers.connected(old):
-            return None
-        return rec
+    async def register(self, ident: bytes, msg: schema.Register) -> None:
+        event = ev.EngineRegistered(
+            msg, other_connection=self.transport.other_connection(msg.engine_id, ident)
+        )
+        try:
+            res = self.core.handle(event, time.monotonic())
+        except WeightSyncError as err:
+            log.error(
+                "engine_refused",
+                engine_id=msg.engine_id,
+                host=msg.host,
+                pid=msg.pid,
+                code=err.code.value,
+                reason=err.message,
+            )
+            self.transport.reply_engine(
+                ident,
+                schema.Error(
+                    id=msg.id,
+                    code=err.code.value,
+                    message=err.message,
+                    state=self.core.state.value,
+                    details=err.details or None,
+                ),
+            )
+            return
+        self.transport.registered(msg.engine_id, ident)
+        log.info(
+            "engine_registered",
+            engine_id=msg.engine_id,
+            backend=msg.backend,
+            version=msg.version,
+            state=res.reply.get("state") if res.reply else None,
+        )
+        self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
+        await self.effects.execute(res.commands, trigger="register")
+
+    async def engine_disconnected(self, ident: bytes) -> None:
+        eid = self.transport.engine_of(ident)
+        if eid is not None:
+            log.info("engine_disconnected", engine_id=eid)
+            await self.feed(ev.EngineGone(eid))
+            await self.feed(ev.Tick())
 
     def _failpoint_crash(self) -> None:
         """Fault injection (tests): a bug inside an engine message's handler."""
@@ -263,16 +338,5 @@ class Dispatch:
             del self.failpoints["crash_on_loaded"]
             raise RuntimeError("failpoint crash_on_loaded")
 
-    async def local_request(self, msg: schema.Bucket | schema.Finish, payload: list[Any],
-                            on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None]
-                            ) -> None:
-        w = Waiter(b"", 0, on_reply)
-        try:
-            if isinstance(msg, schema.Bucket):
-                await self._on_bucket(w, msg, payload, time.monotonic())
-            else:
-                res = self.core.handle_finish(msg, time.monotonic())
-                self.finish_waiters[msg.sync_id].append(w)
-                await self._execute(res.commands)
-        except WeightSyncError as err:
-            on_reply(None, err)
+
+__all__ = ["DAEMON_VERSION", "Dispatcher", "make_error"]

@@ -58,22 +58,42 @@ class Journal:
         self.db.execute(
             "INSERT INTO transitions (at, wall, src, dst, trigger, version, sync_id, code, reason, dirty)"
             " VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (entry["at"], time.time(), entry["from"], entry["to"], entry["trigger"],
-             entry.get("version"), entry.get("sync_id"), entry.get("code"), entry.get("reason"),
-             int(dirty)))
+            (
+                entry["at"],
+                time.time(),
+                entry["from"],
+                entry["to"],
+                entry["trigger"],
+                entry.get("version"),
+                entry.get("sync_id"),
+                entry.get("code"),
+                entry.get("reason"),
+                int(dirty),
+            ),
+        )
 
     def sync(self, data: dict[str, Any]) -> None:
         status = data["status"]
         if status == "LOADING_BUCKETS":
             self.db.execute(
                 "INSERT OR REPLACE INTO syncs (sync_id, version, status, started) VALUES (?,?,?,?)",
-                (data["sync_id"], data["version"], status, time.time()))
+                (data["sync_id"], data["version"], status, time.time()),
+            )
         else:
             self.db.execute(
                 "UPDATE syncs SET status=?, digest=?, buckets=?, bytes=?, code=?, reason=?, ended=?"
                 " WHERE sync_id=?",
-                (status, data.get("digest"), data.get("buckets"), data.get("bytes"),
-                 data.get("code"), data.get("reason"), time.time(), data["sync_id"]))
+                (
+                    status,
+                    data.get("digest"),
+                    data.get("buckets"),
+                    data.get("bytes"),
+                    data.get("code"),
+                    data.get("reason"),
+                    time.time(),
+                    data["sync_id"],
+                ),
+            )
 
     def recover(self, history: int = 50) -> Recovered:
         row = self.db.execute(
@@ -81,32 +101,56 @@ class Journal:
         ).fetchone()
         version, digest = (row[0], row[1]) if row else (None, None)
         last = self.db.execute(
-            "SELECT dst, sync_id, dirty FROM transitions ORDER BY id DESC LIMIT 1").fetchone()
+            "SELECT dst, sync_id, dirty FROM transitions ORDER BY id DESC LIMIT 1"
+        ).fetchone()
         interrupted = None
         if last is None:
             state, dirty = "IDLE", False
         elif last[0] in ACTIVE:
             state, dirty, interrupted = "IDLE", True, last[1]
-            self.db.execute("UPDATE syncs SET status='INTERRUPTED', ended=? WHERE sync_id=?",
-                            (time.time(), interrupted))
+            self.db.execute(
+                "UPDATE syncs SET status='INTERRUPTED', ended=? WHERE sync_id=?", (time.time(), interrupted)
+            )
         elif last[0] == "READY":
             state, dirty = "READY", False
         else:
             state, dirty = "IDLE", bool(last[2])
         rows = self.db.execute(
             "SELECT src, dst, trigger, version, sync_id, wall, code, reason FROM transitions"
-            " ORDER BY id DESC LIMIT ?", (history,)).fetchall()
-        hist = [{"from": r[0], "to": r[1], "trigger": r[2], "version": r[3], "sync_id": r[4],
-                 "at": r[5], **({"code": r[6], "reason": r[7]} if r[6] else {})}
-                for r in reversed(rows)]
+            " ORDER BY id DESC LIMIT ?",
+            (history,),
+        ).fetchall()
+        hist = [
+            {
+                "from": r[0],
+                "to": r[1],
+                "trigger": r[2],
+                "version": r[3],
+                "sync_id": r[4],
+                "at": r[5],
+                **({"code": r[6], "reason": r[7]} if r[6] else {}),
+            }
+            for r in reversed(rows)
+        ]
         return Recovered(state, version, digest, dirty, interrupted, hist)
 
     def syncs(self, limit: int = 20) -> list[dict[str, Any]]:
-        cols = ("sync_id", "version", "status", "digest", "buckets", "bytes", "code", "reason",
-                "started", "ended")
-        rows = self.db.execute(f"SELECT {', '.join(cols)} FROM syncs ORDER BY started DESC LIMIT ?",
-                               (limit,)).fetchall()
-        return [dict(zip(cols, r)) for r in rows]
+        cols = (
+            "sync_id",
+            "version",
+            "status",
+            "digest",
+            "buckets",
+            "bytes",
+            "code",
+            "reason",
+            "started",
+            "ended",
+        )
+        rows = self.db.execute(
+            f"SELECT {', '.join(cols)} FROM syncs ORDER BY started DESC LIMIT ?", (limit,)
+        ).fetchall()
+        return [dict(zip(cols, r, strict=True)) for r in rows]
 
     def dump(self) -> str:
         return json.dumps({"syncs": self.syncs(1000)}, indent=2)

@@ -32,8 +32,10 @@ class StateLock:
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise StateInUse(f"{self.what} is in use by another daemon ({holder}); stop it, "
-                             f"or give this one its own --state-db and --spool") from None
+            raise StateInUse(
+                f"{self.what} is in use by another daemon ({holder}); stop it, "
+                f"or give this one its own --state-db and --spool"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd

@@ -46,14 +46,22 @@ class _Snapshot:
         for s in ENGINE_STATES:
             g.add_metric([s], sum(1 for e in engines if e["state"] == s))
         yield g
-        ver = GaugeMetricFamily("weightsync_engine_version", "Version an engine holds (-1: none)",
-                                labels=["engine_id"])
-        skew = GaugeMetricFamily("weightsync_engine_version_skew",
-                                 "Served version minus the engine's (versions behind)", labels=["engine_id"])
-        fin = GaugeMetricFamily("weightsync_engine_finalize_count",
-                                "Post-load steps the engine process ran", labels=["engine_id"])
-        age = GaugeMetricFamily("weightsync_engine_heartbeat_age_seconds",
-                                "Seconds since the engine was last heard from", labels=["engine_id"])
+        ver = GaugeMetricFamily(
+            "weightsync_engine_version", "Version an engine holds (-1: none)", labels=["engine_id"]
+        )
+        skew = GaugeMetricFamily(
+            "weightsync_engine_version_skew",
+            "Served version minus the engine's (versions behind)",
+            labels=["engine_id"],
+        )
+        fin = GaugeMetricFamily(
+            "weightsync_engine_finalize_count", "Post-load steps the engine process ran", labels=["engine_id"]
+        )
+        age = GaugeMetricFamily(
+            "weightsync_engine_heartbeat_age_seconds",
+            "Seconds since the engine was last heard from",
+            labels=["engine_id"],
+        )
         for e in engines:
             eid = e["engine_id"]
             ver.add_metric([eid], -1 if e["version"] is None else e["version"])
@@ -77,27 +85,48 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.sync_seconds = Histogram("weightsync_sync_duration_seconds", "Begin to end of a sync",
-                                      ["transport", "outcome", "kind"], buckets=DURATION_BUCKETS, registry=r)
-        self.sync_bytes = Counter("weightsync_sync_bytes_total", "Weight bytes of ended syncs",
-                                  ["outcome"], registry=r)
-        self.sync_buckets = Counter("weightsync_sync_buckets_total", "Buckets of ended syncs",
-                                    ["outcome"], registry=r)
+        self.sync_seconds = Histogram(
+            "weightsync_sync_duration_seconds",
+            "Begin to end of a sync",
+            ["transport", "outcome", "kind"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.sync_bytes = Counter(
+            "weightsync_sync_bytes_total", "Weight bytes of ended syncs", ["outcome"], registry=r
+        )
+        self.sync_buckets = Counter(
+            "weightsync_sync_buckets_total", "Buckets of ended syncs", ["outcome"], registry=r
+        )
         self.syncs = Counter("weightsync_syncs_total", "Ended syncs", ["outcome", "kind"], registry=r)
-        self.failures = Counter("weightsync_sync_failures_total", "Failed syncs by error code",
-                                ["code"], registry=r)
-        self.rollbacks = Counter("weightsync_rollbacks_total", "Rollbacks from the spool, by outcome",
-                                 ["outcome"], registry=r)
-        self.catchups = Counter("weightsync_catchups_total", "Engines brought to the served version",
-                                ["outcome"], registry=r)
-        self.apply_seconds = Histogram("weightsync_bucket_apply_seconds",
-                                       "An engine's time to verify and apply one bucket", ["engine_id"],
-                                       buckets=APPLY_BUCKETS, registry=r)
-        self.finalize_seconds = Histogram("weightsync_engine_finalize_seconds",
-                                          "An engine's post-load step (and probes)", ["engine_id"],
-                                          buckets=DURATION_BUCKETS, registry=r)
-        self.received_bytes = Counter("weightsync_received_bytes_total",
-                                      "Bucket bytes that passed through the daemon (inline frames, spool copies)", registry=r)
+        self.failures = Counter(
+            "weightsync_sync_failures_total", "Failed syncs by error code", ["code"], registry=r
+        )
+        self.rollbacks = Counter(
+            "weightsync_rollbacks_total", "Rollbacks from the spool, by outcome", ["outcome"], registry=r
+        )
+        self.catchups = Counter(
+            "weightsync_catchups_total", "Engines brought to the served version", ["outcome"], registry=r
+        )
+        self.apply_seconds = Histogram(
+            "weightsync_bucket_apply_seconds",
+            "An engine's time to verify and apply one bucket",
+            ["engine_id"],
+            buckets=APPLY_BUCKETS,
+            registry=r,
+        )
+        self.finalize_seconds = Histogram(
+            "weightsync_engine_finalize_seconds",
+            "An engine's post-load step (and probes)",
+            ["engine_id"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.received_bytes = Counter(
+            "weightsync_received_bytes_total",
+            "Bucket bytes that passed through the daemon (inline frames, spool copies)",
+            registry=r,
+        )
         self.snapshot: dict[str, Any] = {}
         self.snapshot_mono = time.monotonic()
         r.register(_Snapshot(self))
@@ -121,9 +150,13 @@ class Metrics:
     def sync_ended(self, summary: dict[str, Any] | None) -> None:
         if not summary:
             return
-        outcome = {"READY": "ready", "ROLLED_BACK": "ready", "ABORTED": "aborted"}.get(summary["status"], "failed")
+        outcome = {"READY": "ready", "ROLLED_BACK": "ready", "ABORTED": "aborted"}.get(
+            summary["status"], "failed"
+        )
         kind = summary.get("kind", "sync")
-        self.sync_seconds.labels(summary.get("transport", "inline"), outcome, kind).observe(summary["seconds"])
+        self.sync_seconds.labels(summary.get("transport", "inline"), outcome, kind).observe(
+            summary["seconds"]
+        )
         self.sync_bytes.labels(outcome).inc(summary.get("bytes", 0))
         self.sync_buckets.labels(outcome).inc(summary.get("buckets", 0))
         self.syncs.labels(outcome, kind).inc()

@@ -9,28 +9,42 @@ memory as a trainer's sync. A spool read error ends the feed with a typed failur
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
 
 from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.core import fsm
+from orchestrator.core import commands as cmd
+from orchestrator.core import events as ev
 from orchestrator.daemon.spool import Spool, SpoolEntry
-
-if TYPE_CHECKING:
-    from orchestrator.daemon.service import Service
 
 log = structlog.get_logger()
 
+OnReply = Callable[[dict[str, Any] | None, WeightSyncError | None], None]
+
+
+class Requests(Protocol):
+    """The daemon's own requests (a rollback's buckets and finish), answered through
+    `on_reply` like a trainer's would be (the dispatcher)."""
+
+    async def local_request(
+        self, msg: schema.Bucket | schema.Finish, payload: list[Any], on_reply: OnReply
+    ) -> None: ...
+
+
+class Engines(Protocol):
+    def send_engine(self, engine_id: str, frames: list[Any]) -> bool: ...
+
 
 def tensor_metas(entry: SpoolEntry) -> tuple[schema.TensorMeta, ...]:
-    return tuple(schema.TensorMeta(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
-                 for t in entry.tensors)
+    return tuple(
+        schema.TensorMeta(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
+        for t in entry.tensors
+    )
 
 
 @dataclass
@@ -40,12 +54,13 @@ class Feed:
     entries: list[SpoolEntry]
     window: int
     engine_id: str | None = None  # None: a rollback to every engine
+    digest: str = ""  # a rollback finishes expecting it (the served version's)
     next: int = 0
     inflight: set[tuple[int, int]] = field(default_factory=set)
     finishing: bool = False
 
     def due(self) -> list[int]:
-        n = []
+        n: list[int] = []
         while self.next < len(self.entries) and len(self.inflight) + len(n) < self.window:
             n.append(self.next)
             self.next += 1
@@ -53,39 +68,50 @@ class Feed:
 
 
 class Recovery:
-    def __init__(self, service: Service, spool: Spool, window: int = 2) -> None:
-        self.service = service
+    def __init__(
+        self,
+        spool: Spool,
+        requests: Requests,
+        engines: Engines,
+        feed: Callable[[ev.Event], Awaitable[None]],
+        window: int = 2,
+    ) -> None:
+        self.requests = requests
+        self.engines = engines
+        self.feed = feed
         self.spool = spool
         self.window = window
         self.rollback: Feed | None = None
         self.catchups: dict[str, Feed] = {}
 
     # -- commands from the FSM ----------------------------------------------------------
-    def start_rollback(self, cmd: fsm.StartRollback) -> None:
-        self.rollback = Feed(cmd.sync_id, cmd.version, self.spool.entries(), self.window)
-        log.warning("rollback_started", sync_id=cmd.sync_id, version=cmd.version,
-                    buckets=len(self.rollback.entries))
+    def start_rollback(self, cmd: cmd.StartRollback) -> None:
+        self.rollback = Feed(cmd.sync_id, cmd.version, self.spool.entries(), self.window, digest=cmd.digest)
+        log.warning(
+            "rollback_started", sync_id=cmd.sync_id, version=cmd.version, buckets=len(self.rollback.entries)
+        )
 
-    def start_catchup(self, cmd: fsm.StartCatchUp) -> None:
-        self.catchups[cmd.engine_id] = Feed(cmd.sync_id, cmd.version, self.spool.entries(),
-                                            self.window, engine_id=cmd.engine_id)
-        log.info("engine_catchup_started", engine_id=cmd.engine_id, sync_id=cmd.sync_id,
-                 version=cmd.version)
+    def start_catchup(self, cmd: cmd.StartCatchUp) -> None:
+        self.catchups[cmd.engine_id] = Feed(
+            cmd.sync_id, cmd.version, self.spool.entries(), self.window, engine_id=cmd.engine_id
+        )
+        log.info("engine_catchup_started", engine_id=cmd.engine_id, sync_id=cmd.sync_id, version=cmd.version)
 
-    def catchup_acked(self, cmd: fsm.CatchUpAck) -> None:
+    def catchup_acked(self, cmd: cmd.CatchUpAck) -> None:
         f = self.catchups.get(cmd.engine_id)
         if f is not None and f.sync_id == cmd.sync_id:
             f.inflight.discard(cmd.key)
 
-    def catchup_done(self, cmd: fsm.CatchUpDone) -> None:
+    def catchup_done(self, cmd: cmd.CatchUpDone) -> None:
         f = self.catchups.get(cmd.engine_id)
         if f is not None and f.sync_id == cmd.sync_id:
             del self.catchups[cmd.engine_id]
         if cmd.ok:
             log.info("engine_rejoined", engine_id=cmd.engine_id, sync_id=cmd.sync_id)
         else:
-            log.warning("engine_catchup_failed", engine_id=cmd.engine_id, sync_id=cmd.sync_id,
-                        reason=cmd.reason)
+            log.warning(
+                "engine_catchup_failed", engine_id=cmd.engine_id, sync_id=cmd.sync_id, reason=cmd.reason
+            )
 
     def sync_closed(self, sync_id: str) -> None:
         if self.rollback is not None and self.rollback.sync_id == sync_id:
@@ -106,50 +132,64 @@ class Recovery:
             try:
                 frame = zmq.Frame(self.spool.read(f.entries[i]))
             except OSError as exc:
-                log.error("spool_read_failed", sync_id=f.sync_id, file=f.entries[i].file,
-                          reason=str(exc))
+                log.error("spool_read_failed", sync_id=f.sync_id, file=f.entries[i].file, reason=str(exc))
                 return None
             f.inflight.add((0, i))
             out.append((i, f.entries[i], frame))
         return out
 
     async def _pump_catchup(self, f: Feed) -> None:
-        svc = self.service
         due = self._due(f)
-        if due is None:
-            await svc.execute(svc.core.handle_failed(f.engine_id, schema.Failed(
-                sync_id=f.sync_id, code=ErrorCode.INTERNAL.value, message="spool unreadable"),
-                time.monotonic()).commands)
+        if due is None or f.engine_id is None:
+            await self.feed(
+                ev.EngineFailed(
+                    f.engine_id or "",
+                    schema.Failed(
+                        sync_id=f.sync_id, code=ErrorCode.INTERNAL.value, message="spool unreadable"
+                    ),
+                )
+            )
             return
         for i, e, frame in due:
-            header = codec.encode_header(schema.Load(
-                sync_id=f.sync_id, version=f.version, seq=i, tensors=tensor_metas(e),
-                checksum=e.checksum, sender=0))
-            svc.send_engine(f.engine_id, [header, frame])
+            header = codec.encode_header(
+                schema.Load(
+                    sync_id=f.sync_id,
+                    version=f.version,
+                    seq=i,
+                    tensors=tensor_metas(e),
+                    checksum=e.checksum,
+                    sender=0,
+                )
+            )
+            self.engines.send_engine(f.engine_id, [header, frame])
 
     async def _pump_rollback(self, f: Feed) -> None:
-        svc = self.service
         due = self._due(f)
         if due is None:
-            await svc.execute(svc.core.handle_abort(f.sync_id, "spool unreadable",
-                                                    time.monotonic()).commands)
+            await self.feed(ev.AbortSync(f.sync_id, "spool unreadable"))
             return
         for i, e, frame in due:
-            msg = schema.Bucket(sync_id=f.sync_id, seq=i, tensors=tensor_metas(e),
-                                checksum=e.checksum, sender=0)
-            await svc.local_request(msg, [frame], self._on_reply(f, (0, i)))
+            msg = schema.Bucket(
+                sync_id=f.sync_id, seq=i, tensors=tensor_metas(e), checksum=e.checksum, sender=0
+            )
+            await self.requests.local_request(msg, [frame], self._on_reply(f, (0, i)))
         if not f.inflight and f.next >= len(f.entries) and not f.finishing:
             f.finishing = True
             # partial: the spool replays exactly what the last READY sync sent (an adapter
             # push sends a subset); the digest, over everything each engine holds, proves
             # the engines are back at the served version.
-            await svc.local_request(schema.Finish(sync_id=f.sync_id, buckets=len(f.entries),
-                                                  digest=svc.core.served_digest, partial=True), [],
-                                    self._on_finished(f))
+            await self.requests.local_request(
+                schema.Finish(
+                    sync_id=f.sync_id, buckets=len(f.entries), digest=f.digest or None, partial=True
+                ),
+                [],
+                self._on_finished(f),
+            )
 
     def _on_reply(self, f: Feed, key: tuple[int, int]) -> Callable[[Any, WeightSyncError | None], None]:
         def done(body: Any, err: WeightSyncError | None) -> None:
             f.inflight.discard(key)  # an error fails the sync itself; sync_closed ends the feed
+
         return done
 
     def _on_finished(self, f: Feed) -> Callable[[Any, WeightSyncError | None], None]:
@@ -157,7 +197,12 @@ class Recovery:
             if err is None:
                 log.warning("rollback_completed", sync_id=f.sync_id, version=f.version)
             else:
-                log.error("rollback_failed", sync_id=f.sync_id, version=f.version,
-                          code=err.code.value, reason=err.message)
-        return done
+                log.error(
+                    "rollback_failed",
+                    sync_id=f.sync_id,
+                    version=f.version,
+                    code=err.code.value,
+                    reason=err.message,
+                )
 
+        return done

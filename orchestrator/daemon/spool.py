@@ -82,13 +82,27 @@ class Spool:
         target = self.root / os.readlink(link)
         try:
             raw = json.loads((target / MANIFEST).read_text())
-            entries = [SpoolEntry(int(b["sender"]), int(b["seq"]), str(b["file"]), int(b["nbytes"]),
-                                  int(b["checksum"]), list(b["tensors"])) for b in raw["buckets"]]
+            entries = [
+                SpoolEntry(
+                    int(b["sender"]),
+                    int(b["seq"]),
+                    str(b["file"]),
+                    int(b["nbytes"]),
+                    int(b["checksum"]),
+                    list(b["tensors"]),
+                )
+                for b in raw["buckets"]
+            ]
             for e in entries:
                 if (target / e.file).stat().st_size != e.nbytes:
                     raise ValueError(f"{e.file} has the wrong size")
-            self.info = SpoolInfo(int(raw["version"]), str(raw["digest"]), str(raw["sync_id"]),
-                                  len(entries), sum(e.nbytes for e in entries))
+            self.info = SpoolInfo(
+                int(raw["version"]),
+                str(raw["digest"]),
+                str(raw["sync_id"]),
+                len(entries),
+                sum(e.nbytes for e in entries),
+            )
             self._dir, self._entries = target, entries
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.error = f"spool at {target} unreadable: {exc}"
@@ -125,8 +139,9 @@ class Spool:
         except OSError as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
 
-    def add(self, sync_id: str, sender: int, seq: int, tensors: list[dict[str, Any]],
-            checksum: int, data: Any) -> None:
+    def add(
+        self, sync_id: str, sender: int, seq: int, tensors: list[dict[str, Any]], checksum: int, data: Any
+    ) -> None:
         if self._incoming is None or self._incoming_sync != sync_id or self._incoming_failed:
             return
         name = f"{sender:04d}-{seq:08d}.bin"
@@ -136,8 +151,9 @@ class Spool:
         except OSError as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
             return
-        self._incoming_entries.append(SpoolEntry(sender, seq, name, memoryview(data).nbytes,
-                                                 checksum, tensors))
+        self._incoming_entries.append(
+            SpoolEntry(sender, seq, name, memoryview(data).nbytes, checksum, tensors)
+        )
 
     def fail(self, reason: str) -> None:
         """The incoming version cannot be spooled whole (the sync itself goes on)."""
@@ -153,10 +169,22 @@ class Spool:
         failed = self._incoming_failed
         if failed is None:
             try:
-                manifest = {"version": version, "digest": digest, "sync_id": sync_id,
-                            "buckets": [{"sender": e.sender, "seq": e.seq, "file": e.file,
-                                         "nbytes": e.nbytes, "checksum": e.checksum,
-                                         "tensors": e.tensors} for e in entries]}
+                manifest = {
+                    "version": version,
+                    "digest": digest,
+                    "sync_id": sync_id,
+                    "buckets": [
+                        {
+                            "sender": e.sender,
+                            "seq": e.seq,
+                            "file": e.file,
+                            "nbytes": e.nbytes,
+                            "checksum": e.checksum,
+                            "tensors": e.tensors,
+                        }
+                        for e in entries
+                    ],
+                }
                 for e in entries:
                     fd = os.open(self._incoming / e.file, os.O_RDONLY)
                     try:
@@ -167,7 +195,7 @@ class Spool:
                     json.dump(manifest, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
-                final = self.root / f"v{version:020d}-{self._incoming.name[len('incoming-'):][:12]}"
+                final = self.root / f"v{version:020d}-{self._incoming.name[len('incoming-') :][:12]}"
                 os.replace(self._incoming, final)
                 tmp_link = self.root / f".{CURRENT}.tmp"
                 tmp_link.unlink(missing_ok=True)
@@ -180,14 +208,18 @@ class Spool:
             else:
                 old = self._dir
                 self._dir, self._entries = final, entries
-                self.info = SpoolInfo(version, digest, sync_id, len(entries),
-                                      sum(e.nbytes for e in entries))
+                self.info = SpoolInfo(version, digest, sync_id, len(entries), sum(e.nbytes for e in entries))
                 self.error = None
                 self._incoming = None
                 if old is not None and old != final:
                     shutil.rmtree(old, ignore_errors=True)
-                log.info("spool_committed", sync_id=sync_id, version=version,
-                         buckets=len(entries), nbytes=self.info.nbytes)
+                log.info(
+                    "spool_committed",
+                    sync_id=sync_id,
+                    version=version,
+                    buckets=len(entries),
+                    nbytes=self.info.nbytes,
+                )
                 return self.info
         # The served version is not on disk: drop what is, it can never be replayed as it.
         self.error = f"version {version} not spooled: {failed}"
@@ -213,7 +245,12 @@ class Spool:
 
     def view(self) -> dict[str, Any]:
         i = self.info
-        return {"path": str(self.root), "version": i.version if i else None,
-                "digest": i.digest if i else None, "buckets": i.buckets if i else 0,
-                "bytes": i.nbytes if i else 0, "error": self.error,
-                "state": "ok" if i and not self.error else ("degraded" if self.error else "empty")}
+        return {
+            "path": str(self.root),
+            "version": i.version if i else None,
+            "digest": i.digest if i else None,
+            "buckets": i.buckets if i else 0,
+            "bytes": i.nbytes if i else 0,
+            "error": self.error,
+            "state": "ok" if i and not self.error else ("degraded" if self.error else "empty"),
+        }

@@ -21,9 +21,11 @@ class Storage:
 
     def submit(self, jobs: list[Callable[[], Any]]) -> asyncio.Future[None]:
         """Run `jobs` one after the other on the storage thread; an awaitable for the end."""
+
         def run() -> None:
             for job in jobs:
                 job()
+
         return asyncio.wrap_future(self._pool.submit(run))
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
-"""The daemon's sockets: two ROUTERs, and the only code that sends on them.
+"""The daemon's sockets: two ROUTERs, their peers, and the only code that sends on them.
 
-Rules: mixed into `service.Service`; every method runs on the daemon's one event-loop
-task, which owns both sockets (pyzmq sockets are not thread-safe). Sends never block:
-HWMs are 0 and traffic is bounded by each trainer's window, so a send completes at once;
-ROUTER_MANDATORY turns an unknown peer into an error here, not a silent drop.
+Rules: every method runs on the daemon's one event-loop task, which owns both sockets and
+their monitors (pyzmq sockets are not thread-safe). Sends never block: HWMs are 0 and
+traffic is bounded by each trainer's window, so a send completes at once;
+ROUTER_MANDATORY turns an unknown peer into an error here, not a silent drop. A reply
+that cannot be delivered is logged: the peer's deadline (heartbeats, the sync's) handles
+the rest.
 """
 
 from __future__ import annotations
@@ -18,25 +20,21 @@ import structlog
 import zmq
 
 from messages import codec, schema
-from messages.errors import MessageError, WeightSyncError, make_error
+from messages.errors import WeightSyncError
+from orchestrator.daemon.auth import ServerAuth
+from orchestrator.daemon.peers import PeerTracker
 
 log = structlog.get_logger()
 
 
 @dataclass(slots=True)
 class Waiter:
+    """Who waits for a reply: a trainer connection and its request id, or (the daemon's own
+    requests: a rollback) a callback."""
+
     ident: bytes
     req_id: int
-    # Set for the daemon's own requests (rollback): the reply goes here, not to a socket.
     on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None] | None = None
-
-
-@dataclass(slots=True)
-class Pending:
-    """Frames of a bucket between its arrival and its forwarding."""
-
-    msg: schema.Bucket
-    frame: Any
 
 
 @dataclass(slots=True)
@@ -45,6 +43,8 @@ class Stats:
     bytes_in: int = 0  # bucket bytes that passed through the daemon
     bytes_announced: int = 0  # bucket bytes of every sync, however they travelled
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: int = 0  # messages received on both sockets
+    sent: int = 0  # messages sent on both sockets
 
 
 def refuse_live_ipc(addr: str) -> None:
@@ -52,23 +52,41 @@ def refuse_live_ipc(addr: str) -> None:
     the file), which would split engines between two daemons. Refuse if someone answers."""
     if not addr.startswith("ipc://"):
         return
-    path = addr[len("ipc://"):]
+    path = addr[len("ipc://") :]
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     try:
         probe.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return  # nobody there (or a stale file ZeroMQ will replace)
     except OSError:
-        return
+        return  # nobody there (or a stale file ZeroMQ will replace)
     finally:
         probe.close()
     raise OSError(f"{addr} is in use by another process")
 
 
 class Transport:
-    def _router(self, addr: str, max_msg: int, role: str) -> zmq.Socket:
+    def __init__(self, ctx: zmq.Context[Any], stats: Stats, auth: ServerAuth | None = None) -> None:
+        self.ctx = ctx
+        self.stats = stats
+        self.auth = auth
+        self.trainer: zmq.Socket[Any] | None = None
+        self.engine: zmq.Socket[Any] | None = None
+        self.trainer_peers: PeerTracker | None = None
+        self.engine_peers: PeerTracker | None = None
+        self.engine_ident: dict[str, bytes] = {}  # engine id -> the routing id it registered on
+        self.ident_engine: dict[bytes, str] = {}
+        self.bound: dict[str, str] = {}
+
+    def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
+        self.trainer = self._router(trainer_addr, max_trainer_msg, "trainer")
+        self.engine = self._router(engine_addr, max_engine_msg, "engine")
+        self.trainer_peers = PeerTracker(self.trainer)
+        self.engine_peers = PeerTracker(self.engine)
+        self.bound["trainer"] = self.trainer.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound["engine"] = self.engine.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _router(self, addr: str, max_msg: int, role: str) -> zmq.Socket[Any]:
         refuse_live_ipc(addr)
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         if self.auth is not None:
             self.auth.apply(sock, role)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -76,60 +94,104 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the window, not by a silent drop
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind(addr)
+        try:
+            sock.bind(addr)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
 
-    @staticmethod
-    def _send_now(sock: zmq.Socket, frames: list[Any]) -> None:
-        """Send without blocking; a send error is raised here, to the caller.
+    def close(self) -> None:
+        for peers in (self.trainer_peers, self.engine_peers):
+            if peers is not None:
+                peers.close()
+        for sock in (self.trainer, self.engine):
+            if sock is not None:
+                sock.close(linger=500)
 
-        HWMs are 0 and messages are bounded by the client's window, so a send completes
-        at once; ROUTER_MANDATORY makes an unknown peer an error (EHOSTUNREACH).
-        """
-        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-
-    def _send_trainer(self, ident: bytes, msg: schema.Message) -> None:
+    # -- receiving ------------------------------------------------------------------------
+    def recv(self, sock: zmq.Socket[Any]) -> list[Any] | None:
+        """One message (routing id first), or None when none is waiting."""
         try:
-            self._send_now(self.trainer_sock, [ident, codec.encode_header(msg)])
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        peers = self.engine_peers if sock is self.engine else self.trainer_peers
+        if peers is not None:
+            peers.seen(frames[0].bytes, frames[0])
+        self.stats.received += 1
+        return frames
+
+    # -- engines' identities --------------------------------------------------------------
+    def engine_of(self, ident: bytes) -> str | None:
+        return self.ident_engine.get(ident)
+
+    def other_connection(self, engine_id: str, ident: bytes) -> bool:
+        """`engine_id` is registered on another connection that is still open."""
+        old = self.engine_ident.get(engine_id)
+        if old is None or old == ident:
+            return False
+        return self.engine_peers is None or self.engine_peers.connected(old)
+
+    def registered(self, engine_id: str, ident: bytes) -> None:
+        old = self.engine_ident.get(engine_id)
+        if old is not None and old != ident:
+            self.ident_engine.pop(old, None)
+        self.engine_ident[engine_id] = ident
+        self.ident_engine[ident] = engine_id
+
+    # -- sending --------------------------------------------------------------------------
+    def _send_now(self, sock: zmq.Socket[Any] | None, frames: list[Any]) -> None:
+        """Send without blocking; a send error is raised here, to the caller."""
+        if sock is None:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        self.stats.sent += 1
+
+    def send_trainer(self, ident: bytes, msg: schema.Message) -> None:
+        try:
+            self._send_now(self.trainer, [ident, codec.encode_header(msg)])
         except zmq.ZMQError as exc:  # the trainer went away; its sync's deadline handles it
             log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE)
 
-    def _reply_engine(self, ident: bytes, msg: schema.Message) -> None:
+    def reply_engine(self, ident: bytes, msg: schema.Message) -> None:
         try:
-            self._send_now(self.engine_sock, [ident, codec.encode_header(msg)])
+            self._send_now(self.engine, [ident, codec.encode_header(msg)])
         except zmq.ZMQError as exc:  # the engine went away; its heartbeat deadline handles it
             log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE, src="engine")
 
-    def _reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
+    def reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
         if w.on_reply is not None:
             w.on_reply(body, None)
             return
-        self._send_trainer(w.ident, schema.Ok(id=w.req_id, body=body))
+        self.send_trainer(w.ident, schema.Ok(id=w.req_id, body=body))
 
-    def _reply_error(self, w: Waiter, err: WeightSyncError | MessageError) -> None:
-        if isinstance(err, MessageError):
-            err = make_error(err.code, err.reason, state=self.core.state.value,
-                             version=self.core.served_version,
-                             sync_id=self.core.sync.sync_id if self.core.sync else None)
+    def reply_error(self, w: Waiter, err: WeightSyncError) -> None:
         if w.on_reply is not None:
             w.on_reply(None, err)
             return
         self.stats.errors[err.code.value] += 1
         f = err.to_fields()
-        self._send_trainer(w.ident, schema.Error(id=w.req_id, code=f["code"], message=f["message"],
-                                                 state=f["state"], version=f["version"],
-                                                 sync_id=f["sync_id"], details=f.get("details")))
+        self.send_trainer(
+            w.ident,
+            schema.Error(
+                id=w.req_id,
+                code=f["code"],
+                message=f["message"],
+                state=f["state"],
+                version=f["version"],
+                sync_id=f["sync_id"],
+                details=f.get("details"),
+            ),
+        )
 
-    def _send_engine(self, engine_id: str, frames: list[Any]) -> bool:
+    def send_engine(self, engine_id: str, frames: list[Any]) -> bool:
         ident = self.engine_ident.get(engine_id)
         if ident is None:
             return False
         try:
-            self._send_now(self.engine_sock, [ident, *frames])
+            self._send_now(self.engine, [ident, *frames])
             return True
         except zmq.ZMQError as exc:
             log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
             return False
-
-    def send_engine(self, engine_id: str, frames: list[Any]) -> bool:
-        return self._send_engine(engine_id, frames)

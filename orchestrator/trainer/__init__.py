@@ -13,10 +13,26 @@ from messages.canary import make_probes
 from messages.checkpoint import iter_safetensors
 from orchestrator.trainer.client import SyncResult, TrainerClient
 from orchestrator.trainer.module import module_tensors, push_module
-from orchestrator.trainer.rollout import (check_alignment, non_thinking_prefix_ids, pad_routed_experts,
-                                          reencode_response, replace_assistant_response_with_ids,
-                                          template_injects_prefix)
+from orchestrator.trainer.rollout import (
+    check_alignment,
+    non_thinking_prefix_ids,
+    pad_routed_experts,
+    reencode_response,
+    replace_assistant_response_with_ids,
+    template_injects_prefix,
+)
 
-__all__ = ["TrainerClient", "SyncResult", "make_probes", "module_tensors", "push_module", "iter_safetensors", "check_alignment",
-           "non_thinking_prefix_ids", "pad_routed_experts", "reencode_response",
-           "replace_assistant_response_with_ids", "template_injects_prefix"]
+__all__ = [
+    "TrainerClient",
+    "SyncResult",
+    "make_probes",
+    "module_tensors",
+    "push_module",
+    "iter_safetensors",
+    "check_alignment",
+    "non_thinking_prefix_ids",
+    "pad_routed_experts",
+    "reencode_response",
+    "replace_assistant_response_with_ids",
+    "template_injects_prefix",
+]

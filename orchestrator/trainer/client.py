@@ -15,23 +15,24 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
 import zmq
 
-from messages import codec, schema
-from messages.schema import DEFAULT_ADDR
-from messages.buckets import DEFAULT_BUCKET_BYTES, Digester, PackedBucket
+from messages import schema
+from messages.buckets import Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
-from messages.link import RECONNECTED, Link, _Reconnected
-from orchestrator.trainer.stream import REPLY_TYPES, StreamMixin, error_from_reply, window_limit
+from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
+from orchestrator.trainer.connection import Connection
 from orchestrator.trainer.group import TrainerGroup
+from orchestrator.trainer.module import push_module
+from orchestrator.trainer.rings import ShmRings
+from orchestrator.trainer.stream import Stream, window_limit
 
 log = structlog.get_logger()
 
@@ -55,45 +56,49 @@ class SyncResult:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-class TrainerClient(StreamMixin):
-    def __init__(self, addr: str = DEFAULT_ADDR, *, timeout: float = 30.0, retries: int = 3,
-                 finish_timeout: float = 900.0, ctx: zmq.Context | None = None,
-                 sender: int = 0, keys: ClientKeys | None = None,
-                 connect_timeout: float = 5.0, collective_host: str = "") -> None:
+class TrainerClient:
+    """A trainer's handle on the daemon: a `Connection` (socket, link, resends), a `Stream`
+    (the bucket pipeline), its shared-memory ring and, for the collective transport, its
+    group (rank 0)."""
+
+    def __init__(
+        self,
+        addr: str = DEFAULT_ADDR,
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        finish_timeout: float = 900.0,
+        ctx: zmq.Context[Any] | None = None,
+        sender: int = 0,
+        keys: ClientKeys | None = None,
+        connect_timeout: float = 5.0,
+        collective_host: str = "",
+    ) -> None:
         self.addr = addr
         self.collective_host = collective_host  # this host's address for the group's store
-        self.timeout = timeout
-        self.retries = retries
         self.finish_timeout = finish_timeout
         self.sender = sender
-        self._ctx = ctx or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        if keys is not None:
-            keys.apply(self._sock)
-        # Before connect, so the monitor sees the first attempt (tells no daemon from a
-        # refused key within connect_timeout instead of after every retry's timeout).
-        self._link = Link(self._sock, addr, connect_timeout, reconnect_timeout=max(timeout, connect_timeout))
-        try:
-            self._sock.connect(addr)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ValueError(f"invalid address {addr!r}: {exc}") from None
-        self._next_id = 0
-        self._stray: dict[int, schema.Message] = {}
-        self._early: deque[schema.Message] = deque()  # replies read while a broadcast ran
-        self._collective: TrainerGroup | None = None
+        self.conn = Connection(
+            addr,
+            timeout=timeout,
+            retries=retries,
+            ctx=ctx or zmq.Context.instance(),
+            keys=keys,
+            connect_timeout=connect_timeout,
+        )
+        self.stream = Stream(self.conn, sender)
+        self.rings = ShmRings()
+        self.group: TrainerGroup | None = None
 
-    # -- plumbing -----------------------------------------------------------------------
+    @property
+    def timeout(self) -> float:
+        return self.conn.timeout
+
     def close(self) -> None:
-        self._drop_ring()
-        coll = getattr(self, "_collective", None)
-        if coll is not None:
-            coll.close()
-        self._link.close()
-        self._sock.close(linger=0)
+        self.rings.drop()
+        if self.group is not None:
+            self.group.close()
+        self.conn.close()
 
     def __enter__(self) -> TrainerClient:
         return self
@@ -101,124 +106,92 @@ class TrainerClient(StreamMixin):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
-    def _send(self, msg: schema.Message, payload: Sequence[Any] = ()) -> None:
-        """Send without ever blocking for good: a DEALER with no live connection (nothing
-        listens, or each CURVE handshake fails) has no pipe to queue on, and a plain send
-        would wait forever. Wait for room while the socket monitor can still say why not."""
-        frames = codec.encode(msg, payload)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                self._link.check()  # UNREACHABLE / UNAUTHORIZED as soon as the monitor knows
-                if time.monotonic() >= deadline:
-                    raise make_error(ErrorCode.TIMEOUT, f"could not send to {self.addr} within "
-                                     f"{self.timeout}s (no connection)") from None
-                self._sock.poll(100, zmq.POLLOUT)
-
-    def _recv(self, timeout: float) -> schema.Message | None | _Reconnected:
-        """The next reply; None when `timeout` passes; RECONNECTED when the connection was
-        re-established (requests in flight died with the old one: resend them now).
-        Raises UNREACHABLE / UNAUTHORIZED as soon as the socket monitor shows it."""
-        if self._early:
-            return self._early.popleft()
-        deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._link.monitor, zmq.POLLIN)
-        while True:
-            self._link.check()
-            if self._link.take_reconnect():
-                return RECONNECTED
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            events = dict(poller.poll(min(left, 0.5) * 1000))
-            if self._sock in events:
-                frames = self._sock.recv_multipart()
-                return codec.decode(frames, allowed=REPLY_TYPES).msg
-
-    def _request(self, make: Any, timeout: float | None = None, payload: Sequence[Any] = (),
-                 retries: int | None = None) -> dict[str, Any]:
-        """Send `make(id)`; resend with a new id on timeout; return the ok body or raise."""
-        timeout = self.timeout if timeout is None else timeout
-        retries = self.retries if retries is None else retries
-        ids: set[int] = set()
-        for attempt in range(retries + 1):
-            rid = self._new_id()
-            ids.add(rid)
-            self._send(make(rid), payload)
-            deadline = time.monotonic() + timeout
-            while (left := deadline - time.monotonic()) > 0:
-                reply = self._recv(left)
-                if reply is None or reply is RECONNECTED:
-                    break
-                if reply.id not in ids:
-                    self._stray[reply.id] = reply
-                    continue
-                if isinstance(reply, schema.Error):
-                    raise error_from_reply(reply)
-                return reply.body  # type: ignore[union-attr]
-            if attempt < retries:
-                log.warning("request_resent", attempt=attempt + 2, timeout=timeout,
-                            type=make(0).TYPE)
-        raise make_error(ErrorCode.TIMEOUT, f"no reply from {self.addr} after "
-                         f"{retries + 1} attempt(s) of {timeout}s")
-
     # -- requests -----------------------------------------------------------------------
     def hello(self) -> dict[str, Any]:
-        return self._request(lambda i: schema.Hello(id=i, client="weightsync-client"))
+        return self.conn.request(lambda i: schema.Hello(id=i, client="weightsync-client"))
 
     def status(self, timeout: float | None = None) -> dict[str, Any]:
-        return self._request(lambda i: schema.Status(id=i), timeout)
+        return self.conn.request(lambda i: schema.Status(id=i), timeout)
 
-    def begin(self, version: int, sync_id: str | None = None, *, senders: int = 1,
-              expected_buckets: int | None = None, probes: Sequence[schema.Probe] = (),
-              transport: str = "inline", collective: schema.CollectiveOffer | None = None
-              ) -> dict[str, Any]:
+    def begin(
+        self,
+        version: int,
+        sync_id: str | None = None,
+        *,
+        senders: int = 1,
+        expected_buckets: int | None = None,
+        probes: Sequence[schema.Probe] = (),
+        transport: str = "inline",
+        collective: schema.CollectiveOffer | None = None,
+    ) -> dict[str, Any]:
         """Start a sync. `transport` "shm"/"auto" offers shared memory, "collective" (with
         `collective`, this trainer's store) a torch.distributed group; the reply's
         `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective")."""
         sync_id = sync_id or uuid.uuid4().hex
         host = socket.gethostname() if transport not in ("inline", "collective") else ""
-        body = self._request(lambda i: schema.Begin(sync_id=sync_id, version=version, id=i,
-                                                    senders=senders,
-                                                    expected_buckets=expected_buckets,
-                                                    probes=tuple(probes), host=host,
-                                                    transport=transport, collective=collective))
+        body = self.conn.request(
+            lambda i: schema.Begin(
+                sync_id=sync_id,
+                version=version,
+                id=i,
+                senders=senders,
+                expected_buckets=expected_buckets,
+                probes=tuple(probes),
+                host=host,
+                transport=cast(Transport, transport),
+                collective=collective,
+            )
+        )
         return {**body, "sync_id": sync_id}
 
-    def send_bucket(self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
-                    ) -> dict[str, Any]:
+    def send_bucket(
+        self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
+    ) -> dict[str, Any]:
         """Send one bucket and wait until every engine applied it."""
-        return self._request(lambda i: self._bucket_msg(sync_id, bucket, i, checksum),
-                             payload=[bucket.frame()])
+        return self.conn.request(
+            lambda i: self.stream.bucket_msg(sync_id, bucket, i, checksum), payload=[bucket.frame()]
+        )
 
-    def finish(self, sync_id: str, buckets: int, *, digest: str | None = None,
-               timeout: float | None = None, partial: bool = False) -> dict[str, Any]:
-        return self._request(lambda i: schema.Finish(sync_id=sync_id, buckets=buckets, id=i,
-                                                     sender=self.sender, digest=digest,
-                                                     partial=partial),
-                             self.finish_timeout if timeout is None else timeout)
+    def finish(
+        self,
+        sync_id: str,
+        buckets: int,
+        *,
+        digest: str | None = None,
+        timeout: float | None = None,
+        partial: bool = False,
+    ) -> dict[str, Any]:
+        return self.conn.request(
+            lambda i: schema.Finish(
+                sync_id=sync_id, buckets=buckets, id=i, sender=self.sender, digest=digest, partial=partial
+            ),
+            self.finish_timeout if timeout is None else timeout,
+        )
 
-    def abort(self, sync_id: str, reason: str = "", *, timeout: float | None = None,
-              retries: int | None = None) -> dict[str, Any]:
-        return self._request(lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason),
-                             timeout, retries=retries)
+    def abort(
+        self, sync_id: str, reason: str = "", *, timeout: float | None = None, retries: int | None = None
+    ) -> dict[str, Any]:
+        return self.conn.request(
+            lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason), timeout, retries=retries
+        )
 
     # -- the whole sync -----------------------------------------------------------------
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int | None = None,
-             probes: Sequence[schema.Probe] = (), sync_id: str | None = None,
-             abort_on_error: bool = True, progress: Any = None,
-             transport: str = "auto", rollback_wait: float = 120.0,
-             partial: bool = False, engines_wait: float = 0.0) -> SyncResult:
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        window: int | None = None,
+        probes: Sequence[schema.Probe] = (),
+        sync_id: str | None = None,
+        abort_on_error: bool = True,
+        progress: Any = None,
+        transport: str = "auto",
+        rollback_wait: float = 120.0,
+        partial: bool = False,
+        engines_wait: float = 0.0,
+    ) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
         transport: "auto" uses shared memory for the engines on this host that can read it
@@ -243,13 +216,14 @@ class TrainerClient(StreamMixin):
         sync_id = sync_id or uuid.uuid4().hex
         offer = self._collective_offer() if transport == "collective" else None
         slots = window_limit(window, bucket_bytes)
-        ring = self._ring_for(slots, bucket_bytes) if transport in ("shm", "auto") else None
+        ring = self.rings.get(slots, bucket_bytes) if transport in ("shm", "auto") else None
         if ring is None and offer is None:
             transport = "inline"
         try:
             try:
-                started = self._begin_after_rollback(version, sync_id, probes, transport,
-                                                     rollback_wait, engines_wait, offer)
+                started = self._begin_after_rollback(
+                    version, sync_id, probes, transport, rollback_wait, engines_wait, offer
+                )
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
                     self._abort_quietly(sync_id, err)  # the begin may have landed unanswered
@@ -264,15 +238,31 @@ class TrainerClient(StreamMixin):
             digester = Digester()
             t_stream = time.perf_counter()
             try:
-                streamed = self._stream(sync_id, named_tensors, bucket_bytes, window, progress,
-                                        ring, digester, coll, max_pending=started.get("max_pending"))
+                streamed = self.stream.run(
+                    sync_id,
+                    named_tensors,
+                    bucket_bytes,
+                    window,
+                    progress,
+                    ring,
+                    digester,
+                    coll,
+                    max_pending=started.get("max_pending"),
+                )
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
                 t_finish = time.perf_counter()
-                body = self.finish(sync_id, streamed.buckets,
-                                   digest=None if partial else digester.hexdigest(), partial=partial)
-                trainer_phases = {"begin": t_stream - t0, **streamed.phases,
-                                  "finish": time.perf_counter() - t_finish}
+                body = self.finish(
+                    sync_id,
+                    streamed.buckets,
+                    digest=None if partial else digester.hexdigest(),
+                    partial=partial,
+                )
+                trainer_phases = {
+                    "begin": t_stream - t0,
+                    **streamed.phases,
+                    "finish": time.perf_counter() - t_finish,
+                }
             except WeightSyncError as err:
                 if coll is not None:
                     coll.fail()
@@ -286,30 +276,50 @@ class TrainerClient(StreamMixin):
                     self._abort_quietly(sync_id, exc)
                 raise
         except BaseException:
-            self._drop_ring()  # an engine may still read a slot of the failed sync
+            self.rings.drop()  # an engine may still read a slot of the failed sync
             raise
         seconds = time.perf_counter() - t0
-        return SyncResult(sync_id=sync_id, version=version, buckets=streamed.buckets,
-                          bytes=streamed.nbytes,
-                          seconds=seconds, engines=body.get("engines", []),
-                          digest=digester.hexdigest(), state=body.get("status", "READY"),
-                          retries=streamed.retries,
-                          detail={**body, "transport": started.get("transport", "inline"),
-                                  "trainer_phases": trainer_phases, "window": streamed.window})
+        return SyncResult(
+            sync_id=sync_id,
+            version=version,
+            buckets=streamed.buckets,
+            bytes=streamed.nbytes,
+            seconds=seconds,
+            engines=body.get("engines", []),
+            digest=digester.hexdigest(),
+            state=body.get("status", "READY"),
+            retries=streamed.retries,
+            detail={
+                **body,
+                "transport": started.get("transport", "inline"),
+                "trainer_phases": trainer_phases,
+                "window": streamed.window,
+            },
+        )
 
-    def push_module(self, model: torch.nn.Module, version: int, *, dtype: torch.dtype | None = None,
-                    filter: Any = None, **push_kw: Any) -> SyncResult:
+    def push_module(
+        self,
+        model: torch.nn.Module,
+        version: int,
+        *,
+        dtype: torch.dtype | None = None,
+        filter: Any = None,
+        **push_kw: Any,
+    ) -> SyncResult:
         """Push a live module's parameters and buffers as `version`, streamed (no second
         state dict): HF names, tied weights once, optional dtype cast, FSDP2/DTensor
         gathered per tensor (call it on every rank; ranks without a client use
         `orchestrator.trainer.push_module(None, model, version)`). See trainer/module.py."""
-        from orchestrator.trainer.module import push_module
-        return push_module(self, model, version, dtype=dtype, filter=filter, **push_kw)
+        result: SyncResult = push_module(self, model, version, dtype=dtype, filter=filter, **push_kw)
+        return result
 
     def served_versions(self) -> dict[str, int | None]:
         """engine_id -> the version it serves now (None: none verified), lost engines left out."""
-        return {e["engine_id"]: (e["version"] if e["state"] == "READY" else None)
-                for e in self.status()["engines"] if e["state"] != "LOST"}
+        return {
+            e["engine_id"]: (e["version"] if e["state"] == "READY" else None)
+            for e in self.status()["engines"]
+            if e["state"] != "LOST"
+        }
 
     def wait_ready(self, min_version: int, *, timeout: float = 300.0, poll: float = 0.1) -> dict[str, int]:
         """Block until the daemon is READY at `min_version` or newer and every live engine
@@ -319,44 +329,58 @@ class TrainerClient(StreamMixin):
         while True:
             st = self.status()
             live = [e for e in st["engines"] if e["state"] != "LOST"]
-            behind = [e["engine_id"] for e in live
-                      if e["state"] != "READY" or e["version"] is None or e["version"] < min_version]
-            if (st["state"] == "READY" and (st["version"] or -1) >= min_version and live
-                    and not behind):
+            behind = [
+                e["engine_id"]
+                for e in live
+                if e["state"] != "READY" or e["version"] is None or e["version"] < min_version
+            ]
+            if st["state"] == "READY" and (st["version"] or -1) >= min_version and live and not behind:
                 return {e["engine_id"]: e["version"] for e in live}
             if time.monotonic() >= deadline:
-                raise make_error(ErrorCode.TIMEOUT, f"version {min_version} not served everywhere within "
-                                 f"{timeout}s: daemon {st['state']} at {st['version']}, behind: {behind}",
-                                 state=st["state"], version=st["version"],
-                                 details={"behind": behind})
+                raise make_error(
+                    ErrorCode.TIMEOUT,
+                    f"version {min_version} not served everywhere within "
+                    f"{timeout}s: daemon {st['state']} at {st['version']}, behind: {behind}",
+                    state=st["state"],
+                    version=st["version"],
+                    details={"behind": behind},
+                )
             time.sleep(poll)
 
     def _collective_offer(self) -> schema.CollectiveOffer:
-        if self._collective is None:
-            self._collective = TrainerGroup(self.addr, self.collective_host)
-        return self._collective.offer()
+        if self.group is None:
+            self.group = TrainerGroup(self.addr, self.collective_host)
+        return self.group.offer()
 
     def _collective_for(self, started: dict[str, Any], asked: str) -> TrainerGroup | None:
-        if started.get("transport") == "collective" and self._collective is not None:
-            self._collective.plan({**started["collective"], "spool_copy": started.get("spool_copy", False)})
-            return self._collective
+        if started.get("transport") == "collective" and self.group is not None:
+            self.group.plan({**started["collective"], "spool_copy": started.get("spool_copy", False)})
+            return self.group
         if asked == "collective":
-            log.warning("collective_not_used", transport=started.get("transport"),
-                        reason="some engine cannot join a group with this trainer")
+            log.warning(
+                "collective_not_used",
+                transport=started.get("transport"),
+                reason="some engine cannot join a group with this trainer",
+            )
         return None
 
-    def _begin_after_rollback(self, version: int, sync_id: str | None,
-                              probes: Sequence[schema.Probe], transport: str,
-                              wait: float, engines_wait: float = 0.0,
-                              offer: schema.CollectiveOffer | None = None) -> dict[str, Any]:
+    def _begin_after_rollback(
+        self,
+        version: int,
+        sync_id: str | None,
+        probes: Sequence[schema.Probe],
+        transport: str,
+        wait: float,
+        engines_wait: float = 0.0,
+        offer: schema.CollectiveOffer | None = None,
+    ) -> dict[str, Any]:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
         t0 = time.monotonic()
         said = 0.0
         while True:
             try:
-                return self.begin(version, sync_id, probes=probes, transport=transport,
-                                  collective=offer)
+                return self.begin(version, sync_id, probes=probes, transport=transport, collective=offer)
             except WeightSyncError as err:
                 waited = time.monotonic() - t0
                 rolling = err.details.get("rollback_running") and waited < wait
@@ -371,7 +395,8 @@ class TrainerClient(StreamMixin):
 
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
         try:
-            self.abort(sync_id, reason=f"trainer error: {cause}"[:500],
-                       timeout=min(self.timeout, 5.0), retries=0)
+            self.abort(
+                sync_id, reason=f"trainer error: {cause}"[:500], timeout=min(self.timeout, 5.0), retries=0
+            )
         except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
             log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)

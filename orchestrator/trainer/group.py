@@ -18,7 +18,14 @@ import structlog
 import torch
 
 from messages import schema
-from messages.collective import CollectiveError, Group, GroupSpec, available_backends, host_store, local_host_for
+from messages.collective import (
+    CollectiveError,
+    Group,
+    GroupSpec,
+    available_backends,
+    host_store,
+    local_host_for,
+)
 
 log = structlog.get_logger()
 
@@ -27,7 +34,7 @@ def _daemon_host(addr: str) -> str:
     """The host part of a tcp:// address ("" for ipc:// and inproc://)."""
     if not addr.startswith("tcp://"):
         return ""
-    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     return "127.0.0.1" if host in ("*", "localhost", "") else host
 
 
@@ -47,10 +54,10 @@ class TrainerGroup:
     def offer(self) -> schema.CollectiveOffer:
         if self._store is None:
             self._store = host_store(self.host, self.timeout)
-            log.info("collective_store_started", host=self.host, port=self._store.port,
-                     session=self.session)
-        return schema.CollectiveOffer(host=self.host, port=self._store.port, session=self.session,
-                                      backends=available_backends())
+            log.info("collective_store_started", host=self.host, port=self._store.port, session=self.session)
+        return schema.CollectiveOffer(
+            host=self.host, port=self._store.port, session=self.session, backends=available_backends()
+        )
 
     def plan(self, view: dict[str, Any]) -> None:
         """The daemon's group for this sync (its begin reply's `collective`)."""
@@ -66,9 +73,16 @@ class TrainerGroup:
         if v is None:
             raise CollectiveError("no collective group planned for this sync")
         if self.group is None:
-            spec = GroupSpec(id=v["group"], host=self.host, port=self._store.port, rank=0,
-                             world_size=v["world_size"], backend=v["backend"],
-                             timeout=float(v["timeout_s"]), bind=self.host)
+            spec = GroupSpec(
+                id=v["group"],
+                host=self.host,
+                port=self._store.port,
+                rank=0,
+                world_size=v["world_size"],
+                backend=v["backend"],
+                timeout=float(v["timeout_s"]),
+                bind=self.host,
+            )
             self.group = Group(spec, store=self._store)
         if self.group.device.type != "cpu":
             data = data.to(self.group.device, non_blocking=False)

@@ -32,8 +32,13 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def lora_tensors(adapter: Mapping[str, torch.Tensor], *, alpha: float, rank: int | None = None,
-                 engine_rank: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def lora_tensors(
+    adapter: Mapping[str, torch.Tensor],
+    *,
+    alpha: float,
+    rank: int | None = None,
+    engine_rank: int | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Wire tensors for `adapter` ({M.lora_A.weight: [r, in], M.lora_B.weight: [out, r]}):
     B scaled by alpha / r, both padded with zeros to `engine_rank`."""
     for name, t in sorted(adapter.items()):
@@ -53,8 +58,20 @@ def lora_tensors(adapter: Mapping[str, torch.Tensor], *, alpha: float, rank: int
         yield name, out
 
 
-def push_adapter(client: Any, adapter: Mapping[str, torch.Tensor], version: int, *, alpha: float,
-                 rank: int | None = None, engine_rank: int | None = None, **push_kw: Any) -> Any:
+def push_adapter(
+    client: Any,
+    adapter: Mapping[str, torch.Tensor],
+    version: int,
+    *,
+    alpha: float,
+    rank: int | None = None,
+    engine_rank: int | None = None,
+    **push_kw: Any,
+) -> Any:
     """Push `adapter` as `version` (a partial push: the engines keep their base weights)."""
-    return client.push(lora_tensors(adapter, alpha=alpha, rank=rank, engine_rank=engine_rank),
-                       version, partial=True, **push_kw)
+    return client.push(
+        lora_tensors(adapter, alpha=alpha, rank=rank, engine_rank=engine_rank),
+        version,
+        partial=True,
+        **push_kw,
+    )

@@ -45,9 +45,12 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
 
 
-def module_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
-                   filter: Callable[[str, torch.Tensor], bool] | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor | Cast]]:
+def module_tensors(
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | Cast]]:
     """(HF name, full tensor) for every parameter and persistent buffer, tied weights once,
     gathered lazily; with `dtype`, floating tensors come as `Cast` (cast while packed;
     `.materialize()` gives the tensor). Every rank of a sharded model must consume it in
@@ -72,9 +75,15 @@ def module_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None,
         yield name, t
 
 
-def push_module(client: Any, model: torch.nn.Module, version: int, *,
-                dtype: torch.dtype | None = None,
-                filter: Callable[[str, torch.Tensor], bool] | None = None, **push_kw: Any) -> Any:
+def push_module(
+    client: Any,
+    model: torch.nn.Module,
+    version: int,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+    **push_kw: Any,
+) -> Any:
     """Push `model` as `version` through `client` (a TrainerClient); on ranks without a
     client (None), take part in the gathers of a sharded model and return None."""
     tensors = module_tensors(model, dtype=dtype, filter=filter)

@@ -8,11 +8,14 @@ error when the ring is made or grown, never a SIGBUS while packing.
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from messages import schema
 from messages.errors import ErrorCode, make_error
-from messages.shm import Segment, ShmFull, frombuffer
+from messages.shm import Segment, ShmFull, frombuffer, shm_available, sweep_stale
+
+log = structlog.get_logger()
 
 
 class InlineRing:
@@ -60,10 +63,14 @@ class ShmRing:
         try:
             seg.resize(nbytes)  # a tensor larger than the bucket size gets its own bucket
         except ShmFull as exc:
-            raise make_error(ErrorCode.TOO_LARGE, f"{exc}; a bucket of {nbytes} bytes needs that "
-                             f"much free shared memory per slot (window {len(self.segments)}), "
-                             f"or push with transport=inline") from None
-        return frombuffer(seg.view(0, nbytes))
+            raise make_error(
+                ErrorCode.TOO_LARGE,
+                f"{exc}; a bucket of {nbytes} bytes needs that "
+                f"much free shared memory per slot (window {len(self.segments)}), "
+                f"or push with transport=inline",
+            ) from None
+        out: torch.Tensor = frombuffer(seg.view(0, nbytes))
+        return out
 
     def ref(self, seq: int, nbytes: int) -> schema.ShmRef:
         return schema.ShmRef(self.segments[seq % len(self.segments)].name, 0, nbytes)
@@ -71,3 +78,35 @@ class ShmRing:
     def close(self) -> None:
         for seg in self.segments:
             seg.close()
+
+
+class ShmRings:
+    """The client's shared-memory ring, reserved once and kept for its later pushes
+    (reserving and faulting slots in per push cost more than packing a small model);
+    replaced when a push wants bigger or more slots than it asked for (not when the tmpfs
+    had room for fewer: asking again gets no more)."""
+
+    def __init__(self) -> None:
+        self.ring: ShmRing | None = None
+
+    def get(self, window: int, bucket_bytes: int) -> ShmRing | None:
+        """Slots for this push, or None: push inline (no shared memory, or no room)."""
+        ring = self.ring
+        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.wanted >= window:
+            return ring
+        self.drop()
+        if not shm_available():
+            return None
+        sweep_stale()  # segments of trainers that crashed earlier on this host
+        try:
+            self.ring = ShmRing(window, bucket_bytes)
+        except ShmFull as exc:
+            log.warning("shm_full_using_inline", reason=str(exc), window=window, bucket_bytes=bucket_bytes)
+            return None
+        return self.ring
+
+    def drop(self) -> None:
+        """Unlink the slots (after a failed push an engine may still read one)."""
+        if self.ring is not None:
+            self.ring.close()
+        self.ring = None

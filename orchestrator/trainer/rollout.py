@@ -23,8 +23,9 @@ IGNORE_INDEX = -100
 PADDING_SIDES = ("left", "right")
 
 
-def non_thinking_prefix_ids(tokenizer: Any, template_prefix: str | None,
-                            enable_thinking: bool) -> list[int] | None:
+def non_thinking_prefix_ids(
+    tokenizer: Any, template_prefix: str | None, enable_thinking: bool
+) -> list[int] | None:
     """Token ids of the non-thinking prefix the template injects, or None.
 
     None when thinking is on, when the template injects no prefix, or when anything
@@ -33,8 +34,7 @@ def non_thinking_prefix_ids(tokenizer: Any, template_prefix: str | None,
     not hidden: a silently missing prefix is the misalignment this module prevents.
     Works with a transformers tokenizer and with a raw `tokenizers.Tokenizer`.
     """
-    if enable_thinking or not template_prefix or not isinstance(template_prefix, str) \
-            or tokenizer is None:
+    if enable_thinking or not template_prefix or not isinstance(template_prefix, str) or tokenizer is None:
         return None
     encode = getattr(tokenizer, "encode", None)
     if not callable(encode):
@@ -71,9 +71,11 @@ def _ids(name: str, seq: Any) -> list[int]:
     return out
 
 
-def reencode_response(prompt_ids: Sequence[int], response_token_ids: Sequence[int],
-                      non_thinking_prefix_ids: Sequence[int] | None = None
-                      ) -> tuple[list[int], list[int], list[int]]:
+def reencode_response(
+    prompt_ids: Sequence[int],
+    response_token_ids: Sequence[int],
+    non_thinking_prefix_ids: Sequence[int] | None = None,
+) -> tuple[list[int], list[int], list[int]]:
     """(input_ids, loss_mask, labels) = prompt + prefix + response.
 
     Only response tokens count in the loss: mask 1 and label = token id there; prompt and
@@ -89,10 +91,11 @@ def reencode_response(prompt_ids: Sequence[int], response_token_ids: Sequence[in
     return input_ids, loss_mask, labels
 
 
-def replace_assistant_response_with_ids(messages: Sequence[dict[str, Any]],
-                                        response_token_ids: Sequence[int],
-                                        non_thinking_prefix_ids: Sequence[int] | None = None
-                                        ) -> list[dict[str, Any]]:
+def replace_assistant_response_with_ids(
+    messages: Sequence[dict[str, Any]],
+    response_token_ids: Sequence[int],
+    non_thinking_prefix_ids: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
     """A copy of `messages` whose last assistant turn is carried as token ids.
 
     The assistant message gets `token_ids` (prefix + response), `loss_mask` (0 on the
@@ -109,8 +112,12 @@ def replace_assistant_response_with_ids(messages: Sequence[dict[str, Any]],
         out.append(dict(m))
     prefix = _ids("non_thinking_prefix_ids", non_thinking_prefix_ids)
     response = _ids("response_token_ids", response_token_ids)
-    turn = {"role": "assistant", "content": None, "token_ids": prefix + response,
-            "loss_mask": [0] * len(prefix) + [1] * len(response)}
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "token_ids": prefix + response,
+        "loss_mask": [0] * len(prefix) + [1] * len(response),
+    }
     if out and out[-1]["role"] == "assistant":
         extra = {k: v for k, v in out[-1].items() if k not in ("content", "token_ids", "loss_mask")}
         out[-1] = {**extra, **turn}
@@ -170,8 +177,13 @@ def check_alignment(input_ids: Sequence[int] | torch.Tensor, routed: torch.Tenso
         return
     position = min(n, need)
     if n < need:
-        raise AlignmentError(f"routed experts cover {n} tokens but input_ids has {need}: first "
-                             f"uncovered token at position {position} (id {ids[position]})",
-                             position)
-    raise AlignmentError(f"routed experts have {n} entries but input_ids has {need} tokens: "
-                         f"first extra entry at position {position}", position)
+        raise AlignmentError(
+            f"routed experts cover {n} tokens but input_ids has {need}: first "
+            f"uncovered token at position {position} (id {ids[position]})",
+            position,
+        )
+    raise AlignmentError(
+        f"routed experts have {n} entries but input_ids has {need} tokens: "
+        f"first extra entry at position {position}",
+        position,
+    )

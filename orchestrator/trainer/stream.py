@@ -1,6 +1,6 @@
 """The bucket pipeline of a push: pack, send (inline, shm or collective), keep at most
-`window` buckets unacknowledged, resend on timeout. Mixed into `TrainerClient`, whose
-socket and request plumbing it uses; the same thread owns the socket.
+`window` buckets unacknowledged, resend on timeout. `Stream` works through the client's
+`Connection`, on the thread that owns its socket.
 
 Rules: a bucket's slot is reused only after that bucket was acknowledged by every engine
 (through the daemon). On the collective path the bucket's metadata goes to the daemon
@@ -20,30 +20,17 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-import zmq
 
-from messages import codec, schema
+from messages import schema
 from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
-from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.shm import ShmFull, shm_available, sweep_stale
-from messages.link import RECONNECTED
-from orchestrator.trainer.rings import InlineRing, ShmRing
+from messages.errors import ErrorCode, make_error
+from messages.link import Reconnected
+from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
+from orchestrator.trainer.rings import InlineRing, ShmRing
 
 log = structlog.get_logger()
-
-REPLY_TYPES = ("ok", "error")
-
-
-def error_from_reply(msg: schema.Error) -> WeightSyncError:
-    try:
-        code = ErrorCode(msg.code)
-    except ValueError:
-        code = ErrorCode.INTERNAL
-    return make_error(code, msg.message, state=msg.state, version=msg.version,
-                      sync_id=msg.sync_id, details=msg.details)
-
 
 # The automatic window keeps at most this many bytes in flight (and never over MAX_WINDOW
 # buckets): the trainer's ring, and the daemon's frames in flight, are window x bucket.
@@ -102,42 +89,32 @@ class _InFlight:
     attempts: int = 1
 
 
-class StreamMixin:
-    """Needs the client's `_send`, `_recv`, `_new_id`, `_sock`, `_early`, `timeout`, `retries`, `sender`."""
+class Stream:
+    """The bucket pipeline of one client: its connection and its sender index."""
 
-    def _ring_for(self, window: int, bucket_bytes: int) -> ShmRing | None:
-        """Shared-memory slots for this push, or None: inline. Reserved once and kept for
-        the client's later pushes (reserving and faulting them in per push cost more than
-        packing a small model), replaced when a push wants bigger or more slots than it
-        asked for (not when the tmpfs had room for fewer: asking again gets no more)."""
-        ring = getattr(self, "_ring", None)
-        if ring is not None and ring.slot_bytes >= bucket_bytes and ring.wanted >= window:
-            return ring
-        self._drop_ring()
-        if not shm_available():
-            return None
-        sweep_stale()  # segments of trainers that crashed earlier on this host
-        try:
-            self._ring = ShmRing(window, bucket_bytes)
-        except ShmFull as exc:
-            log.warning("shm_full_using_inline", reason=str(exc), window=window,
-                        bucket_bytes=bucket_bytes)
-            return None
-        return self._ring
+    def __init__(self, conn: Connection, sender: int = 0) -> None:
+        self.conn = conn
+        self.sender = sender
 
-    def _drop_ring(self) -> None:
-        ring = getattr(self, "_ring", None)
-        if ring is not None:
-            ring.close()
-        self._ring = None
+    def bucket_msg(
+        self,
+        sync_id: str,
+        b: PackedBucket,
+        rid: int,
+        checksum: int | None = None,
+        shm: schema.ShmRef | None = None,
+    ) -> schema.Bucket:
+        return schema.Bucket(
+            sync_id=sync_id,
+            seq=b.seq,
+            tensors=b.tensors,
+            checksum=b.checksum if checksum is None else checksum,
+            id=rid,
+            sender=self.sender,
+            shm=shm,
+        )
 
-    def _bucket_msg(self, sync_id: str, b: PackedBucket, rid: int,
-                    checksum: int | None = None, shm: schema.ShmRef | None = None) -> schema.Bucket:
-        return schema.Bucket(sync_id=sync_id, seq=b.seq, tensors=b.tensors,
-                             checksum=b.checksum if checksum is None else checksum, id=rid,
-                             sender=self.sender, shm=shm)
-
-    def _broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | None) -> None:
+    def broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | None) -> None:
         """Wait for the broadcast in flight, then start `bucket`'s (None: only wait). The
         next bucket is packed while this one travels. Replies that arrive meanwhile are kept
         for the stream. An error from the daemon for this sync ends the broadcast at once; a
@@ -145,17 +122,15 @@ class StreamMixin:
         comes within 5 s."""
         failure: list[schema.Error] = []
 
+        def ours(reply: schema.Message) -> bool:
+            return isinstance(reply, schema.Error) and reply.sync_id in (sync_id, None)
+
         def take_replies() -> str | None:
-            while True:
-                try:
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    return None
-                reply = codec.decode(frames, allowed=REPLY_TYPES).msg
-                self._early.append(reply)
-                if isinstance(reply, schema.Error) and reply.sync_id in (sync_id, None):
-                    failure.append(reply)
-                    return f"{reply.code}: {reply.message}"
+            reply = self.conn.take_replies(ours)
+            if isinstance(reply, schema.Error):
+                failure.append(reply)
+                return f"{reply.code}: {reply.message}"
+            return None
 
         seq = coll.pending_seq
         try:
@@ -166,40 +141,50 @@ class StreamMixin:
         except CollectiveError as exc:
             deadline = time.monotonic() + 5.0
             while not failure and time.monotonic() < deadline:
-                self._sock.poll(50)
+                self.conn.sock.poll(50)
                 take_replies()
             if failure:
                 raise error_from_reply(failure[0]) from None
             code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
-            raise make_error(code, f"bucket seq {seq}: {exc}", sync_id=sync_id,
-                             state="LOADING_BUCKETS") from None
+            raise make_error(
+                code, f"bucket seq {seq}: {exc}", sync_id=sync_id, state="LOADING_BUCKETS"
+            ) from None
 
-    def _stream(self, sync_id: str, named: Iterable[tuple[str, torch.Tensor]],
-                bucket_bytes: int, window: int | None, progress: Any, ring: ShmRing | None = None,
-                digester: Digester | None = None, coll: TrainerGroup | None = None,
-                max_pending: int | None = None) -> Streamed:
+    def run(
+        self,
+        sync_id: str,
+        named: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        window: int | None,
+        progress: Any,
+        ring: ShmRing | None = None,
+        digester: Digester | None = None,
+        coll: TrainerGroup | None = None,
+        max_pending: int | None = None,
+    ) -> Streamed:
         # slots: bucket seq goes to slot seq % limit (an shm ring may have fewer than asked)
         limit = ring.slots if ring is not None else window_limit(window, bucket_bytes)
-        sizer = WindowSizer(None if window is None else min(window, limit),
-                            min(limit, max_pending or limit))  # the daemon's cap too
+        sizer = WindowSizer(
+            None if window is None else min(window, limit), min(limit, max_pending or limit)
+        )  # the daemon's cap too
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
 
         def send(f: _InFlight) -> None:
-            rid = self._new_id()
+            rid = self.conn.new_id()
             by_id[rid] = f.bucket.seq
             if coll is not None:
                 b = f.bucket
-                msg = msgspec.structs.replace(self._bucket_msg(sync_id, b, rid), size=b.nbytes)
-                self._send(msg, [b.frame()] if coll.planned.get("spool_copy") else [])
+                msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid), size=b.nbytes)
+                self.conn.send(msg, [b.frame()] if (coll.planned or {}).get("spool_copy") else [])
                 if f.attempts == 1:  # a resend is for the daemon; the engines have the bytes
-                    self._broadcast(sync_id, coll, b)
+                    self.broadcast(sync_id, coll, b)
             elif ring is not None:
                 ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
-                self._send(self._bucket_msg(sync_id, f.bucket, rid, shm=ref))
+                self.conn.send(self.bucket_msg(sync_id, f.bucket, rid, shm=ref))
             else:
-                self._send(self._bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
+                self.conn.send(self.bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
         phases = {"pack": 0.0, "send": 0.0, "wait_acks": 0.0}
 
@@ -213,37 +198,39 @@ class StreamMixin:
         def _wait_one() -> None:
             nonlocal retries
             oldest = min(inflight.values(), key=lambda f: f.sent_at)
-            reply = self._recv(max(0.0, oldest.sent_at + self.timeout - time.monotonic()))
-            if reply is RECONNECTED:  # what was in flight died with the old connection
+            reply = self.conn.recv(max(0.0, oldest.sent_at + self.conn.timeout - time.monotonic()))
+            if isinstance(reply, Reconnected):  # what was in flight died with the old connection
                 for f in sorted(inflight.values(), key=lambda f: f.bucket.seq):
                     f.sent_at = time.monotonic()
                     send(f)
                 log.warning("buckets_resent_after_reconnect", sync_id=sync_id, buckets=len(inflight))
                 return
             if reply is None:  # the oldest timed out: resend it (same sync_id and seq)
-                if oldest.attempts > self.retries:
-                    raise make_error(ErrorCode.TIMEOUT,
-                                     f"bucket seq {oldest.bucket.seq} not acknowledged after "
-                                     f"{oldest.attempts} attempt(s) of {self.timeout}s",
-                                     sync_id=sync_id, state="LOADING_BUCKETS")
+                if oldest.attempts > self.conn.retries:
+                    raise make_error(
+                        ErrorCode.TIMEOUT,
+                        f"bucket seq {oldest.bucket.seq} not acknowledged after "
+                        f"{oldest.attempts} attempt(s) of {self.conn.timeout}s",
+                        sync_id=sync_id,
+                        state="LOADING_BUCKETS",
+                    )
                 oldest.attempts += 1
                 oldest.sent_at = time.monotonic()
                 retries += 1
-                log.warning("bucket_resent", sync_id=sync_id, seq=oldest.bucket.seq,
-                            attempt=oldest.attempts)
+                log.warning("bucket_resent", sync_id=sync_id, seq=oldest.bucket.seq, attempt=oldest.attempts)
                 send(oldest)
                 return
-            seq = by_id.pop(reply.id, None)
+            seq = by_id.pop(getattr(reply, "id", -1), None)
             if seq is None:
                 return  # a reply to an earlier attempt already handled
             if isinstance(reply, schema.Error):
                 raise error_from_reply(reply)
-            f = inflight.pop(seq, None)
-            if f is not None and f.attempts == 1:
+            done = inflight.pop(seq, None)
+            if done is not None and done.attempts == 1:
                 now = time.monotonic()
-                sizer.acked(now - f.sent_at, now)
-            if f is not None and progress is not None:
-                progress(f.bucket.nbytes)
+                sizer.acked(now - done.sent_at, now)
+            if done is not None and progress is not None:
+                progress(done.bucket.nbytes)
 
         slots = ring if ring is not None else InlineRing(limit)
 
@@ -267,7 +254,7 @@ class StreamMixin:
         phases["pack"] = time.perf_counter() - t_loop - phases["send"] - phases["wait_acks"]
         t0 = time.perf_counter()
         if coll is not None:
-            self._broadcast(sync_id, coll, None)  # the last bucket's broadcast
+            self.broadcast(sync_id, coll, None)  # the last bucket's broadcast
         phases["send"] += time.perf_counter() - t0
         while inflight:
             wait_one()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from engines.torch_engine import load_model
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.canary import make_probes
-
-from engines.torch_engine import load_model
 from tests.integration.helpers import running_daemon
 
 
@@ -28,6 +27,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
 
 def wait_for(client, ok, timeout=30.0):
     import time
+
     deadline = time.monotonic() + timeout
     while True:
         st = client.status()
@@ -45,8 +45,7 @@ def test_three_versions_reach_two_torch_engines_by_broadcast_with_exact_outputs(
             w = dict(perturbed(tiny_state, v))
             probes = probes_for(cluster.model_dir, w)
             before = client.status()["daemon"]["bytes_received"]
-            r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective",
-                            probes=probes)
+            r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective", probes=probes)
             st = client.status()
             assert r.detail["transport"] == "collective"
             assert {e["digest"] for e in r.engines} == {digest(w.items())}
@@ -59,7 +58,8 @@ def test_three_versions_reach_two_torch_engines_by_broadcast_with_exact_outputs(
 
 
 def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_next_push_is_ready(
-        tmp_path, tiny_model_dir, tiny_state):
+    tmp_path, tiny_model_dir, tiny_state
+):
     """The top complaint against NCCL weight sync: a dead member hangs everyone. Here the
     trainer gets ENGINE_FAILED naming the engine, the survivors are rolled back from the
     spool, and a new group carries the next push."""
@@ -68,8 +68,14 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
     from messages.errors import ErrorCode, WeightSyncError
 
     bucket_timeout = 20.0
-    args = ["--engine-timeout", "3", "--bucket-timeout", str(bucket_timeout),
-            "--spool", str(tmp_path / "spool")]
+    args = [
+        "--engine-timeout",
+        "3",
+        "--bucket-timeout",
+        str(bucket_timeout),
+        "--spool",
+        str(tmp_path / "spool"),
+    ]
     with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args, min_engines=1) as c:
         with c.client(timeout=30.0) as client:
             w1 = dict(perturbed(tiny_state, 1))
@@ -80,12 +86,22 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
             g1 = st["collective"]["group"]
             c.procs[-1].stop()  # engine-1 comes back with a failpoint: it dies in broadcast 3
             victim = c.start_engine("engine-1", ["--failpoint", "kill_in_broadcast=3"])
-            wait_for(client, lambda st: any(e["engine_id"] == "engine-1" and e["pid"] == victim.popen.pid
-                                            and e["state"] == "READY" for e in st["engines"]))
+            wait_for(
+                client,
+                lambda st: any(
+                    e["engine_id"] == "engine-1" and e["pid"] == victim.popen.pid and e["state"] == "READY"
+                    for e in st["engines"]
+                ),
+            )
             t0 = time.monotonic()
             with pytest.raises(WeightSyncError) as ei:
-                client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024,
-                            transport="collective", rollback_wait=0)
+                client.push(
+                    dict(perturbed(tiny_state, 2)).items(),
+                    2,
+                    bucket_bytes=64 * 1024,
+                    transport="collective",
+                    rollback_wait=0,
+                )
             took = time.monotonic() - t0
             assert ei.value.code in (ErrorCode.ENGINE_FAILED, ErrorCode.TIMEOUT)
             assert "engine-1" in ei.value.message, ei.value.message
@@ -119,10 +135,13 @@ def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_m
             return s.getsockname()[1]
 
     tport, eport = free_port(), free_port()
-    c = Cluster(tmp_path, tiny_model_dir, engines=2,
-                daemon_args=["--engine-timeout", "3", "--log-level", "debug"],
-                engine_args=["--threads", "1", "--heartbeat-interval", "0.5",
-                             "--collective-host", "127.0.0.3"])
+    c = Cluster(
+        tmp_path,
+        tiny_model_dir,
+        engines=2,
+        daemon_args=["--engine-timeout", "3", "--log-level", "debug"],
+        engine_args=["--threads", "1", "--heartbeat-interval", "0.5", "--collective-host", "127.0.0.3"],
+    )
     c.addr = f"tcp://127.0.0.1:{tport}"
     c.engine_addr = f"tcp://127.0.0.3:0;127.0.0.1:{eport}"  # connect from 127.0.0.3
     c.daemon_args += ["--bind", f"tcp://127.0.0.1:{tport}", "--engine-bind", f"tcp://127.0.0.1:{eport}"]
@@ -131,8 +150,10 @@ def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_m
             st = plain.status()
         assert all(e["collective_ranks"] == 1 for e in st["engines"])
         from orchestrator.trainer.client import TrainerClient
-        with TrainerClient(f"tcp://127.0.0.2:0;127.0.0.1:{tport}", timeout=30.0,
-                           collective_host="127.0.0.2") as client:
+
+        with TrainerClient(
+            f"tcp://127.0.0.2:0;127.0.0.1:{tport}", timeout=30.0, collective_host="127.0.0.2"
+        ) as client:
             for v in (1, 2):
                 w = dict(perturbed(tiny_state, v))
                 r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport="collective")
@@ -167,7 +188,8 @@ TrainerClient(addr, timeout=30).push(perturbed(state, 2), 2, bucket_bytes=64 * 1
 
 
 def test_trainer_killed_mid_broadcast_frees_the_engines_rolls_back_and_next_push_is_ready(
-        tmp_path, tiny_model_dir, tiny_state):
+    tmp_path, tiny_model_dir, tiny_state
+):
     """The engines wait inside a broadcast whose root dies: they fail fast (the root's
     sockets close), the daemon rolls them back from the spool, and a new trainer pushes."""
     import subprocess
@@ -179,8 +201,11 @@ def test_trainer_killed_mid_broadcast_frees_the_engines_rolls_back_and_next_push
         with c.client(timeout=30.0) as client:
             w1 = dict(perturbed(tiny_state, 1))
             client.push(w1.items(), 1, bucket_bytes=64 * 1024, transport="collective")
-        p = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, c.addr, str(tiny_model_dir)],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", DYING_TRAINER, c.addr, str(tiny_model_dir)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         lines = []
         while (line := p.stdout.readline()) and line.strip() != "DYING":
             lines.append(line)  # the client's own log lines come first
@@ -188,8 +213,15 @@ def test_trainer_killed_mid_broadcast_frees_the_engines_rolls_back_and_next_push
         assert p.wait(10) == -9
         t0 = time.monotonic()
         with c.client(timeout=30.0) as client:
-            st = wait_for(client, lambda st: st["state"] == "READY" and not st["dirty"]
-                          and (st.get("last_sync") or {}).get("kind") == "rollback", timeout=30)
+            st = wait_for(
+                client,
+                lambda st: (
+                    st["state"] == "READY"
+                    and not st["dirty"]
+                    and (st.get("last_sync") or {}).get("kind") == "rollback"
+                ),
+                timeout=30,
+            )
             took = time.monotonic() - t0
             assert st["version"] == 1 and took < 20, (took, st)
             assert {e["digest"] for e in st["engines"]} == {digest(w1.items())}
@@ -222,8 +254,9 @@ def test_a_byte_corrupted_on_the_collective_is_caught_by_the_engines(cluster, ti
         counts = [e["finalize_count"] for e in st["engines"]]
         monkeypatch.setattr(TrainerGroup, "start", start)
         with pytest.raises(WeightSyncError) as ei:
-            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=128 * 1024,
-                        transport="collective")
+            client.push(
+                dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=128 * 1024, transport="collective"
+            )
         assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH, ei.value
         monkeypatch.setattr(TrainerGroup, "start", real)
         assert [e["finalize_count"] for e in client.status()["engines"]] == counts  # nothing finalized
@@ -246,16 +279,30 @@ def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(clu
         (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
         sid = client.begin(v, transport="inline")["sync_id"]
         cases = [
-            (lambda i: msgspec.structs.replace(client._bucket_msg(sid, b, i), size=b.nbytes), [], "negotiate"),
-            (lambda i: msgspec.structs.replace(client._bucket_msg(
-                sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)),
-                size=b.nbytes), [], "not both"),
-            (lambda i: msgspec.structs.replace(client._bucket_msg(sid, b, i), size=b.nbytes + 8),
-             [b.frame()], "exactly its size"),
+            (
+                lambda i: msgspec.structs.replace(client.stream.bucket_msg(sid, b, i), size=b.nbytes),
+                [],
+                "negotiate",
+            ),
+            (
+                lambda i: msgspec.structs.replace(
+                    client.stream.bucket_msg(
+                        sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
+                    ),
+                    size=b.nbytes,
+                ),
+                [],
+                "not both",
+            ),
+            (
+                lambda i: msgspec.structs.replace(client.stream.bucket_msg(sid, b, i), size=b.nbytes + 8),
+                [b.frame()],
+                "exactly its size",
+            ),
         ]
         for make, payload, words in cases:
             with pytest.raises(WeightSyncError) as ei:
-                client._request(make, payload=payload, retries=0)
+                client.conn.request(make, payload=payload, retries=0)
             assert ei.value.code is ErrorCode.BAD_MESSAGE and words in ei.value.message, ei.value
         client.abort(sid)
         offer = client._collective_offer()

@@ -74,8 +74,16 @@ class ScriptedEngine(Peer):
     def __init__(self, addr: str, engine_id: str = "scripted-0", transports: tuple[str, ...] = ("inline",)):
         super().__init__(addr)
         self.engine_id = engine_id
-        reply = self.request(schema.Register(engine_id=engine_id, backend="scripted", transports=transports,
-                                             host=HOST, pid=4242, spec=self.SPEC))
+        reply = self.request(
+            schema.Register(
+                engine_id=engine_id,
+                backend="scripted",
+                transports=transports,
+                host=HOST,
+                pid=4242,
+                spec=self.SPEC,
+            )
+        )
         if not isinstance(reply, schema.Ok):
             raise AssertionError(f"register refused: {reply}")
 
@@ -91,14 +99,14 @@ class ScriptedEngine(Peer):
         self.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, sender=load.sender))
         return load
 
-    def finalize(self, digest: str = "abc123", timeout: float = 5.0,
-                 sync_id: str | None = None) -> schema.Finalize:
+    def finalize(
+        self, digest: str = "abc123", timeout: float = 5.0, sync_id: str | None = None
+    ) -> schema.Finalize:
         while True:
             fin = self.recv_type(schema.Finalize, timeout)
             if sync_id is None or fin.sync_id == sync_id:
                 break
-        self.send(schema.Finalized(sync_id=fin.sync_id, version=fin.version, digest=digest,
-                                   finalize_count=1))
+        self.send(schema.Finalized(sync_id=fin.sync_id, version=fin.version, digest=digest, finalize_count=1))
         return fin
 
 

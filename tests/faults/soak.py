@@ -22,25 +22,36 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-FAULTS = ["trainer_abort", "corrupt_bucket", "resend_bucket", "engine_kill", "engine_stop",
-          "daemon_kill"]
+FAULTS = ["trainer_abort", "corrupt_bucket", "resend_bucket", "engine_kill", "engine_stop", "daemon_kill"]
 BUCKET = 128 * 1024
 
 
 class Soak:
     def __init__(self, workdir: Path, seed: int, fault_rate: float) -> None:
-        from examples.tiny import build_tiny_llama
         from engines.torch_engine import load_model
         from examples.launch import Cluster
+        from examples.tiny import build_tiny_llama
 
         self.rng = random.Random(seed)
         self.fault_rate = fault_rate
         model = build_tiny_llama(workdir / "model", size="tiny", seed=seed)
         self.state = {k: v.detach().clone() for k, v in load_model(model).state_dict().items()}
-        self.cluster = Cluster(workdir / "cluster", model, engines=2,
-                               daemon_args=["--engine-timeout", "2", "--sync-timeout", "3",
-                                            "--spool", str(workdir / "spool"), "--log-level", "info"],
-                               engine_args=["--threads", "1", "--heartbeat-interval", "0.5"])
+        self.cluster = Cluster(
+            workdir / "cluster",
+            model,
+            engines=2,
+            daemon_args=[
+                "--engine-timeout",
+                "2",
+                "--sync-timeout",
+                "3",
+                "--spool",
+                str(workdir / "spool"),
+                "--log-level",
+                "info",
+            ],
+            engine_args=["--threads", "1", "--heartbeat-interval", "0.5"],
+        )
         self.digests: dict[int, str] = {}
         self.version = 0
         self.counts: Counter[str] = Counter()
@@ -88,9 +99,16 @@ class Soak:
         except WeightSyncError as err:
             self.counts["failed"] += 1
             self.counts[f"code:{err.code.value}"] += 1
-            self.failures.append({"version": v, "fault": fault, "code": err.code.value,
-                                  "message": err.message, "state": err.state,
-                                  "details": err.details or {}})
+            self.failures.append(
+                {
+                    "version": v,
+                    "fault": fault,
+                    "code": err.code.value,
+                    "message": err.message,
+                    "state": err.state,
+                    "details": err.details or {},
+                }
+            )
             if not explained(err):
                 self.counts["unexplained"] += 1
         self.settle()
@@ -136,8 +154,11 @@ class Soak:
                 time.sleep(0.2)
                 continue
             live = [e for e in st["engines"] if e["state"] != "LOST"]
-            busy = (st["sync"] is not None or st.get("rollback_pending")
-                    or any(e["state"] in ("JOINING", "LOADING", "FINALIZING") for e in live))
+            busy = (
+                st["sync"] is not None
+                or st.get("rollback_pending")
+                or any(e["state"] in ("JOINING", "LOADING", "FINALIZING") for e in live)
+            )
             if not busy and len(live) >= 2:
                 break
             time.sleep(0.1)
@@ -177,8 +198,7 @@ def explained(err: Any) -> bool:
     that says which sync ended how, or which sync or rollback is in the way."""
     if err.code.value != "INVALID_STATE":
         return True
-    return any(w in err.message for w in ("already ended", "already completed", "running",
-                                          "rolling"))
+    return any(w in err.message for w in ("already ended", "already completed", "running", "rolling"))
 
 
 def ours_or_orphaned(segment: str) -> bool:
@@ -231,14 +251,22 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
         time.sleep(0.5)
         leaked = leaked_processes(work)
     leaked_shm = [n for n in sorted(set(list_segments()) - shm_before) if ours_or_orphaned(n)]
-    return {"syncs": syncs, "ok": soak.counts["ok"], "failed": soak.counts["failed"],
-            "rolled_back": soak.counts["rolled_back"], "unsettled": soak.counts["unsettled"],
-            "double_finalizes": doubles, "ready_with_wrong_digest": soak.wrong_digest,
-            "leaked_processes": leaked, "leaked_shm_segments": len(leaked_shm),
-            "seconds": round(time.monotonic() - t0, 1),
-            "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
-            "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")},
-            "unexplained_failures": soak.counts["unexplained"], "failures": soak.failures}
+    return {
+        "syncs": syncs,
+        "ok": soak.counts["ok"],
+        "failed": soak.counts["failed"],
+        "rolled_back": soak.counts["rolled_back"],
+        "unsettled": soak.counts["unsettled"],
+        "double_finalizes": doubles,
+        "ready_with_wrong_digest": soak.wrong_digest,
+        "leaked_processes": leaked,
+        "leaked_shm_segments": len(leaked_shm),
+        "seconds": round(time.monotonic() - t0, 1),
+        "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
+        "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")},
+        "unexplained_failures": soak.counts["unexplained"],
+        "failures": soak.failures,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,17 +277,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     r = run(args.syncs, args.seed, args.fault_rate)
-    print(f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']}, rolled back {r['rolled_back']}, "
-          f"unsettled {r['unsettled']} ({r['seconds']} s)")
-    print(f"faults injected: {r['faults']}; error codes: {r['codes']}; "
-          f"unexplained failures {r['unexplained_failures']}")
-    print(f"double finalizes {r['double_finalizes']}, READY with wrong digest "
-          f"{r['ready_with_wrong_digest']}, leaked processes {r['leaked_processes']}, "
-          f"leaked /dev/shm segments {r['leaked_shm_segments']}")
+    print(
+        f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']}, rolled back {r['rolled_back']}, "
+        f"unsettled {r['unsettled']} ({r['seconds']} s)"
+    )
+    print(
+        f"faults injected: {r['faults']}; error codes: {r['codes']}; "
+        f"unexplained failures {r['unexplained_failures']}"
+    )
+    print(
+        f"double finalizes {r['double_finalizes']}, READY with wrong digest "
+        f"{r['ready_with_wrong_digest']}, leaked processes {r['leaked_processes']}, "
+        f"leaked /dev/shm segments {r['leaked_shm_segments']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
-    bad = (r["double_finalizes"] or r["ready_with_wrong_digest"] or r["leaked_processes"]
-           or r["leaked_shm_segments"] or r["unsettled"] or r["unexplained_failures"])
+    bad = (
+        r["double_finalizes"]
+        or r["ready_with_wrong_digest"]
+        or r["leaked_processes"]
+        or r["leaked_shm_segments"]
+        or r["unsettled"]
+        or r["unexplained_failures"]
+    )
     return 1 if bad else 0
 
 

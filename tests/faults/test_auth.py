@@ -9,29 +9,38 @@ import time
 
 import pytest
 
+from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
 from messages.keys import client_keys, generate
 from orchestrator.trainer.client import TrainerClient
-
 from tests.integration.helpers import FAST_DAEMON
-from examples.launch import Cluster
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "keys", "generate", str(d)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "keys", "generate", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return d
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory, tiny_model_dir, keys):
-    c = Cluster(tmp_path_factory.mktemp("curve"), tiny_model_dir, engines=1, keys=keys,
-                daemon_args=FAST_DAEMON, engine_args=["--threads", "1", "--heartbeat-interval", "0.5"])
+    c = Cluster(
+        tmp_path_factory.mktemp("curve"),
+        tiny_model_dir,
+        engines=1,
+        keys=keys,
+        daemon_args=FAST_DAEMON,
+        engine_args=["--threads", "1", "--heartbeat-interval", "0.5"],
+    )
     with c:
         yield c
 

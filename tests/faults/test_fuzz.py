@@ -15,10 +15,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples.launch import Cluster
 from messages import codec, schema
 from messages.errors import ErrorCode
-
-from examples.launch import Cluster
 
 pytestmark = pytest.mark.slow
 CODES = {c.value for c in ErrorCode}
@@ -29,17 +28,25 @@ BASE = {
     "begin": schema.Begin(sync_id="s", version=1, id=1),
     "finish": schema.Finish(sync_id="s", buckets=1, id=1),
     "abort": schema.Abort(sync_id="s", reason="r", id=1),
-    "bucket": schema.Bucket(sync_id="s", seq=0, checksum=0, id=1, tensors=(
-        schema.TensorMeta("w", "float32", (2, 2), 0, 16),)),
+    "bucket": schema.Bucket(
+        sync_id="s", seq=0, checksum=0, id=1, tensors=(schema.TensorMeta("w", "float32", (2, 2), 0, 16),)
+    ),
     "register": schema.Register(engine_id="e", backend="torch", id=1),
     "loaded": schema.Loaded(sync_id="s", seq=0, id=1),
     "finalized": schema.Finalized(sync_id="s", version=1, digest="d", id=1),
 }
 
-packable = st.integers(min_value=-2**63, max_value=2**64 - 1)  # what MessagePack can carry
-wild = st.one_of(st.none(), st.booleans(), packable, st.floats(allow_nan=True), st.text(max_size=20),
-                 st.binary(max_size=20), st.lists(packable, max_size=4),
-                 st.dictionaries(st.text(max_size=5), packable, max_size=3))
+packable = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what MessagePack can carry
+wild = st.one_of(
+    st.none(),
+    st.booleans(),
+    packable,
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.lists(packable, max_size=4),
+    st.dictionaries(st.text(max_size=5), packable, max_size=3),
+)
 
 
 def header_of(name: str) -> dict:
@@ -59,12 +66,17 @@ def mutated(draw, names):
             h[key] = draw(wild)
         elif op == "add":
             h[draw(st.text(max_size=8))] = draw(wild)
-        elif op == "tensor" and isinstance(h.get("tensors"), list) and h["tensors"] \
-                and isinstance(h["tensors"][0], dict):  # an earlier retype may have made it an int
+        elif (
+            op == "tensor"
+            and isinstance(h.get("tensors"), list)
+            and h["tensors"]
+            and isinstance(h["tensors"][0], dict)
+        ):  # an earlier retype may have made it an int
             t = h["tensors"][0]
             field = draw(st.sampled_from(["offset", "nbytes", "shape", "dtype", "name"]))
-            t[field] = draw(st.one_of(wild, st.just([2**40, 2**40]), st.just(2**62),
-                                      st.just(-1), st.just("complex128")))
+            t[field] = draw(
+                st.one_of(wild, st.just([2**40, 2**40]), st.just(2**62), st.just(-1), st.just("complex128"))
+            )
     return h
 
 
@@ -95,8 +107,9 @@ engine_cases = st.one_of(
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("fuzz"), None, engines=0, min_engines=1,
-                 daemon_args=["--log-level", "error"]) as cluster:
+    with Cluster(
+        tmp_path_factory.mktemp("fuzz"), None, engines=0, min_engines=1, daemon_args=["--log-level", "error"]
+    ) as cluster:
         yield cluster
 
 
@@ -113,10 +126,17 @@ def dealer(addr: str) -> zmq.Socket:
 
 
 def fuzz_settings(request):
-    return settings(max_examples=request.config.getoption("--fuzz-cases"), deadline=None,
-                    database=None, derandomize=False,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=request.config.getoption("--fuzz-cases"),
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+        ],
+    )
 
 
 def test_trainer_socket_answers_every_case_with_a_typed_reply(target, request):

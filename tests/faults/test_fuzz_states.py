@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from examples.launch import Cluster
 from messages import schema
 from messages.errors import ErrorCode
-from examples.launch import Cluster
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 
@@ -31,12 +31,31 @@ pytestmark = pytest.mark.slow
 CODES = {c.value for c in ErrorCode}
 TARGETS = ("LOADING_BUCKETS", "FINALIZING", "READY", "ROLLBACK")
 
-extreme_ints = st.sampled_from([0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -2**63])
-extreme_strs = st.sampled_from(["", "../x", "a/b", "a\x00b", "x" * 200, ".", "weightsync.trainer.1.0123456789ab",
-                                "../../etc/passwd", "ok-id", "\n"])
-extreme = st.one_of(extreme_ints, extreme_strs, st.none(), st.booleans(), st.floats(allow_nan=True),
-                    st.lists(extreme_ints, max_size=5), st.binary(max_size=16),
-                    st.dictionaries(st.text(max_size=4), extreme_ints, max_size=2))
+extreme_ints = st.sampled_from([0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)])
+extreme_strs = st.sampled_from(
+    [
+        "",
+        "../x",
+        "a/b",
+        "a\x00b",
+        "x" * 200,
+        ".",
+        "weightsync.trainer.1.0123456789ab",
+        "../../etc/passwd",
+        "ok-id",
+        "\n",
+    ]
+)
+extreme = st.one_of(
+    extreme_ints,
+    extreme_strs,
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.lists(extreme_ints, max_size=5),
+    st.binary(max_size=16),
+    st.dictionaries(st.text(max_size=4), extreme_ints, max_size=2),
+)
 
 
 class Rig:
@@ -49,7 +68,6 @@ class Rig:
         self.version = 0
         self.sync_id = "none"
         self.reached: Counter[str] = Counter()
-
 
     def settle(self) -> dict:
         """End whatever runs: abort a trainer sync; let a rollback finish."""
@@ -68,8 +86,14 @@ class Rig:
                 if isinstance(m, schema.Load):
                     self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, sender=m.sender))
                 elif isinstance(m, schema.Finalize):
-                    self.eng.send(schema.Finalized(sync_id=m.sync_id, version=m.version,
-                                                   digest=st_["digest"] or "0", finalize_count=1))
+                    self.eng.send(
+                        schema.Finalized(
+                            sync_id=m.sync_id,
+                            version=m.version,
+                            digest=st_["digest"] or "0",
+                            finalize_count=1,
+                        )
+                    )
                 continue
             self.trainer.request(schema.Abort(sync_id=s["sync_id"], reason="fuzz reset"))
             self.eng.drain()
@@ -125,8 +149,13 @@ class Rig:
 
 def base_headers(sync_id: str, version: int) -> dict[str, dict]:
     msg, _ = bucket_frames(sync_id)
-    bucket = {"type": "bucket", "sync_id": sync_id, "seq": 0, "checksum": msg.checksum,
-              "tensors": [t.to_wire() for t in msg.tensors]}
+    bucket = {
+        "type": "bucket",
+        "sync_id": sync_id,
+        "seq": 0,
+        "checksum": msg.checksum,
+        "tensors": [t.to_wire() for t in msg.tensors],
+    }
     return {
         "begin": {"type": "begin", "sync_id": sync_id + "-n", "version": version + 1},
         "bucket": bucket,
@@ -137,8 +166,13 @@ def base_headers(sync_id: str, version: int) -> dict[str, dict]:
         "finalized": {"type": "finalized", "sync_id": sync_id, "version": version, "digest": "ab"},
         "failed": {"type": "failed", "sync_id": sync_id + "-other", "code": "X", "message": "m"},
         "heartbeat": {"type": "heartbeat", "engine_id": "scripted-0"},
-        "register": {"type": "register", "engine_id": "scripted-0", "backend": "t",
-                     "host": HOST, "pid": 4242},
+        "register": {
+            "type": "register",
+            "engine_id": "scripted-0",
+            "backend": "t",
+            "host": HOST,
+            "pid": 4242,
+        },
     }
 
 
@@ -150,10 +184,34 @@ ENGINE = ("loaded", "finalized", "failed", "heartbeat", "register")
 def cases(draw):
     target = draw(st.sampled_from(TARGETS))
     kind = draw(st.sampled_from(TRAINER + ENGINE))
-    edits = draw(st.lists(st.tuples(st.sampled_from(["sync_id", "version", "seq", "buckets", "checksum",
-                                                     "sender", "engine_id", "digest", "reason",
-                                                     "tensors", "shm", "id", "v", "pid", "message"]),
-                                    extreme), min_size=1, max_size=3))
+    edits = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(
+                    [
+                        "sync_id",
+                        "version",
+                        "seq",
+                        "buckets",
+                        "checksum",
+                        "sender",
+                        "engine_id",
+                        "digest",
+                        "reason",
+                        "tensors",
+                        "shm",
+                        "id",
+                        "v",
+                        "pid",
+                        "message",
+                    ]
+                ),
+                extreme,
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
     payload = draw(st.sampled_from([(), "frame", (b"",), (b"x" * 40,)]))
     return target, kind, edits, payload
 
@@ -161,9 +219,13 @@ def cases(draw):
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz-states")
-    c = Cluster(d, None, engines=0, min_engines=1,
-                daemon_args=["--spool", str(d / "spool"), "--engine-timeout", "120",
-                             "--log-level", "error"])
+    c = Cluster(
+        d,
+        None,
+        engines=0,
+        min_engines=1,
+        daemon_args=["--spool", str(d / "spool"), "--engine-timeout", "120", "--log-level", "error"],
+    )
     with c:
         r = Rig(c)
         yield r
@@ -174,8 +236,12 @@ def rig(tmp_path_factory):
 def test_fuzz_every_state_with_extreme_values_on_both_sockets(rig, request):
     codes: Counter[str] = Counter()
 
-    @settings(max_examples=max(40, request.config.getoption("--fuzz-cases") // 3), deadline=None,
-              database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max(40, request.config.getoption("--fuzz-cases") // 3),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases())
     def one(case):
         target, kind, edits, payload = case

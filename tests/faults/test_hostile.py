@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.launch import Cluster
 from messages import schema
 from messages.errors import ErrorCode
-from examples.launch import Cluster
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 
@@ -50,9 +50,22 @@ def world(tmp_path):
     (tmp_path / "victim" / "keep.txt").write_text("must survive")
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    c = Cluster(tmp_path / "d", None, engines=0, min_engines=1,
-                daemon_args=["--spool", str(tmp_path / "d" / "spool"), "--shm-dir", str(shm_dir),
-                             "--engine-timeout", "30", "--log-level", "warning"])
+    c = Cluster(
+        tmp_path / "d",
+        None,
+        engines=0,
+        min_engines=1,
+        daemon_args=[
+            "--spool",
+            str(tmp_path / "d" / "spool"),
+            "--shm-dir",
+            str(shm_dir),
+            "--engine-timeout",
+            "30",
+            "--log-level",
+            "warning",
+        ],
+    )
     with c:
         eng = ScriptedEngine(c.engine_addr, transports=("inline", "shm"))
         trainer = Peer(c.addr)
@@ -85,16 +98,30 @@ def still_serving(c: Cluster, sync_id: str = "good-1") -> dict:
     return st
 
 
-PATH_IDS = ["../victim", "../../victim", "a/b", "/etc", "a\x00b", ".hidden", "-x", "x" * 129, "",
-            "..", "victim\n", "ü"]
+PATH_IDS = [
+    "../victim",
+    "../../victim",
+    "a/b",
+    "/etc",
+    "a\x00b",
+    ".hidden",
+    "-x",
+    "x" * 129,
+    "",
+    "..",
+    "victim\n",
+    "ü",
+]
 
 
 def test_path_like_nul_and_odd_ids_never_reach_a_path(world):
     c, eng, trainer, tmp_path, _ = world
     for bad in PATH_IDS:
-        for header in ({"type": "abort", "sync_id": bad},
-                       {"type": "begin", "sync_id": bad, "version": 9},
-                       {"type": "finish", "sync_id": bad, "buckets": 0}):
+        for header in (
+            {"type": "abort", "sync_id": bad},
+            {"type": "begin", "sync_id": bad, "version": 9},
+            {"type": "finish", "sync_id": bad, "buckets": 0},
+        ):
             r = refused_fast(trainer, header)
             assert "sync_id" in r.message
         refused_fast(eng, {"type": "register", "engine_id": bad, "backend": "torch"})
@@ -103,8 +130,17 @@ def test_path_like_nul_and_odd_ids_never_reach_a_path(world):
     assert (tmp_path / "victim").is_dir()
 
 
-@pytest.mark.parametrize("field,value", [("version", 2**63), ("version", 2**64 - 1), ("version", -1),
-                                         ("expected_buckets", 2**40), ("senders", 0), ("senders", 2**20)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("version", 2**63),
+        ("version", 2**64 - 1),
+        ("version", -1),
+        ("expected_buckets", 2**40),
+        ("senders", 0),
+        ("senders", 2**20),
+    ],
+)
 def test_out_of_range_begin_fields_are_refused_before_any_effect(world, field, value):
     c, _, trainer, _, _ = world
     r = refused_fast(trainer, {"type": "begin", "sync_id": "other", "version": 2, field: value})
@@ -115,18 +151,24 @@ def test_out_of_range_begin_fields_are_refused_before_any_effect(world, field, v
 def test_out_of_range_integers_on_both_sockets(world):
     c, eng, trainer, _, _ = world
     bucket, frame = bucket_frames("good-1")
-    raw = {"type": "bucket", "sync_id": "good-1",
-           "tensors": [t.to_wire() for t in bucket.tensors], "checksum": bucket.checksum}
+    raw = {
+        "type": "bucket",
+        "sync_id": "good-1",
+        "tensors": [t.to_wire() for t in bucket.tensors],
+        "checksum": bucket.checksum,
+    }
     for field, value in (("seq", 2**40), ("seq", -1), ("sender", 2**20), ("checksum", -5)):
         r = refused_fast(trainer, {**raw, "seq": 0, field: value}, (frame,))
         assert field in r.message
     refused_fast(trainer, {"type": "finish", "sync_id": "good-1", "buckets": 2**63})
-    for header in ({"type": "loaded", "sync_id": "good-1", "seq": 2**40},
-                   {"type": "finalized", "sync_id": "good-1", "version": 2**64 - 1, "digest": "ab"},
-                   {"type": "failed", "sync_id": "good-1", "code": "X", "message": "m", "seq": -3},
-                   {"type": "register", "engine_id": "e9", "backend": "t", "pid": 2**40},
-                   {"type": "register", "engine_id": "e9", "backend": "t", "finalize_count": 2**63},
-                   {"type": "loaded", "sync_id": "good-1", "seq": 0, "seconds": 1e300}):
+    for header in (
+        {"type": "loaded", "sync_id": "good-1", "seq": 2**40},
+        {"type": "finalized", "sync_id": "good-1", "version": 2**64 - 1, "digest": "ab"},
+        {"type": "failed", "sync_id": "good-1", "code": "X", "message": "m", "seq": -3},
+        {"type": "register", "engine_id": "e9", "backend": "t", "pid": 2**40},
+        {"type": "register", "engine_id": "e9", "backend": "t", "finalize_count": 2**63},
+        {"type": "loaded", "sync_id": "good-1", "seq": 0, "seconds": 1e300},
+    ):
         refused_fast(eng, header)
     still_serving(c)
     st = c.status()
@@ -135,8 +177,13 @@ def test_out_of_range_integers_on_both_sockets(world):
 
 def _bucket_at(name: str) -> tuple[schema.Bucket, bytes]:
     bucket, frame = bucket_frames("good-1")
-    return schema.Bucket(sync_id="good-1", seq=0, tensors=bucket.tensors, checksum=bucket.checksum,
-                         shm=schema.ShmRef(name, 0, 16)), frame
+    return schema.Bucket(
+        sync_id="good-1",
+        seq=0,
+        tensors=bucket.tensors,
+        checksum=bucket.checksum,
+        shm=schema.ShmRef(name, 0, 16),
+    ), frame
 
 
 def test_shm_names_that_are_fifos_symlinks_foreign_or_short_are_refused(world):
@@ -162,12 +209,21 @@ def test_shm_names_that_are_fifos_symlinks_foreign_or_short_are_refused(world):
         r = refused_fast(trainer, msg)
         assert why in r.message, (name, r.message)
         still_serving(c)
-    for name in ("../victim/target.bin", "weightsync.trainer.1.0000000000aa/..", "/etc/passwd",
-                 "weightsync.trainer.1.0000000000AA"):
+    for name in (
+        "../victim/target.bin",
+        "weightsync.trainer.1.0000000000aa/..",
+        "/etc/passwd",
+        "weightsync.trainer.1.0000000000AA",
+    ):
         bucket, _ = bucket_frames("good-1")
-        header = {"type": "bucket", "sync_id": "good-1", "seq": 0, "checksum": bucket.checksum,
-                  "tensors": [t.to_wire() for t in bucket.tensors],
-                  "shm": {"name": name, "offset": 0, "size": 16}}
+        header = {
+            "type": "bucket",
+            "sync_id": "good-1",
+            "seq": 0,
+            "checksum": bucket.checksum,
+            "tensors": [t.to_wire() for t in bucket.tensors],
+            "shm": {"name": name, "offset": 0, "size": 16},
+        }
         r = refused_fast(trainer, header)
         assert "shm.name" in r.message
     still_serving(c)
@@ -182,22 +238,49 @@ def test_oversized_strings_and_lists_are_refused(world):
     c, eng, trainer, _, _ = world
     refused_fast(trainer, {"type": "begin", "sync_id": "s" * 10_000, "version": 5})
     refused_fast(trainer, {"type": "abort", "sync_id": "good-1", "reason": "r" * 100_000})
-    refused_fast(trainer, {"type": "begin", "sync_id": "p", "version": 5,
-                           "probes": [{"prompt": [1], "max_tokens": 1}] * 1000})
-    refused_fast(trainer, {"type": "begin", "sync_id": "p", "version": 5,
-                           "probes": [{"prompt": [1] * 5000, "max_tokens": 1}]})
+    refused_fast(
+        trainer,
+        {"type": "begin", "sync_id": "p", "version": 5, "probes": [{"prompt": [1], "max_tokens": 1}] * 1000},
+    )
+    refused_fast(
+        trainer,
+        {"type": "begin", "sync_id": "p", "version": 5, "probes": [{"prompt": [1] * 5000, "max_tokens": 1}]},
+    )
     bucket, _ = bucket_frames("good-1")
     meta = bucket.tensors[0].to_wire()
-    refused_fast(trainer, {"type": "bucket", "sync_id": "good-1", "seq": 0, "checksum": 0,
-                           "tensors": [{**meta, "name": "n" * 5000}]}, (b"\0" * 16,))
+    refused_fast(
+        trainer,
+        {
+            "type": "bucket",
+            "sync_id": "good-1",
+            "seq": 0,
+            "checksum": 0,
+            "tensors": [{**meta, "name": "n" * 5000}],
+        },
+        (b"\0" * 16,),
+    )
     many = [{**meta, "name": f"t{i}"} for i in range(70_000)]
-    refused_fast(trainer, {"type": "bucket", "sync_id": "good-1", "seq": 0, "checksum": 0,
-                           "tensors": many}, (b"\0" * 16,), codes=(ErrorCode.TOO_LARGE,))
-    refused_fast(trainer, {"type": "bucket", "sync_id": "good-1", "seq": 0, "checksum": 0,
-                           "tensors": [{**meta, "shape": [1] * 40}]}, (b"\0" * 16,))
+    refused_fast(
+        trainer,
+        {"type": "bucket", "sync_id": "good-1", "seq": 0, "checksum": 0, "tensors": many},
+        (b"\0" * 16,),
+        codes=(ErrorCode.TOO_LARGE,),
+    )
+    refused_fast(
+        trainer,
+        {
+            "type": "bucket",
+            "sync_id": "good-1",
+            "seq": 0,
+            "checksum": 0,
+            "tensors": [{**meta, "shape": [1] * 40}],
+        },
+        (b"\0" * 16,),
+    )
     refused_fast(eng, {"type": "failed", "sync_id": "good-1", "code": "X", "message": "m" * 100_000})
-    refused_fast(eng, {"type": "register", "engine_id": "big", "backend": "t",
-                       "transports": ["inline"] * 100})
+    refused_fast(
+        eng, {"type": "register", "engine_id": "big", "backend": "t", "transports": ["inline"] * 100}
+    )
     still_serving(c)
 
 
@@ -210,8 +293,13 @@ def test_begin_ok_is_only_sent_once_the_journal_has_it(world):
 
 
 def test_a_bug_in_an_engine_handler_fails_the_sync_with_internal_and_the_daemon_serves_on(tmp_path):
-    c = Cluster(tmp_path, None, engines=0, min_engines=1,
-                daemon_args=["--failpoint", "crash_on_loaded=1", "--log-level", "error"])
+    c = Cluster(
+        tmp_path,
+        None,
+        engines=0,
+        min_engines=1,
+        daemon_args=["--failpoint", "crash_on_loaded=1", "--log-level", "error"],
+    )
     with c:
         eng = ScriptedEngine(c.engine_addr)
         trainer = Peer(c.addr)

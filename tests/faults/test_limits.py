@@ -12,7 +12,6 @@ from examples.tiny import perturbed
 from messages import codec, schema
 from messages.buckets import iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
-
 from tests.integration.helpers import FAST_DAEMON, running_daemon
 
 
@@ -28,12 +27,12 @@ def test_oversized_bucket_is_too_large_and_smaller_buckets_work(limited, tiny_st
     with limited.client(timeout=20.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1
         with pytest.raises(WeightSyncError) as ei:
-            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=1 << 20,
-                        transport=transport)
+            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=1 << 20, transport=transport)
         assert ei.value.code is ErrorCode.TOO_LARGE and "max_frame_bytes" in ei.value.message
         assert client.status()["sync"] is None  # the push aborted its sync; nothing half-applied
-        r = client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=64 * 1024,
-                        transport=transport)
+        r = client.push(
+            dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=64 * 1024, transport=transport
+        )
         assert r.state == "READY"
 
 
@@ -47,14 +46,14 @@ def test_more_pending_requests_than_allowed_are_refused(limited, tiny_state):
             p.popen.send_signal(signal.SIGSTOP)  # no acks: requests stay pending
         try:
             for i, b in enumerate(buckets[:3]):
-                client._send(client._bucket_msg(sid, b, 100 + i), [b.frame()])
-            replies = [client._recv(5.0)]
+                client.conn.send(client.stream.bucket_msg(sid, b, 100 + i), [b.frame()])
+            replies = [client.conn.recv(5.0)]
             assert isinstance(replies[0], schema.Error) and replies[0].id == 102
             assert replies[0].code == ErrorCode.TOO_LARGE.value and "max_pending" in replies[0].message
         finally:
             for p in engines:
                 p.popen.send_signal(signal.SIGCONT)
-        acks = sorted(m.id for m in (client._recv(10.0), client._recv(10.0)))
+        acks = sorted(m.id for m in (client.conn.recv(10.0), client.conn.recv(10.0)))
         assert acks == [100, 101]
         client.abort(sid, "test done")
 

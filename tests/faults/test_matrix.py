@@ -21,7 +21,6 @@ import pytest
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
-
 from tests.integration.helpers import FAST_DAEMON, STALLING_TRAINER, running_daemon
 
 pytestmark = pytest.mark.slow
@@ -50,11 +49,18 @@ def row(cluster, scenario, *, code, want_digest, t0, spool=True, note=""):
     """The scenario's outcome as the matrix shows it (and as the test asserts it)."""
     st = cluster.status()
     live = [e for e in st["engines"] if e["state"] != "LOST"]
-    return {"scenario": scenario, "spool": spool, "state": st["state"], "version": st["version"],
-            "dirty": st["dirty"], "code": code,
-            "digests_ok": bool(live) and all(e["digest"] == want_digest for e in live),
-            "finalize_counts": {e["engine_id"]: e["finalize_count"] for e in live},
-            "recovered_s": round(time.monotonic() - t0, 2), "note": note}
+    return {
+        "scenario": scenario,
+        "spool": spool,
+        "state": st["state"],
+        "version": st["version"],
+        "dirty": st["dirty"],
+        "code": code,
+        "digests_ok": bool(live) and all(e["digest"] == want_digest for e in live),
+        "finalize_counts": {e["engine_id"]: e["finalize_count"] for e in live},
+        "recovered_s": round(time.monotonic() - t0, 2),
+        "note": note,
+    }
 
 
 def spool_args(tmp_path, *extra):
@@ -74,8 +80,10 @@ def begin_v2(client, state):
 
 
 def test_engine_sigkill_during_loading_rolls_back(tmp_path, tiny_model_dir, tiny_state, matrix_row):
-    with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
-            c.client(timeout=30.0) as client:
+    with (
+        running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c,
+        c.client(timeout=30.0) as client,
+    ):
         d1, _, buckets, sid = begin_v2(client, tiny_state)
         client.send_bucket(sid, buckets[0])
         proc(c, "engine-1").popen.send_signal(signal.SIGKILL)
@@ -86,18 +94,26 @@ def test_engine_sigkill_during_loading_rolls_back(tmp_path, tiny_model_dir, tiny
         assert ei.value.code is ErrorCode.ENGINE_FAILED
         c.start_engine("engine-1")  # min_engines=2: the rollback waits for the replacement
         st = wait_status(c, lambda s: s["state"] == "READY")
-        r = row(c, "engine SIGKILL in LOADING_BUCKETS", code=ei.value.code.value, want_digest=d1, t0=t0,
-                note="replacement engine started; rollback from spool")
+        r = row(
+            c,
+            "engine SIGKILL in LOADING_BUCKETS",
+            code=ei.value.code.value,
+            want_digest=d1,
+            t0=t0,
+            note="replacement engine started; rollback from spool",
+        )
         assert (st["version"], r["digests_ok"]) == (1, True)
         assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 1}  # v1 + rollback; new process: rollback
         matrix_row(r)
 
 
 def test_engine_sigkill_during_finalizing_rolls_back(tmp_path, tiny_model_dir, tiny_state, matrix_row):
-    with running_daemon(tmp_path, tiny_model_dir, engines=1, min_engines=2,
-                        daemon_args=spool_args(tmp_path)) as c:
-        c.start_engine("engine-1", ["--threads", "1", "--heartbeat-interval", "0.5",
-                                    "--failpoint", "finalize_sleep=2"])
+    with running_daemon(
+        tmp_path, tiny_model_dir, engines=1, min_engines=2, daemon_args=spool_args(tmp_path)
+    ) as c:
+        c.start_engine(
+            "engine-1", ["--threads", "1", "--heartbeat-interval", "0.5", "--failpoint", "finalize_sleep=2"]
+        )
         c.wait_engines(2)
         with c.client(timeout=30.0) as client:
             r1, d1 = push(client, tiny_state, 1)
@@ -119,18 +135,27 @@ def test_engine_sigkill_during_finalizing_rolls_back(tmp_path, tiny_model_dir, t
         assert [e.code for e in errors] == [ErrorCode.ENGINE_FAILED]
         c.start_engine("engine-1", ["--threads", "1", "--heartbeat-interval", "0.5"])
         st = wait_status(c, lambda s: s["state"] == "READY")
-        r = row(c, "engine SIGKILL in FINALIZING", code=errors[0].code.value, want_digest=d1, t0=t0,
-                note="killed inside a 2 s post-load step; replacement started")
+        r = row(
+            c,
+            "engine SIGKILL in FINALIZING",
+            code=errors[0].code.value,
+            want_digest=d1,
+            t0=t0,
+            note="killed inside a 2 s post-load step; replacement started",
+        )
         assert (st["version"], r["digests_ok"]) == (1, True)
         # engine-0 finalized v1, v2 (the failed sync) and the rollback: once each
         assert r["finalize_counts"] == {"engine-0": 3, "engine-1": 1}
         matrix_row(r)
 
 
-def test_engine_hung_past_deadline_fails_then_rejoins_the_rollback(tmp_path, tiny_model_dir, tiny_state,
-                                                                   matrix_row):
-    with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
-            c.client(timeout=30.0) as client:
+def test_engine_hung_past_deadline_fails_then_rejoins_the_rollback(
+    tmp_path, tiny_model_dir, tiny_state, matrix_row
+):
+    with (
+        running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c,
+        c.client(timeout=30.0) as client,
+    ):
         d1, _, buckets, sid = begin_v2(client, tiny_state)
         client.send_bucket(sid, buckets[0])
         hung = proc(c, "engine-1").popen
@@ -145,32 +170,45 @@ def test_engine_hung_past_deadline_fails_then_rejoins_the_rollback(tmp_path, tin
         finally:
             hung.send_signal(signal.SIGCONT)  # it wakes up, is told it is unknown, re-registers
         st = wait_status(c, lambda s: s["state"] == "READY")
-        r = row(c, "engine hung (SIGSTOP) past its deadline", code=ei.value.code.value, want_digest=d1,
-                t0=t0, note="SIGCONT after the failure: re-registers and joins the rollback")
+        r = row(
+            c,
+            "engine hung (SIGSTOP) past its deadline",
+            code=ei.value.code.value,
+            want_digest=d1,
+            t0=t0,
+            note="SIGCONT after the failure: re-registers and joins the rollback",
+        )
         assert (st["version"], r["digests_ok"]) == (1, True)
         assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 2}
         matrix_row(r)
 
 
-def test_trainer_sigkill_mid_sync_is_seen_and_rolls_back(tmp_path, tiny_model_dir, tiny_state,
-                                                         matrix_row):
+def test_trainer_sigkill_mid_sync_is_seen_and_rolls_back(tmp_path, tiny_model_dir, tiny_state, matrix_row):
     """The trainer's connection closes: the sync ends after the 2 s grace (the sync
     deadline stays at its 300 s default), then the spool rolls the engines back."""
     args = spool_args(tmp_path)
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as c:
         with c.client(timeout=30.0) as client:
             r1, d1 = push(client, tiny_state, 1)
-        p = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, c.addr, str(tiny_model_dir),
-                              "2", "inline"],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", STALLING_TRAINER, c.addr, str(tiny_model_dir), "2", "inline"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout.readline().strip() == "STREAMING"
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         t0 = time.monotonic()
         st = wait_status(c, lambda s: s["state"] == "READY" and s["last_sync"]["kind"] == "rollback")
         code = st["last_sync"]["rolled_back_from"]["code"]
-        r = row(c, "trainer SIGKILL mid-sync", code=code, want_digest=d1, t0=t0,
-                note="connection closed, 2 s grace, then rollback")
+        r = row(
+            c,
+            "trainer SIGKILL mid-sync",
+            code=code,
+            want_digest=d1,
+            t0=t0,
+            note="connection closed, 2 s grace, then rollback",
+        )
         assert (code, st["version"], r["digests_ok"]) == ("ABORTED", 1, True)
         assert "connection closed" in st["last_sync"]["rolled_back_from"]["reason"]
         assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 2}
@@ -192,16 +230,34 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
         c.start_daemon()
         if spool:
             st = wait_status(c, lambda s: s["state"] == "READY")
-            r = row(c, "daemon SIGKILL mid-sync, restart", code="-", want_digest=d1, t0=t0,
-                    note="journal: interrupted sync -> IDLE dirty; engines re-register; rollback")
+            r = row(
+                c,
+                "daemon SIGKILL mid-sync, restart",
+                code="-",
+                want_digest=d1,
+                t0=t0,
+                note="journal: interrupted sync -> IDLE dirty; engines re-register; rollback",
+            )
             assert (st["version"], st["dirty"], r["digests_ok"]) == (1, False, True)
             assert st["spool"]["version"] == 1 and st["last_sync"]["kind"] == "rollback"
             assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 2}
         else:
             st = wait_status(c, lambda s: len([e for e in s["engines"] if e["state"] != "LOST"]) == 2)
-            r = row(c, "daemon SIGKILL mid-sync, restart", code="-", want_digest=None, t0=t0,
-                    spool=False, note="no spool: IDLE dirty until the next sync")
-            assert (st["state"], st["dirty"], st["version"], st["last_ready_version"]) == ("IDLE", True, None, 1)
+            r = row(
+                c,
+                "daemon SIGKILL mid-sync, restart",
+                code="-",
+                want_digest=None,
+                t0=t0,
+                spool=False,
+                note="no spool: IDLE dirty until the next sync",
+            )
+            assert (st["state"], st["dirty"], st["version"], st["last_ready_version"]) == (
+                "IDLE",
+                True,
+                None,
+                1,
+            )
             r["digests_ok"] = None  # engines hold a mix, and say so (digest unknown)
             with c.client(timeout=30.0) as client:
                 r3, d3 = push(client, tiny_state, 3)
@@ -210,8 +266,10 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
 
 
 def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_dir, tiny_state, matrix_row):
-    with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
-            c.client(timeout=30.0) as client:
+    with (
+        running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c,
+        c.client(timeout=30.0) as client,
+    ):
         _, w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         for b in reversed(buckets):  # reordered
@@ -220,15 +278,23 @@ def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_
         assert again.get("duplicate") is True
         body = client.finish(sid, len(buckets), digest=digest(w2.items()))
         assert body["status"] == "READY"
-        r = row(c, "duplicate, resent and reordered buckets", code="-", want_digest=digest(w2.items()),
-                t0=t0, note="reverse order, one bucket resent after its ack")
+        r = row(
+            c,
+            "duplicate, resent and reordered buckets",
+            code="-",
+            want_digest=digest(w2.items()),
+            t0=t0,
+            note="reverse order, one bucket resent after its ack",
+        )
         assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 2} and r["digests_ok"]
         matrix_row(r)
 
 
 def test_corrupted_bucket_is_refused_and_the_retry_succeeds(tmp_path, tiny_model_dir, tiny_state, matrix_row):
-    with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
-            c.client(timeout=30.0) as client:
+    with (
+        running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c,
+        c.client(timeout=30.0) as client,
+    ):
         _, w2, buckets, sid = begin_v2(client, tiny_state)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as ei:
@@ -238,8 +304,14 @@ def test_corrupted_bucket_is_refused_and_the_retry_succeeds(tmp_path, tiny_model
         for b in buckets:
             client.send_bucket(sid, b)
         assert client.finish(sid, len(buckets), digest=digest(w2.items()))["status"] == "READY"
-        r = row(c, "corrupted bucket", code=ei.value.code.value, want_digest=digest(w2.items()), t0=t0,
-                note="refused before fan-out; the trainer resends it")
+        r = row(
+            c,
+            "corrupted bucket",
+            code=ei.value.code.value,
+            want_digest=digest(w2.items()),
+            t0=t0,
+            note="refused before fan-out; the trainer resends it",
+        )
         assert r["digests_ok"] and r["finalize_counts"] == {"engine-0": 2, "engine-1": 2}
         matrix_row(r)
 
@@ -251,21 +323,33 @@ def test_finalize_duplicated_on_the_engine_link_runs_once(tmp_path, tiny_model_d
         push(client, tiny_state, 1)
         r2, d2 = push(client, tiny_state, 2)
         time.sleep(0.5)  # let the duplicates arrive and be refused
-        r = row(c, "finalize duplicated on the engine link", code="-", want_digest=d2, t0=t0,
-                note="daemon failpoint sends every finalize twice; the worker guard refuses")
+        r = row(
+            c,
+            "finalize duplicated on the engine link",
+            code="-",
+            want_digest=d2,
+            t0=t0,
+            note="daemon failpoint sends every finalize twice; the worker guard refuses",
+        )
         assert r["digests_ok"] and r["finalize_counts"] == {"engine-0": 2, "engine-1": 2}
-        refused = sum(p.log_path.read_text().count("duplicate_finalize_refused")
-                      for p in c.procs if p.name.startswith("engine"))
+        refused = sum(
+            p.log_path.read_text().count("duplicate_finalize_refused")
+            for p in c.procs
+            if p.name.startswith("engine")
+        )
         assert refused == 4
         matrix_row(r)
 
 
 @pytest.mark.parametrize("how", ["unwritable", "file-size-limit"])
-def test_spool_write_failure_degrades_without_failing_syncs(tmp_path, tiny_model_dir, tiny_state,
-                                                            matrix_row, how):
+def test_spool_write_failure_degrades_without_failing_syncs(
+    tmp_path, tiny_model_dir, tiny_state, matrix_row, how
+):
     spool = tmp_path / "spool"
-    with running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c, \
-            c.client(timeout=30.0) as client:
+    with (
+        running_daemon(tmp_path, tiny_model_dir, daemon_args=spool_args(tmp_path)) as c,
+        c.client(timeout=30.0) as client,
+    ):
         push(client, tiny_state, 1)
         assert client.status()["spool"]["version"] == 1
         if how == "unwritable":
@@ -287,8 +371,14 @@ def test_spool_write_failure_degrades_without_failing_syncs(tmp_path, tiny_model
         st = wait_status(c, lambda s: s["state"] == "IDLE")
         assert st["dirty"] is True and st["last_sync"]["rollback"] == "none"
         errno = re.search(r"\[Errno \d+\] [^:']+", sp["error"])
-        r = row(c, f"spool {how}", code=st["last_sync"]["code"], want_digest=None, t0=t0,
-                note=f"sync v2 READY, spool degraded ({errno.group(0) if errno else sp['error']}); "
-                     "a later failure: IDLE dirty")
+        r = row(
+            c,
+            f"spool {how}",
+            code=st["last_sync"]["code"],
+            want_digest=None,
+            t0=t0,
+            note=f"sync v2 READY, spool degraded ({errno.group(0) if errno else sp['error']}); "
+            "a later failure: IDLE dirty",
+        )
         r["digests_ok"] = None
         matrix_row(r)

@@ -12,7 +12,6 @@ import pytest
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
-
 from tests.integration.helpers import FAST_DAEMON, running_daemon
 
 pytestmark = pytest.mark.slow
@@ -37,8 +36,12 @@ def restart_plain(c):
 
 
 def test_killed_after_begin_is_journaled_but_before_the_ok(tmp_path, tiny_model_dir, tiny_state):
-    with running_daemon(tmp_path, tiny_model_dir, engines=1,
-                        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_persisted=begin"]) as c:
+    with running_daemon(
+        tmp_path,
+        tiny_model_dir,
+        engines=1,
+        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_persisted=begin"],
+    ) as c:
         with c.client(timeout=5.0, retries=0) as client:
             with pytest.raises(WeightSyncError) as ei:
                 client.begin(1, sync_id="killed-begin")
@@ -53,8 +56,12 @@ def test_killed_after_begin_is_journaled_but_before_the_ok(tmp_path, tiny_model_
 
 
 def test_killed_after_engines_were_told_to_finalize_never_claims_ready(tmp_path, tiny_model_dir, tiny_state):
-    with running_daemon(tmp_path, tiny_model_dir, engines=1,
-                        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_told=finish"]) as c:
+    with running_daemon(
+        tmp_path,
+        tiny_model_dir,
+        engines=1,
+        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_told=finish"],
+    ) as c:
         with c.client(timeout=5.0, retries=0) as client:
             w = dict(perturbed(tiny_state, 1))
             with pytest.raises(WeightSyncError):
@@ -70,14 +77,21 @@ def test_killed_after_engines_were_told_to_finalize_never_claims_ready(tmp_path,
         # The kill may land before ZeroMQ flushed the finalize to the engine ("told" is
         # handed to the socket, not yet delivered): the engine ran v1's post-load step or
         # not, but never any step twice.
-        finalized = [json.loads(line)["sync_id"] for line in
-                     (c.log_dir / "engine-0.log").read_text().splitlines() if '"engine_finalized"' in line]
+        finalized = [
+            json.loads(line)["sync_id"]
+            for line in (c.log_dir / "engine-0.log").read_text().splitlines()
+            if '"engine_finalized"' in line
+        ]
         assert len(finalized) == len(set(finalized)) == r.engines[0]["finalize_count"] in (1, 2)
 
 
 def test_killed_after_ready_is_journaled_serves_it_after_restart(tmp_path, tiny_model_dir, tiny_state):
-    with running_daemon(tmp_path, tiny_model_dir, engines=1,
-                        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_persisted=finalized"]) as c:
+    with running_daemon(
+        tmp_path,
+        tiny_model_dir,
+        engines=1,
+        daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_persisted=finalized"],
+    ) as c:
         w = dict(perturbed(tiny_state, 1))
         with c.client(timeout=5.0, retries=0) as client:
             with pytest.raises(WeightSyncError):

@@ -10,7 +10,6 @@ import pytest
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
-
 from tests.integration.helpers import FAST_DAEMON, running_daemon
 
 
@@ -31,8 +30,9 @@ def engine_view(st):
 
 @pytest.fixture
 def spooled(tmp_path, tiny_model_dir):
-    with running_daemon(tmp_path, tiny_model_dir,
-                        daemon_args=[*FAST_DAEMON, "--spool", str(tmp_path / "spool")]) as c:
+    with running_daemon(
+        tmp_path, tiny_model_dir, daemon_args=[*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
+    ) as c:
         yield c
 
 
@@ -68,9 +68,13 @@ def test_restarted_engine_rejoins_at_the_served_version(spooled, tiny_state):
         victim.popen.wait(10)
         spooled.start_engine("engine-0")  # loads the checkpoint from disk: version 0 weights
         spooled.start_engine("engine-new")  # a new replica
-        st = wait_status(spooled, lambda s: all(e["state"] == "READY" for e in s["engines"]
-                                                if e["engine_id"] != "engine-0" or e["pid"])
-                         and len([e for e in s["engines"] if e["state"] == "READY"]) == 3)
+        st = wait_status(
+            spooled,
+            lambda s: (
+                all(e["state"] == "READY" for e in s["engines"] if e["engine_id"] != "engine-0" or e["pid"])
+                and len([e for e in s["engines"] if e["state"] == "READY"]) == 3
+            ),
+        )
         views = engine_view(st)
         for eid in ("engine-0", "engine-1", "engine-new"):
             assert (views[eid]["version"], views[eid]["digest"]) == (1, r1.digest)
@@ -100,14 +104,14 @@ def test_next_push_waits_for_a_running_rollback_instead_of_failing(tmp_path, tin
     args = [*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
     with running_daemon(tmp_path, tiny_model_dir, engines=0, min_engines=2, daemon_args=args) as c:
         for eid in ("engine-0", "engine-1"):  # a 1 s post-load step: the rollback takes a while
-            c.start_engine(eid, ["--threads", "1", "--heartbeat-interval", "0.5",
-                                 "--failpoint", "finalize_sleep=1"])
+            c.start_engine(
+                eid, ["--threads", "1", "--heartbeat-interval", "0.5", "--failpoint", "finalize_sleep=1"]
+            )
         c.wait_engines(2)
         with c.client(timeout=30.0) as client:
             client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
             sid = client.begin(2)["sync_id"]
-            client.send_bucket(sid, list(iter_buckets(dict(perturbed(tiny_state, 2)).items(),
-                                                      128 * 1024))[0])
+            client.send_bucket(sid, list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))[0])
             client.abort(sid, "trainer gave up")
             wait_status(c, lambda s: s["sync"] is not None and s["sync"]["kind"] == "rollback")
             with pytest.raises(WeightSyncError) as ei:  # without waiting: refused, and why

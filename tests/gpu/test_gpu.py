@@ -12,8 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+]
 
 RANK = r"""
 import json, sys, time, torch
@@ -43,13 +45,27 @@ g.close()
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank (2+ GPUs)")
 def test_nccl_broadcast_through_the_collective_group():
     n, reps = 256 << 20, 10
-    spec = {"id": "gpu-nccl", "host": "127.0.0.1", "port": 0, "world_size": 2, "backend": "nccl",
-            "timeout": 120.0, "bind": "127.0.0.1"}
-    root = subprocess.Popen([sys.executable, "-c", RANK, json.dumps({**spec, "rank": 0}), str(n), str(reps)],
-                            stdout=subprocess.PIPE, text=True)
+    spec = {
+        "id": "gpu-nccl",
+        "host": "127.0.0.1",
+        "port": 0,
+        "world_size": 2,
+        "backend": "nccl",
+        "timeout": 120.0,
+        "bind": "127.0.0.1",
+    }
+    root = subprocess.Popen(
+        [sys.executable, "-c", RANK, json.dumps({**spec, "rank": 0}), str(n), str(reps)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     port = json.loads(root.stdout.readline())["port"]
-    peer = subprocess.Popen([sys.executable, "-c", RANK, json.dumps({**spec, "rank": 1}), str(n), str(reps)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", RANK, json.dumps({**spec, "rank": 1}), str(n), str(reps)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out, _ = peer.communicate(f"{port}\n", timeout=240)
     root_out, _ = root.communicate(timeout=60)
     res = [json.loads(ln[7:]) for ln in (out + root_out).splitlines() if ln.startswith("RESULT ")]
@@ -80,7 +96,9 @@ def test_cuda_ipc_colocated_engine_reads_the_trainers_bucket_without_a_host_copy
     buf = torch.arange(256 << 20, dtype=torch.int64, device="cuda").to(torch.uint8)
     ref = export(buf)
     wire = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in ref.items()}
-    p = subprocess.Popen([sys.executable, "-c", OPENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", OPENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     out, _ = p.communicate(json.dumps(wire) + "\n", timeout=240)
     (res,) = [json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert res["sum"] == int(buf[:4096].sum())

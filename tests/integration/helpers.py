@@ -12,13 +12,23 @@ FAST_DAEMON = ["--engine-timeout", "3", "--log-level", "debug"]
 
 
 @contextlib.contextmanager
-def running_daemon(workdir: Path, model_dir: Path | None, *, engines: int = 2,
-                   daemon_args: list[str] | None = None, min_engines: int | None = None
-                   ) -> Iterator[Cluster]:
+def running_daemon(
+    workdir: Path,
+    model_dir: Path | None,
+    *,
+    engines: int = 2,
+    daemon_args: list[str] | None = None,
+    min_engines: int | None = None,
+) -> Iterator[Cluster]:
     """A daemon plus `engines` torch engines; always stopped, logs shown on failure."""
-    cluster = Cluster(Path(workdir), model_dir, engines=engines, min_engines=min_engines,
-                      daemon_args=daemon_args if daemon_args is not None else FAST_DAEMON,
-                      engine_args=["--threads", "1", "--heartbeat-interval", "0.5"])
+    cluster = Cluster(
+        Path(workdir),
+        model_dir,
+        engines=engines,
+        min_engines=min_engines,
+        daemon_args=daemon_args if daemon_args is not None else FAST_DAEMON,
+        engine_args=["--threads", "1", "--heartbeat-interval", "0.5"],
+    )
     try:
         with cluster:
             yield cluster

@@ -20,15 +20,45 @@ pytestmark = pytest.mark.slow
 
 def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    r = subprocess.run([sys.executable, "-m", "bench", "--model-bytes", "8MiB", "--tensor-bytes",
-                        "1MiB", "--engines", "1,2", "--bucket-bytes", "2MiB", "--repeats", "1",
-                        "--control-buckets", "300", "--control-engines", "1,2", "--collective-engines", "1,2",
-                        "--collective-repeats", "2", "--check", "--json", str(out), "--plot", str(png)],
-                       capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--model-bytes",
+            "8MiB",
+            "--tensor-bytes",
+            "1MiB",
+            "--engines",
+            "1,2",
+            "--bucket-bytes",
+            "2MiB",
+            "--repeats",
+            "1",
+            "--control-buckets",
+            "300",
+            "--control-engines",
+            "1,2",
+            "--collective-engines",
+            "1,2",
+            "--collective-repeats",
+            "2",
+            "--check",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     data = json.loads(out.read_text())
     # --check: exit 1 exactly when some target is missed, each one named on stdout
     assert r.returncode == (1 if data["missed"] else 0), r.stderr[-3000:]
-    assert [ln[len("MISSED: "):] for ln in r.stdout.splitlines() if ln.startswith("MISSED: ")] == data["missed"]
+    assert [ln[len("MISSED: ") :] for ln in r.stdout.splitlines() if ln.startswith("MISSED: ")] == data[
+        "missed"
+    ]
     assert data["machine"]["cpus"] >= 1 and data["machine"]["torch"] and data["machine"]["mem_mib"] > 0
     base = data["baselines"]
     assert base["zmq_gbps"] > 0 and base["memcpy_gbps"] > 0
@@ -68,8 +98,10 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
 
 def test_daemon_never_imports_torch():
     """The daemon relays bytes; importing torch would cost it ~300 MiB of RSS for nothing."""
-    code = ("import sys; import orchestrator.cli, orchestrator.daemon.service; "
-            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; import orchestrator.cli, orchestrator.daemon.service; "
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -77,9 +109,24 @@ def test_daemon_never_imports_torch():
 
 def test_push_module_memory_stays_at_the_bucket_window_not_the_model(tmp_path):
     out = tmp_path / "m.json"
-    r = subprocess.run([sys.executable, "-m", "bench.push_module", "--model-bytes", "128MiB",
-                        "--tensor-bytes", "4MiB", "--bucket-bytes", "4MiB", "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.push_module",
+            "--model-bytes",
+            "128MiB",
+            "--tensor-bytes",
+            "4MiB",
+            "--bucket-bytes",
+            "4MiB",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [x["dtype"] for x in data["runs"]] == ["float32", "torch.bfloat16"]

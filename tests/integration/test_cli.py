@@ -16,8 +16,13 @@ from .helpers import running_daemon
 
 
 def ws(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,33 +77,62 @@ def test_push_of_a_directory_without_safetensors_is_a_usage_error(cluster, tmp_p
 
 def test_bad_environment_setting_is_a_config_error(tmp_path):
     from orchestrator.daemon.config import child_env
+
     r = ws("serve", "--state-db", str(tmp_path / "s.db"), env=child_env({"WEIGHTSYNC_MIN_ENGINES": "two"}))
     assert r.returncode == 2 and "WEIGHTSYNC_MIN_ENGINES" in r.stderr
 
 
 def test_serve_on_a_live_ipc_path_is_a_startup_failure_and_does_not_steal_it(cluster, tmp_path):
-    r = ws("serve", "--bind", cluster.addr.replace("trainer", "other"), "--engine-bind",
-           cluster.engine_addr, "--state-db", str(tmp_path / "s.db"), timeout=60)
+    r = ws(
+        "serve",
+        "--bind",
+        cluster.addr.replace("trainer", "other"),
+        "--engine-bind",
+        cluster.engine_addr,
+        "--state-db",
+        str(tmp_path / "s.db"),
+        timeout=60,
+    )
     assert r.returncode == 3 and "in use" in r.stderr, (r.stdout, r.stderr)
     assert len(cluster.status()["engines"]) == 2  # the running daemon still has its engines
 
 
 def test_serve_on_a_taken_tcp_port_is_a_startup_failure(tmp_path):
     import socket
+
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        r = ws("serve", "--bind", f"tcp://127.0.0.1:{port}", "--engine-bind", "tcp://127.0.0.1:0",
-               "--state-db", str(tmp_path / "s.db"), timeout=60)
+        r = ws(
+            "serve",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--engine-bind",
+            "tcp://127.0.0.1:0",
+            "--state-db",
+            str(tmp_path / "s.db"),
+            timeout=60,
+        )
     assert r.returncode == 3 and "startup failed" in r.stderr, (r.stdout, r.stderr)
 
 
 def test_push_over_the_collective_from_the_command_line(cluster, tmp_path, tiny_state):
     v = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)["last_ready_version"] + 1
     d, weights = checkpoint(tmp_path, tiny_state, v)
-    r = ws("push", str(d), "--version", str(v), "--addr", cluster.addr, "--transport", "collective",
-           "--collective-host", "127.0.0.1", "--json")
+    r = ws(
+        "push",
+        str(d),
+        "--version",
+        str(v),
+        "--addr",
+        cluster.addr,
+        "--transport",
+        "collective",
+        "--collective-host",
+        "127.0.0.1",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["transport"] == "collective" and out["digest"] == digest(weights.items())

@@ -103,7 +103,10 @@ def test_restart_after_ready_keeps_serving_version(tmp_path, tiny_model_dir, tin
 
 
 def test_sigterm_during_sync_fails_the_waiting_trainer_not_silently(tmp_path, tiny_model_dir, tiny_state):
-    with running_daemon(tmp_path, tiny_model_dir) as cluster, cluster.client(timeout=5.0, retries=0) as client:
+    with (
+        running_daemon(tmp_path, tiny_model_dir) as cluster,
+        cluster.client(timeout=5.0, retries=0) as client,
+    ):
         sid = client.begin(1)["sync_id"]
         assert client.status()["state"] == "LOADING_BUCKETS"
         cluster.daemon.popen.send_signal(signal.SIGTERM)

@@ -9,12 +9,11 @@ import time
 import torch
 
 from engines.torch_engine import load_model
-from examples.tiny import perturbed
-from messages.canary import make_probes
-from messages.buckets import iter_buckets
-from orchestrator.trainer.lora import lora_tensors, push_adapter
-
 from examples.launch import Cluster
+from examples.tiny import perturbed
+from messages.buckets import iter_buckets
+from messages.canary import make_probes
+from orchestrator.trainer.lora import lora_tensors, push_adapter
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 TARGETS = ("q_proj", "v_proj")
@@ -48,17 +47,29 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
     args = ["--engine-timeout", "3", "--spool", str(tmp_path / "spool")]
     lora = ["--lora-rank", str(ENGINE_RANK), "--lora-targets", ",".join(TARGETS)]
     base = load_model(tiny_model_dir)
-    cluster = Cluster(tmp_path, tiny_model_dir, engines=2, daemon_args=args,
-                      engine_args=["--threads", "1", "--heartbeat-interval", "0.5", *lora])
+    cluster = Cluster(
+        tmp_path,
+        tiny_model_dir,
+        engines=2,
+        daemon_args=args,
+        engine_args=["--threads", "1", "--heartbeat-interval", "0.5", *lora],
+    )
     with cluster as c:
         with c.client(timeout=30.0) as client:
             a1 = make_adapter(base, 1)
-            r1 = push_adapter(client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK,
-                              probes=make_probes(merged(tiny_model_dir, a1), PROMPTS, 6))
+            r1 = push_adapter(
+                client,
+                a1,
+                1,
+                alpha=ALPHA,
+                engine_rank=ENGINE_RANK,
+                probes=make_probes(merged(tiny_model_dir, a1), PROMPTS, 6),
+            )
             assert r1.state == "READY" and len({e["digest"] for e in r1.engines}) == 1
             # the adapter alone travelled: A/B of 4 modules x 2 layers, not the model
-            assert r1.bytes == sum(t.numel() * 4 for _, t in lora_tensors(a1, alpha=ALPHA,
-                                                                            engine_rank=ENGINE_RANK))
+            assert r1.bytes == sum(
+                t.numel() * 4 for _, t in lora_tensors(a1, alpha=ALPHA, engine_rank=ENGINE_RANK)
+            )
             assert r1.bytes < sum(t.numel() * 4 for t in base.state_dict().values()) / 5
             # a second adapter push dies half-way: rolled back to adapter 1 from the spool
             a2 = make_adapter(base, 2)
@@ -77,8 +88,14 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
             assert {e["digest"] for e in st["engines"]} == {r1.engines[0]["digest"]}
             # the next adapter reaches READY with exact generation over the same base
             a3 = make_adapter(base, 3)
-            r3 = push_adapter(client, a3, 3, alpha=ALPHA, engine_rank=ENGINE_RANK,
-                              probes=make_probes(merged(tiny_model_dir, a3), PROMPTS, 6))
+            r3 = push_adapter(
+                client,
+                a3,
+                3,
+                alpha=ALPHA,
+                engine_rank=ENGINE_RANK,
+                probes=make_probes(merged(tiny_model_dir, a3), PROMPTS, 6),
+            )
             assert r3.state == "READY"
             # merged-weight sync stays available: the base changes, the adapter stays applied
             w = dict(perturbed(dict(base.state_dict()), 4))

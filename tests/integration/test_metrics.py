@@ -62,16 +62,24 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
 
         result = {}
         with c.client(timeout=30.0) as trainer:
-            t = threading.Thread(target=lambda: result.update(r=trainer.push(slow(), 1, bucket_bytes=32 * 1024,
-                                                                             transport="inline")))
+            t = threading.Thread(
+                target=lambda: result.update(
+                    r=trainer.push(slow(), 1, bucket_bytes=32 * 1024, transport="inline")
+                )
+            )
             t.start()
             try:
+
                 def loading():
                     st = c.status()
                     mm = scrape(addr)
-                    return (st["state"] == "LOADING_BUCKETS"
-                            and value(mm, "weightsync_state", state="LOADING_BUCKETS") == 1
-                            and value(mm, "weightsync_engines", state="LOADING") == 2 and (st, mm))
+                    return (
+                        st["state"] == "LOADING_BUCKETS"
+                        and value(mm, "weightsync_state", state="LOADING_BUCKETS") == 1
+                        and value(mm, "weightsync_engines", state="LOADING") == 2
+                        and (st, mm)
+                    )
+
                 st, mm = until(loading)
                 assert value(mm, "weightsync_received_bytes_total") > 0
                 assert value(mm, "weightsync_queue_depth", queue="pending_buckets") is not None
@@ -84,6 +92,7 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
         def settled():
             st, mm = c.status(), scrape(addr)
             return value(mm, "weightsync_served_version") == st["version"] == 1 and (st, mm)
+
         st, mm = until(settled)
         for e in st["engines"]:
             eid = e["engine_id"]
@@ -94,18 +103,34 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
             assert value(mm, "weightsync_engine_heartbeat_age_seconds", engine_id=eid) < 5
         assert value(mm, "weightsync_engines", state="READY") == 2
         assert value(mm, "weightsync_syncs_total", outcome="ready", kind="sync") == 1
-        assert value(mm, "weightsync_sync_bytes_total", outcome="ready") == st["last_sync"]["bytes"] == r.bytes
-        assert value(mm, "weightsync_sync_duration_seconds_count", transport=r.detail["transport"],
-                     outcome="ready", kind="sync") == 1
+        assert (
+            value(mm, "weightsync_sync_bytes_total", outcome="ready") == st["last_sync"]["bytes"] == r.bytes
+        )
+        assert (
+            value(
+                mm,
+                "weightsync_sync_duration_seconds_count",
+                transport=r.detail["transport"],
+                outcome="ready",
+                kind="sync",
+            )
+            == 1
+        )
 
         with c.client(timeout=30.0) as trainer:  # a failure is counted by its code
             with pytest.raises(Exception):
                 trainer.push(perturbed(tiny_state, 1), 1)
         mm = scrape(addr)
-        assert value(mm, "weightsync_sync_failures_total", code="STALE_VERSION") is None  # refused at begin: no sync
+        assert (
+            value(mm, "weightsync_sync_failures_total", code="STALE_VERSION") is None
+        )  # refused at begin: no sync
         sid = None
         with c.client(timeout=30.0) as trainer:
             sid = trainer.begin(2)["sync_id"]
             trainer.abort(sid, "test")
-        mm = until(lambda: (x := scrape(addr)) and value(x, "weightsync_sync_failures_total", code="ABORTED") == 1 and x)
+        mm = until(
+            lambda: (
+                (x := scrape(addr)) and value(x, "weightsync_sync_failures_total", code="ABORTED") == 1 and x
+            )
+        )
         assert value(mm, "weightsync_syncs_total", outcome="aborted", kind="sync") == 1

@@ -18,9 +18,9 @@ import pytest
 from safetensors.torch import save_file
 
 from engines.sink import random_weights, synthetic_spec, write_spec
+from examples.launch import Cluster, spawn
 from examples.tiny import perturbed
 from messages.errors import ErrorCode, WeightSyncError
-from examples.launch import Cluster, spawn
 
 from .helpers import FAST_DAEMON, running_daemon
 
@@ -28,8 +28,13 @@ pytestmark = pytest.mark.slow
 
 
 def ws(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def one_line_error(r, code):
@@ -70,12 +75,14 @@ def next_version(c) -> int:
 
 # -- 1 ------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_shm(tmp_path):
     d = tmp_path / "shm"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a private 64 MiB tmpfs here: {r.stderr.strip()}")
     try:
@@ -92,12 +99,28 @@ def test_1_push_with_64mib_buckets_into_a_64mib_shm_falls_back_to_inline(tmp_pat
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     save_file(dict(random_weights(spec, seed=3)), str(ckpt / "model.safetensors"))
-    c = Cluster(tmp_path / "d", model, engines=1, backend="sink",
-                daemon_args=[*FAST_DAEMON, "--shm-dir", str(small_shm)],
-                engine_args=["--shm-dir", str(small_shm)])
+    c = Cluster(
+        tmp_path / "d",
+        model,
+        engines=1,
+        backend="sink",
+        daemon_args=[*FAST_DAEMON, "--shm-dir", str(small_shm)],
+        engine_args=["--shm-dir", str(small_shm)],
+    )
     with c:
-        r = ws("push", str(ckpt), "--version", "1", "--addr", c.addr, "--bucket-bytes",
-               str(64 << 20), "--shm-dir", str(small_shm), "--json")
+        r = ws(
+            "push",
+            str(ckpt),
+            "--version",
+            "1",
+            "--addr",
+            c.addr,
+            "--bucket-bytes",
+            str(64 << 20),
+            "--shm-dir",
+            str(small_shm),
+            "--json",
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
         assert out["state"] == "READY" and out["transport"] == "inline"
@@ -105,8 +128,7 @@ def test_1_push_with_64mib_buckets_into_a_64mib_shm_falls_back_to_inline(tmp_pat
         assert c.status()["state"] == "READY"
 
 
-def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path, small_shm,
-                                                                      monkeypatch):
+def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path, small_shm, monkeypatch):
     """16 MiB buckets: the automatic window would like 8 slots (128 MiB), the 64 MiB tmpfs
     holds at most 4; the push goes by shm with the smaller ring and a window within it,
     READY, and the slots are released when the client closes."""
@@ -115,9 +137,14 @@ def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path,
     spec = synthetic_spec(96 << 20, tensor_bytes=16 << 20)
     model = write_spec(tmp_path / "sink", spec)
     monkeypatch.setattr(shm, "_DIR", Path(small_shm))
-    c = Cluster(tmp_path / "d", model, engines=1, backend="sink",
-                daemon_args=[*FAST_DAEMON, "--shm-dir", str(small_shm)],
-                engine_args=["--shm-dir", str(small_shm)])
+    c = Cluster(
+        tmp_path / "d",
+        model,
+        engines=1,
+        backend="sink",
+        daemon_args=[*FAST_DAEMON, "--shm-dir", str(small_shm)],
+        engine_args=["--shm-dir", str(small_shm)],
+    )
     with c, c.client(timeout=30.0) as client:
         r = client.push(list(random_weights(spec, seed=4)), 1, bucket_bytes=16 << 20)
         assert r.state == "READY" and r.detail["transport"] == "shm"
@@ -131,7 +158,10 @@ def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path,
 
 # -- 2 ------------------------------------------------------------------------------------
 
-def test_2_a_begin_blocked_by_a_running_sync_names_it_and_weightsync_abort_ends_it(cluster, tmp_path, tiny_state):
+
+def test_2_a_begin_blocked_by_a_running_sync_names_it_and_weightsync_abort_ends_it(
+    cluster, tmp_path, tiny_state
+):
     v = next_version(cluster)
     with cluster.client(timeout=10.0) as holder:
         sid = holder.begin(v)["sync_id"]  # a trainer that went quiet, connection still open
@@ -159,8 +189,12 @@ def test_2_an_interrupted_push_releases_its_sync(cluster, tmp_path, tiny_model_d
     from tests.integration.helpers import STALLING_TRAINER
 
     v = next_version(cluster)
-    p = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir),
-                          str(v), "inline"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir), str(v), "inline"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "STREAMING"
     p.send_signal(signal.SIGINT)  # the client aborts what it began on the way out
     p.wait(30)
@@ -170,17 +204,44 @@ def test_2_an_interrupted_push_releases_its_sync(cluster, tmp_path, tiny_model_d
 
 # -- 3 ------------------------------------------------------------------------------------
 
+
 def test_3_a_second_daemon_on_the_same_state_or_spool_exits_3_naming_the_holder(tmp_path):
     spool = tmp_path / "spool"
-    c = Cluster(tmp_path / "a", None, engines=0, min_engines=1,
-                daemon_args=["--spool", str(spool), "--log-level", "error"])
+    c = Cluster(
+        tmp_path / "a",
+        None,
+        engines=0,
+        min_engines=1,
+        daemon_args=["--spool", str(spool), "--log-level", "error"],
+    )
     with c:
-        line = one_line_error(ws("serve", "--bind", f"ipc://{tmp_path}/b.sock", "--engine-bind",
-                                 f"ipc://{tmp_path}/be.sock", "--state-db", str(c.state_db)), 3)
+        line = one_line_error(
+            ws(
+                "serve",
+                "--bind",
+                f"ipc://{tmp_path}/b.sock",
+                "--engine-bind",
+                f"ipc://{tmp_path}/be.sock",
+                "--state-db",
+                str(c.state_db),
+            ),
+            3,
+        )
         assert f"pid {c.daemon.popen.pid}" in line and "state db" in line
-        line = one_line_error(ws("serve", "--bind", f"ipc://{tmp_path}/b.sock", "--engine-bind",
-                                 f"ipc://{tmp_path}/be.sock", "--state-db", str(tmp_path / "other.db"),
-                                 "--spool", str(spool)), 3)
+        line = one_line_error(
+            ws(
+                "serve",
+                "--bind",
+                f"ipc://{tmp_path}/b.sock",
+                "--engine-bind",
+                f"ipc://{tmp_path}/be.sock",
+                "--state-db",
+                str(tmp_path / "other.db"),
+                "--spool",
+                str(spool),
+            ),
+            3,
+        )
         assert f"pid {c.daemon.popen.pid}" in line and "spool" in line
         st = c.status()
         assert st["spool"]["state"] in ("ok", "empty") and st["spool"]["error"] is None
@@ -188,12 +249,27 @@ def test_3_a_second_daemon_on_the_same_state_or_spool_exits_3_naming_the_holder(
 
 # -- 4 ------------------------------------------------------------------------------------
 
+
 def test_4_a_duplicate_engine_id_is_refused_and_a_dead_ones_restart_rejoins(cluster):
     before = {e["engine_id"]: e for e in cluster.status()["engines"]}
     holder = before["engine-0"]
-    dup = spawn("dup-engine", ["engine", "--backend", "torch", "--model", str(cluster.model_dir),
-                               "--connect", cluster.engine_addr, "--engine-id", "engine-0",
-                               "--threads", "1"], cluster.log_dir)
+    dup = spawn(
+        "dup-engine",
+        [
+            "engine",
+            "--backend",
+            "torch",
+            "--model",
+            str(cluster.model_dir),
+            "--connect",
+            cluster.engine_addr,
+            "--engine-id",
+            "engine-0",
+            "--threads",
+            "1",
+        ],
+        cluster.log_dir,
+    )
     assert dup.popen.wait(60) == 3
     log = dup.log_path.read_text()
     assert f"pid {holder['pid']}" in log and "held by a live engine" in log
@@ -204,12 +280,19 @@ def test_4_a_duplicate_engine_id_is_refused_and_a_dead_ones_restart_rejoins(clus
     os.killpg(old.popen.pid, signal.SIGKILL)
     old.popen.wait(10)
     new = cluster.start_engine("engine-0")
-    st = wait_for(lambda: (s := cluster.status()) and any(
-        e["engine_id"] == "engine-0" and e["pid"] == new.popen.pid for e in s["engines"]) and s, 60)
+    st = wait_for(
+        lambda: (
+            (s := cluster.status())
+            and any(e["engine_id"] == "engine-0" and e["pid"] == new.popen.pid for e in s["engines"])
+            and s
+        ),
+        60,
+    )
     assert st, cluster.status()
 
 
 # -- 5 ------------------------------------------------------------------------------------
+
 
 def test_5_bad_arguments_files_and_addresses_are_one_line_with_documented_codes(tmp_path, tiny_state):
     good = checkpoint(tmp_path, tiny_state, 1)
@@ -231,23 +314,37 @@ def test_5_bad_arguments_files_and_addresses_are_one_line_with_documented_codes(
         (("push", str(twice), "--version", "1", "--addr", addr), 2, "appears in both"),
         (("push", str(good), "--version", "1", "--addr", "nonsense"), 2, "--addr"),
         (("status", "--addr", "tcp://no-port"), 2, "--addr"),
-        (("serve", "--state-db", str(tmp_path), "--bind", f"ipc://{tmp_path}/s.sock",
-          "--engine-bind", f"ipc://{tmp_path}/e.sock"), 3, "--state-db"),
+        (
+            (
+                "serve",
+                "--state-db",
+                str(tmp_path),
+                "--bind",
+                f"ipc://{tmp_path}/s.sock",
+                "--engine-bind",
+                f"ipc://{tmp_path}/e.sock",
+            ),
+            3,
+            "--state-db",
+        ),
         (("engine", "--model", str(tmp_path), "--connect", "nonsense"), 2, "--connect"),
     ]:
         line = one_line_error(ws(*args), code)
         assert words in line, (args, line)
-    for args in [("push", str(good), "--version", "1", "--window", "0"),
-                 ("push", str(good), "--version", "1", "--bucket-bytes", "0"),
-                 ("push", str(good), "--version", str(2**63)),
-                 ("push", str(good), "--version", "1", "--timeout", "0"),
-                 ("status", "--watch", "-1")]:
+    for args in [
+        ("push", str(good), "--version", "1", "--window", "0"),
+        ("push", str(good), "--version", "1", "--bucket-bytes", "0"),
+        ("push", str(good), "--version", str(2**63)),
+        ("push", str(good), "--version", "1", "--timeout", "0"),
+        ("status", "--watch", "-1"),
+    ]:
         r = ws(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
     assert "(default" in ws("serve", "--help").stdout
 
 
 # -- 6 ------------------------------------------------------------------------------------
+
 
 def test_6_no_daemon_is_said_within_seconds(tmp_path, tiny_state):
     d = checkpoint(tmp_path, tiny_state, 1)
@@ -258,7 +355,9 @@ def test_6_no_daemon_is_said_within_seconds(tmp_path, tiny_state):
     assert "UNREACHABLE" in line and "no daemon at tcp://127.0.0.1:9" in line
 
 
-def test_6_a_sync_lost_to_a_daemon_restart_is_unknown_and_says_begin_again(tmp_path, tiny_model_dir, tiny_state):
+def test_6_a_sync_lost_to_a_daemon_restart_is_unknown_and_says_begin_again(
+    tmp_path, tiny_model_dir, tiny_state
+):
     with running_daemon(tmp_path, tiny_model_dir, engines=1) as c:
         with c.client(timeout=30.0) as client:
             sid = client.begin(1)["sync_id"]
@@ -267,6 +366,7 @@ def test_6_a_sync_lost_to_a_daemon_restart_is_unknown_and_says_begin_again(tmp_p
             c.start_daemon()
             c.wait_engines(1)
             from messages.buckets import iter_buckets
+
             (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, 1)).items(), 64 * 1024))
             t0 = time.monotonic()
             with pytest.raises(WeightSyncError) as ei:
@@ -276,8 +376,21 @@ def test_6_a_sync_lost_to_a_daemon_restart_is_unknown_and_says_begin_again(tmp_p
 
 
 def test_6_an_engine_without_a_daemon_says_what_it_waits_for(tmp_path, tiny_model_dir):
-    p = spawn("lonely", ["engine", "--model", str(tiny_model_dir), "--connect",
-                         f"ipc://{tmp_path}/none.sock", "--engine-id", "lonely", "--threads", "1"], tmp_path)
+    p = spawn(
+        "lonely",
+        [
+            "engine",
+            "--model",
+            str(tiny_model_dir),
+            "--connect",
+            f"ipc://{tmp_path}/none.sock",
+            "--engine-id",
+            "lonely",
+            "--threads",
+            "1",
+        ],
+        tmp_path,
+    )
     try:
         assert wait_for(lambda: "waiting_for_orchestrator" in p.log_path.read_text(), timeout=60)
     finally:
@@ -285,6 +398,7 @@ def test_6_an_engine_without_a_daemon_says_what_it_waits_for(tmp_path, tiny_mode
 
 
 # -- 7 ------------------------------------------------------------------------------------
+
 
 def test_7_missing_tensors_are_refused_at_finish_before_any_finalize(cluster, tmp_path, tiny_state):
     v = next_version(cluster)

@@ -51,12 +51,12 @@ def test_tied_embeddings_are_sent_once_and_generation_matches(tmp_path, tied_dir
     with running_daemon(tmp_path, tied_dir, engines=1) as c, c.client(timeout=30.0) as client:
         for v in (1, 2):
             step(model, v)
-            r = client.push_module(model, v, bucket_bytes=64 * 1024,
-                                   probes=make_probes(model, PROMPTS, 6))
+            r = client.push_module(model, v, bucket_bytes=64 * 1024, probes=make_probes(model, PROMPTS, 6))
             assert r.state == "READY"
             assert {e["digest"] for e in r.engines} == {digest_of(module_tensors(model))}
         assert client.wait_ready(2) == {"engine-0": 2} == client.served_versions()
         from messages.errors import ErrorCode, WeightSyncError
+
         with pytest.raises(WeightSyncError) as ei:
             client.wait_ready(3, timeout=0.5)
         assert ei.value.code is ErrorCode.TIMEOUT and ei.value.details["behind"] == ["engine-0"]
@@ -69,8 +69,9 @@ def test_fp32_master_is_cast_to_the_engines_bf16_on_the_fly(tmp_path):
         step(master, 11)
         served = load_model(bf16_dir, dtype=torch.bfloat16)
         served.load_state_dict({n: t.to(torch.bfloat16) for n, t in master.state_dict().items()})
-        r = client.push_module(master, 1, dtype=torch.bfloat16, bucket_bytes=64 * 1024,
-                               probes=make_probes(served, PROMPTS, 6))
+        r = client.push_module(
+            master, 1, dtype=torch.bfloat16, bucket_bytes=64 * 1024, probes=make_probes(served, PROMPTS, 6)
+        )
         assert r.state == "READY"
         assert {e["digest"] for e in r.engines} == {digest_of(module_tensors(master, dtype=torch.bfloat16))}
         assert all(t.dtype == torch.float32 for t in master.parameters())  # the master is untouched
@@ -87,8 +88,14 @@ def test_filtered_push_updates_only_what_the_filter_picks(tmp_path, tiny_model_d
         expected = {n: (t.clone() if picked(n, t) else before[n]) for n, t in module_tensors(model)}
         served = load_model(tiny_model_dir)
         served.load_state_dict(expected)  # what the engine must now hold: old layers, new layer 1
-        r = client.push_module(model, 2, filter=picked, partial=True, bucket_bytes=64 * 1024,
-                               probes=make_probes(served, PROMPTS, 6))
+        r = client.push_module(
+            model,
+            2,
+            filter=picked,
+            partial=True,
+            bucket_bytes=64 * 1024,
+            probes=make_probes(served, PROMPTS, 6),
+        )
         assert r.state == "READY"
         assert {e["digest"] for e in r.engines} == {digest_of(expected.items())}
         assert r.bytes == sum(t.numel() * t.element_size() for n, t in expected.items() if picked(n, t))
@@ -131,11 +138,18 @@ def test_fsdp2_sharded_model_is_gathered_per_tensor_on_two_gloo_ranks(tmp_path, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with running_daemon(tmp_path, tiny_model_dir, engines=1) as c:
-        procs = [subprocess.Popen([sys.executable, "-c", FSDP_RANK, str(tiny_model_dir), c.addr],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                                 "RANK": str(r), "WORLD_SIZE": "2"}))
-                 for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", FSDP_RANK, str(tiny_model_dir), c.addr],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=child_env(
+                    {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": "2"}
+                ),
+            )
+            for r in (0, 1)
+        ]
         outs = [p.communicate(timeout=240) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     (res,) = [json.loads(ln[7:]) for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]

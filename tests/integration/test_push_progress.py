@@ -23,8 +23,13 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 def under_pty(args: list[str]) -> tuple[int, str, str]:
     """Run `weightsync ARGS` with stdout on a pseudo-terminal; (exit code, screen text, stderr)."""
     master, slave = os.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=slave, stderr=subprocess.PIPE,
-                         stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "160", "TERM": "xterm"})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -54,8 +59,18 @@ def ckpt(tmp_path, tiny_state, v):
 
 
 def test_push_on_a_terminal_shows_progress(cluster, tmp_path, tiny_state):
-    code, screen, err = under_pty(["push", str(ckpt(tmp_path, tiny_state, 1)), "--version", "1",
-                                   "--addr", cluster.addr, "--bucket-bytes", "65536"])
+    code, screen, err = under_pty(
+        [
+            "push",
+            str(ckpt(tmp_path, tiny_state, 1)),
+            "--version",
+            "1",
+            "--addr",
+            cluster.addr,
+            "--bucket-bytes",
+            "65536",
+        ]
+    )
     assert code == 0, err
     assert "v1" in screen and "buckets applied by every engine" in screen, screen[-2000:]
     assert re.search(r"\d+(\.\d+)? ?[kM]B", screen), screen[-2000:]  # bytes moved, as a size
@@ -63,8 +78,19 @@ def test_push_on_a_terminal_shows_progress(cluster, tmp_path, tiny_state):
 
 
 def test_push_json_on_a_terminal_is_only_json(cluster, tmp_path, tiny_state):
-    code, screen, err = under_pty(["push", str(ckpt(tmp_path, tiny_state, 2)), "--version", "2",
-                                   "--addr", cluster.addr, "--bucket-bytes", "65536", "--json"])
+    code, screen, err = under_pty(
+        [
+            "push",
+            str(ckpt(tmp_path, tiny_state, 2)),
+            "--version",
+            "2",
+            "--addr",
+            cluster.addr,
+            "--bucket-bytes",
+            "65536",
+            "--json",
+        ]
+    )
     assert code == 0, err
     out = json.loads(screen.strip())
     assert out["ok"] is True and out["state"] == "READY" and out["version"] == 2

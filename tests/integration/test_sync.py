@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import zmq
 
-from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
+from examples.tiny import perturbed
 from messages import codec, schema
 from messages.buckets import digest, iter_buckets
 from messages.errors import DataError, ErrorCode, StateError
@@ -46,12 +46,15 @@ def test_three_versions_reach_every_engine_finalized_once_each(tmp_path, tiny_mo
         st = client.status()
     assert st["state"] == "READY" and st["version"] == 3 and st["dirty"] is False
     assert [(e["engine_id"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
-        ("engine-0", 3, 3), ("engine-1", 3, 3)]
+        ("engine-0", 3, 3),
+        ("engine-1", 3, 3),
+    ]
     trans = [(h["from"], h["to"]) for h in st["history"]]
-    assert trans == [("IDLE", "LOADING_BUCKETS"), ("LOADING_BUCKETS", "FINALIZING"),
-                     ("FINALIZING", "READY")] + [("READY", "LOADING_BUCKETS"),
-                                                 ("LOADING_BUCKETS", "FINALIZING"),
-                                                 ("FINALIZING", "READY")] * 2
+    assert (
+        trans
+        == [("IDLE", "LOADING_BUCKETS"), ("LOADING_BUCKETS", "FINALIZING"), ("FINALIZING", "READY")]
+        + [("READY", "LOADING_BUCKETS"), ("LOADING_BUCKETS", "FINALIZING"), ("FINALIZING", "READY")] * 2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +127,8 @@ def test_corrupted_frame_is_refused_and_nothing_applied(client, tiny_state):
     raw = bytearray(b.frame())
     raw[len(raw) // 2] ^= 0x40
     rid = 9_000_001
-    client._send(client._bucket_msg(sid, b, rid), [bytes(raw)])
-    reply = client._recv(10.0)
+    client.conn.send(client.stream.bucket_msg(sid, b, rid), [bytes(raw)])
+    reply = client.conn.recv(10.0)
     assert isinstance(reply, schema.Error) and reply.code == "CHECKSUM_MISMATCH"
     st = client.status()
     assert st["state"] == "LOADING_BUCKETS" and st["sync"]["buckets"] == 0
@@ -142,12 +145,25 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
     raw = ctx.socket(zmq.DEALER)
     raw.connect(cluster.addr)
     try:
-        cases = [[b"\x00\xffnot msgpack"], [msgpack.packb([1, 2, 3])],
-                 [msgpack.packb({"v": 1, "type": "bucket", "id": 5, "sync_id": "x", "seq": 0,
-                                 "checksum": 0, "tensors": []})],  # no payload frame
-                 [msgpack.packb({"v": 99, "type": "status", "id": 6})],
-                 [msgpack.packb({"v": 1, "type": "register", "id": 7, "engine_id": "x",
-                                 "backend": "y"})]]  # an engine message on the trainer socket
+        cases = [
+            [b"\x00\xffnot msgpack"],
+            [msgpack.packb([1, 2, 3])],
+            [
+                msgpack.packb(
+                    {
+                        "v": 1,
+                        "type": "bucket",
+                        "id": 5,
+                        "sync_id": "x",
+                        "seq": 0,
+                        "checksum": 0,
+                        "tensors": [],
+                    }
+                )
+            ],  # no payload frame
+            [msgpack.packb({"v": 99, "type": "status", "id": 6})],
+            [msgpack.packb({"v": 1, "type": "register", "id": 7, "engine_id": "x", "backend": "y"})],
+        ]  # an engine message on the trainer socket
         codes = []
         for frames in cases:
             raw.send_multipart(frames)
@@ -155,8 +171,7 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
             reply = codec.decode(raw.recv_multipart()).msg
             assert isinstance(reply, schema.Error)
             codes.append(reply.code)
-        assert codes == ["BAD_MESSAGE", "BAD_MESSAGE", "BAD_MESSAGE", "UNSUPPORTED_PROTOCOL",
-                         "BAD_MESSAGE"]
+        assert codes == ["BAD_MESSAGE", "BAD_MESSAGE", "BAD_MESSAGE", "UNSUPPORTED_PROTOCOL", "BAD_MESSAGE"]
     finally:
         raw.close(0)
     after = client.status()
@@ -166,6 +181,7 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
 
 def test_unknown_tensor_is_refused_before_fan_out(client, tiny_state):
     import torch
+
     v = next(_versions)
     sid = client.begin(v)["sync_id"]
     (bad,) = list(iter_buckets([("model.bogus.weight", torch.zeros(8))]))
@@ -179,6 +195,7 @@ def test_unknown_tensor_is_refused_before_fan_out(client, tiny_state):
 
 def test_push_failure_aborts_and_daemon_takes_the_next_version(client, tiny_state):
     import torch
+
     v = next(_versions)
     weights = dict(perturbed(tiny_state, v))
     weights["model.norm.weight"] = torch.zeros(7)  # wrong shape: refused
@@ -208,16 +225,17 @@ def test_window_keeps_at_most_window_buckets_unacknowledged(cluster, tiny_state)
     weights = dict(perturbed(tiny_state, v))
     with cluster.client(timeout=20.0) as c:
         events: list[str] = []
-        orig = c._send
+        orig = c.conn.send
 
         def spy(msg, payload=()):
             if msg.TYPE == "bucket":
                 events.append("send")
             orig(msg, payload)
 
-        c._send = spy
-        r = c.push(weights.items(), v, bucket_bytes=32 * 1024, window=2,
-                   progress=lambda n: events.append("ack"))
+        c.conn.send = spy
+        r = c.push(
+            weights.items(), v, bucket_bytes=32 * 1024, window=2, progress=lambda n: events.append("ack")
+        )
     assert r.buckets == events.count("send") == events.count("ack") > 4
     in_flight = peak = 0
     for ev in events:

@@ -51,13 +51,18 @@ def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
         sid = client.begin(v, transport="inline")["sync_id"]
         (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
         with pytest.raises(PeerError) as ei:
-            client._request(lambda i: client._bucket_msg(sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)))
+            client.conn.request(
+                lambda i: client.stream.bucket_msg(
+                    sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
+                )
+            )
         assert ei.value.code is ErrorCode.BAD_MESSAGE and "negotiate" in ei.value.message
         client.abort(sid)
 
 
 def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_state):
     from messages.shm import Segment
+
     with cluster.client(timeout=20.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1
         started = client.begin(v, transport="shm")
@@ -68,8 +73,11 @@ def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_
             raw[5] ^= 0x10
             seg.write(bytes(raw))
             with pytest.raises(WeightSyncError) as ei:
-                client._request(lambda i: client._bucket_msg(
-                    started["sync_id"], b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)))
+                client.conn.request(
+                    lambda i: client.stream.bucket_msg(
+                        started["sync_id"], b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)
+                    )
+                )
         assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
         st = client.status()
         assert st["state"] == "IDLE" and st["dirty"] is True
@@ -96,9 +104,11 @@ def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_d
     within seconds (not --sync-timeout, left at 300 s), and sweeps its segments."""
     args = ["--engine-timeout", "5"]
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as cluster:
-        p = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir),
-                              "1", "shm"],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir), "1", "shm"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout.readline().strip() == "STREAMING"
         assert any(f".{p.pid}." in s for s in trainer_segments())
         p.send_signal(signal.SIGKILL)

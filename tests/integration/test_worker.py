@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import zmq
 
-from examples.tiny import perturbed
 from engines.torch_engine import TorchEngine, greedy, load_model
 from engines.worker import Worker
+from examples.tiny import perturbed
 from messages import codec, schema
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
@@ -106,11 +106,14 @@ def test_duplicate_load_and_second_finalize_are_not_applied(harness, tiny_state,
     assert fin.probes == (greedy(ref, PROBE.prompt, PROBE.max_tokens),)
 
 
-@pytest.mark.parametrize("transport,bucket_bytes", [
-    ("inline", 64 << 20),   # 1.7 MB: hashed on the verifier thread
-    ("inline", 128 << 10),  # below THREAD_MIN_BYTES: hashed by the applier itself
-    ("shm", 64 << 20),      # the trainer's slot, mapped and hashed by the verifier thread
-])
+@pytest.mark.parametrize(
+    "transport,bucket_bytes",
+    [
+        ("inline", 64 << 20),  # 1.7 MB: hashed on the verifier thread
+        ("inline", 128 << 10),  # below THREAD_MIN_BYTES: hashed by the applier itself
+        ("shm", 64 << 20),  # the trainer's slot, mapped and hashed by the verifier thread
+    ],
+)
 def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state, transport, bucket_bytes):
     from engines.verify import THREAD_MIN_BYTES
     from messages.shm import Segment
@@ -133,10 +136,12 @@ def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state, transport
 
 def test_unknown_tensor_is_reported_with_code(harness):
     import torch
+
     orch, _, _, _ = harness
     (b,) = list(iter_buckets([("model.bogus.weight", torch.zeros(4))]))
-    orch.send(schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum),
-              [b.frame()])
+    orch.send(
+        schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum), [b.frame()]
+    )
     assert orch.recv(want=("failed",)).code == "UNKNOWN_TENSOR"
 
 

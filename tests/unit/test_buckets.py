@@ -40,8 +40,12 @@ def test_every_dtype_round_trips_bit_exact(name):
 
 def test_empty_scalar_and_non_contiguous_tensors_round_trip():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    named = [("empty", torch.empty(0, 3)), ("scalar", torch.tensor(2.5)),
-             ("transposed", base.t()), ("strided", base[:, ::2])]
+    named = [
+        ("empty", torch.empty(0, 3)),
+        ("scalar", torch.tensor(2.5)),
+        ("transposed", base.t()),
+        ("strided", base[:, ::2]),
+    ]
     got = _roundtrip(named)
     for name, t in named:
         assert got[name].shape == t.shape
@@ -65,7 +69,7 @@ def test_unpack_returns_views_into_the_received_buffer_without_copying():
     base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
     for meta in b.tensors:
         assert views[meta.name].data_ptr() == base + meta.offset
-    buf[b.tensors[0].offset:b.tensors[0].offset + 4] = torch.tensor([7.0]).numpy().tobytes()
+    buf[b.tensors[0].offset : b.tensors[0].offset + 4] = torch.tensor([7.0]).numpy().tobytes()
     assert views["a"][0].item() == 7.0  # a view: it sees the buffer change
 
 
@@ -93,8 +97,11 @@ def test_digest_changes_with_any_byte_name_or_shape():
 
 
 @settings(max_examples=30, deadline=None)
-@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
-       bucket_bytes=st.integers(64, 4096), seed=st.integers(0, 2**16))
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    bucket_bytes=st.integers(64, 4096),
+    seed=st.integers(0, 2**16),
+)
 def test_digest_is_independent_of_order_and_bucketing(sizes, bucket_bytes, seed):
     g = torch.Generator().manual_seed(seed)
     named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]

@@ -3,18 +3,18 @@ TOML config file, in that order; `weightsync config show` says which one won."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import types
 import typing
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-import io
-import os
-from contextlib import redirect_stderr, redirect_stdout
 
-from orchestrator.cli import config as cliconfig
 from orchestrator.cli import command
+from orchestrator.cli import config as cliconfig
 
 CLI = command()
 
@@ -39,8 +39,11 @@ def run(args, env=None):
             else:
                 os.environ[k] = v
     return code, out.getvalue(), err.getvalue()
-ALL = [(path, p) for path, cmd in cliconfig.commands(CLI) if path[0] != "config"
-       for p in cliconfig.options(cmd)]
+
+
+ALL = [
+    (path, p) for path, cmd in cliconfig.commands(CLI) if path[0] != "config" for p in cliconfig.options(cmd)
+]
 
 
 def sample(p, tmp_path):
@@ -105,8 +108,9 @@ def test_top_level_keys_apply_to_every_command_that_has_the_option(tmp_path):
 
 def test_a_flag_beats_the_environment(tmp_path):
     (tmp_path / "ckpt").mkdir()
-    code, out, err = run(["push", str(tmp_path / "ckpt"), "--version", "1", "--window", "0"],
-                         {"WEIGHTSYNC_WINDOW": "3"})
+    code, out, err = run(
+        ["push", str(tmp_path / "ckpt"), "--version", "1", "--window", "0"], {"WEIGHTSYNC_WINDOW": "3"}
+    )
     # the flag's 0 was used (and refused), not the variable's 3 (which would have gone on
     # to read the empty checkpoint directory)
     assert code == 2 and "greater than or equal to 1" in err and "checkpoint" not in err.lower(), err

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import msgspec
-
 import msgpack
+import msgspec
 import pytest
 import torch
 
@@ -17,22 +16,56 @@ META = TensorMeta("w", "float32", (2, 3), 0, 24)
 
 SAMPLES: list[tuple[schema.Message, list]] = [
     (schema.Hello(id=1, client="t"), []),
-    (schema.Begin(sync_id="s", version=3, id=2, senders=2, expected_buckets=5,
-                  probes=(schema.Probe((1, 2), 4, (5, 6, 7, 8)),)), []),
+    (
+        schema.Begin(
+            sync_id="s",
+            version=3,
+            id=2,
+            senders=2,
+            expected_buckets=5,
+            probes=(schema.Probe((1, 2), 4, (5, 6, 7, 8)),),
+        ),
+        [],
+    ),
     (schema.Bucket(sync_id="s", seq=0, tensors=(META,), checksum=2**64 - 1, id=3), [b"\0" * 24]),
-    (schema.Bucket(sync_id="s", seq=1, tensors=(META,), checksum=7,
-                   shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 64, 24)), []),
+    (
+        schema.Bucket(
+            sync_id="s",
+            seq=1,
+            tensors=(META,),
+            checksum=7,
+            shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 64, 24),
+        ),
+        [],
+    ),
     (schema.Finish(sync_id="s", buckets=4, id=4, digest="ab"), []),
     (schema.Abort(sync_id="s", id=5, reason="r"), []),
     (schema.Status(id=6), []),
-    (schema.Error(code="INVALID_STATE", message="m", id=7, state="READY", version=2,
-                  sync_id="s", details={"k": 1}), []),
-    (schema.Register(engine_id="e", backend="torch", id=8, version=2, digest="d",
-                     finalize_count=3, pid=9, spec=(schema.ParamSpec("w", "bfloat16", (4,)),)), []),
+    (
+        schema.Error(
+            code="INVALID_STATE", message="m", id=7, state="READY", version=2, sync_id="s", details={"k": 1}
+        ),
+        [],
+    ),
+    (
+        schema.Register(
+            engine_id="e",
+            backend="torch",
+            id=8,
+            version=2,
+            digest="d",
+            finalize_count=3,
+            pid=9,
+            spec=(schema.ParamSpec("w", "bfloat16", (4,)),),
+        ),
+        [],
+    ),
     (schema.Heartbeat(engine_id="e", id=9), []),
     (schema.Loaded(sync_id="s", seq=2, id=10, seconds=0.5), []),
-    (schema.Finalized(sync_id="s", version=2, digest="d", id=11, finalize_count=1,
-                      probes=((1, 2), (3,))), []),
+    (
+        schema.Finalized(sync_id="s", version=2, digest="d", id=11, finalize_count=1, probes=((1, 2), (3,))),
+        [],
+    ),
     (schema.Failed(sync_id="s", code="SHAPE_MISMATCH", message="m", id=12, seq=3, duplicate=True), []),
     (schema.Load(sync_id="s", version=1, seq=0, tensors=(META,), checksum=1), [b"\0" * 24]),
     (schema.Finalize(sync_id="s", version=1, probes=(schema.Probe((1,), 2),)), []),
@@ -61,8 +94,15 @@ def test_unknown_fields_are_ignored():
 
 
 def _raw(**fields):
-    base = {"v": PROTOCOL_VERSION, "type": "bucket", "id": 1, "sync_id": "s", "seq": 0,
-            "checksum": 1, "tensors": [META.to_wire()]}
+    base = {
+        "v": PROTOCOL_VERSION,
+        "type": "bucket",
+        "id": 1,
+        "sync_id": "s",
+        "seq": 0,
+        "checksum": 1,
+        "tensors": [META.to_wire()],
+    }
     base.update(fields)
     return msgpack.packb({k: v for k, v in base.items() if v is not ...})
 
@@ -73,53 +113,89 @@ def _code(frames) -> ErrorCode:
     return ei.value.code
 
 
-@pytest.mark.parametrize("frames,why", [
-    ([], "empty"),
-    ([b"\xc1\xc1garbage"], "not msgpack"),
-    ([msgpack.packb([1, 2])], "not a map"),
-    ([msgpack.packb({"type": "status"})], "no v"),
-    ([msgpack.packb({"v": "1", "type": "status"})], "v not int"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION})], "no type"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "launch_missiles"})], "unknown type"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "id": -1})], "negative id"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "id": 1.5})], "float id"),
-    ([_raw(sync_id=...), b"\0" * 24], "missing field"),
-    ([_raw(seq="0"), b"\0" * 24], "mistyped field"),
-    ([_raw(seq=True), b"\0" * 24], "bool is not int"),
-    ([_raw(seq=-1), b"\0" * 24], "negative seq"),
-    ([_raw()], "missing payload frame"),
-    ([_raw(), b"\0" * 24, b"x"], "extra payload frame"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status"}), b"x"], "payload on status"),
-    ([_raw(tensors=[{**META.to_wire(), "offset": 8}]), b"\0" * 24], "offset outside frame"),
-    ([_raw(tensors=[{**META.to_wire(), "nbytes": 20}]), b"\0" * 24], "nbytes != numel*itemsize"),
-    ([_raw(tensors=[{**META.to_wire(), "dtype": "complex64"}]), b"\0" * 24], "unknown dtype"),
-    ([_raw(tensors=[{**META.to_wire(), "shape": [-2, -3]}]), b"\0" * 24], "negative dims"),
-    ([_raw(tensors=[META.to_wire(), META.to_wire()]), b"\0" * 48], "duplicate names"),
-    ([_raw(tensors=[{**META.to_wire(), "name": ""}]), b"\0" * 24], "empty name"),
-    ([_raw(tensors={"w": 1}), b"\0" * 24], "tensors not an array"),
-    ([_raw(tensors=[[1, 2]]), b"\0" * 24], "tensor meta not a map"),
-    ([_raw(shm={"name": "weightsync.trainer.1.0123456789ab", "offset": 0, "size": 24}), b"\0" * 24], "shm with payload"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1,
-                     "senders": 0})], "zero senders"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1,
-                     "probes": [{"prompt": [], "max_tokens": 1}]})], "empty probe"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "register", "engine_id": "e",
-                     "backend": "t", "spec": [{"name": "w", "dtype": "nope", "shape": []}]})],
-     "unknown spec dtype"),
-])
+@pytest.mark.parametrize(
+    "frames,why",
+    [
+        ([], "empty"),
+        ([b"\xc1\xc1garbage"], "not msgpack"),
+        ([msgpack.packb([1, 2])], "not a map"),
+        ([msgpack.packb({"type": "status"})], "no v"),
+        ([msgpack.packb({"v": "1", "type": "status"})], "v not int"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION})], "no type"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "launch_missiles"})], "unknown type"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "id": -1})], "negative id"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "id": 1.5})], "float id"),
+        ([_raw(sync_id=...), b"\0" * 24], "missing field"),
+        ([_raw(seq="0"), b"\0" * 24], "mistyped field"),
+        ([_raw(seq=True), b"\0" * 24], "bool is not int"),
+        ([_raw(seq=-1), b"\0" * 24], "negative seq"),
+        ([_raw()], "missing payload frame"),
+        ([_raw(), b"\0" * 24, b"x"], "extra payload frame"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "status"}), b"x"], "payload on status"),
+        ([_raw(tensors=[{**META.to_wire(), "offset": 8}]), b"\0" * 24], "offset outside frame"),
+        ([_raw(tensors=[{**META.to_wire(), "nbytes": 20}]), b"\0" * 24], "nbytes != numel*itemsize"),
+        ([_raw(tensors=[{**META.to_wire(), "dtype": "complex64"}]), b"\0" * 24], "unknown dtype"),
+        ([_raw(tensors=[{**META.to_wire(), "shape": [-2, -3]}]), b"\0" * 24], "negative dims"),
+        ([_raw(tensors=[META.to_wire(), META.to_wire()]), b"\0" * 48], "duplicate names"),
+        ([_raw(tensors=[{**META.to_wire(), "name": ""}]), b"\0" * 24], "empty name"),
+        ([_raw(tensors={"w": 1}), b"\0" * 24], "tensors not an array"),
+        ([_raw(tensors=[[1, 2]]), b"\0" * 24], "tensor meta not a map"),
+        (
+            [_raw(shm={"name": "weightsync.trainer.1.0123456789ab", "offset": 0, "size": 24}), b"\0" * 24],
+            "shm with payload",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1, "senders": 0}
+                )
+            ],
+            "zero senders",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "type": "begin",
+                        "sync_id": "s",
+                        "version": 1,
+                        "probes": [{"prompt": [], "max_tokens": 1}],
+                    }
+                )
+            ],
+            "empty probe",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "type": "register",
+                        "engine_id": "e",
+                        "backend": "t",
+                        "spec": [{"name": "w", "dtype": "nope", "shape": []}],
+                    }
+                )
+            ],
+            "unknown spec dtype",
+        ),
+    ],
+)
 def test_malformed_input_is_bad_message(frames, why):
     assert _code(frames) is ErrorCode.BAD_MESSAGE, why
 
 
 def test_other_major_version_is_unsupported_protocol():
-    assert _code([msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "status"})]) \
+    assert (
+        _code([msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "status"})])
         is ErrorCode.UNSUPPORTED_PROTOCOL
+    )
 
 
 def test_oversized_header_is_too_large():
     with pytest.raises(MessageError) as ei:
-        codec.decode([msgpack.packb({"v": 1, "type": "status", "pad": "x" * 1000})],
-                     max_header_bytes=100)
+        codec.decode([msgpack.packb({"v": 1, "type": "status", "pad": "x" * 1000})], max_header_bytes=100)
     assert ei.value.code is ErrorCode.TOO_LARGE
 
 
@@ -136,6 +212,7 @@ def _code_allowed(frames, allowed):
 
 def test_pickle_is_never_accepted():
     import pickle
+
     assert _code([pickle.dumps({"v": 1, "type": "status"})]) is ErrorCode.BAD_MESSAGE
 
 

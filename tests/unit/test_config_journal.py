@@ -31,8 +31,18 @@ def test_settings_are_frozen():
 
 
 def _t(j, src, dst, trigger, version, sync_id, dirty=False, code=None):
-    j.transition({"from": src, "to": dst, "trigger": trigger, "version": version,
-                  "sync_id": sync_id, "at": 1.0, "code": code}, dirty)
+    j.transition(
+        {
+            "from": src,
+            "to": dst,
+            "trigger": trigger,
+            "version": version,
+            "sync_id": sync_id,
+            "at": 1.0,
+            "code": code,
+        },
+        dirty,
+    )
 
 
 def test_fresh_journal_recovers_idle_clean(tmp_path):

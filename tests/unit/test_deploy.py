@@ -29,8 +29,11 @@ def packages() -> set[str]:
 def test_each_image_copies_every_package_in_pyproject(dockerfile):
     copied = set(re.findall(r"^COPY\s+(\S+)\s+\S+\s*$", (DEPLOY / dockerfile).read_text(), re.M))
     assert packages() <= copied, packages() - copied
-    assert {"pyproject.toml"} <= {w for line in re.findall(r"^COPY (.+)$", (DEPLOY / dockerfile).read_text(), re.M)
-                                  for w in line.split()}
+    assert {"pyproject.toml"} <= {
+        w
+        for line in re.findall(r"^COPY (.+)$", (DEPLOY / dockerfile).read_text(), re.M)
+        for w in line.split()
+    }
 
 
 def test_the_daemon_image_builds_where_a_container_engine_and_its_base_are_present():
@@ -39,8 +42,12 @@ def test_the_daemon_image_builds_where_a_container_engine_and_its_base_are_prese
         pytest.skip("no container engine running here")
     if subprocess.run([docker, "image", "inspect", "python:3.11-slim"], capture_output=True).returncode != 0:
         pytest.skip("base image python:3.11-slim is not available offline")
-    r = subprocess.run([docker, "build", "-f", str(DEPLOY / "Dockerfile"), "-t", "weightsync:test", str(ROOT)],
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [docker, "build", "-f", str(DEPLOY / "Dockerfile"), "-t", "weightsync:test", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -69,8 +76,19 @@ def test_kubectl_client_dry_run_accepts_the_manifests_where_it_can():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    r = subprocess.run([kubectl, "apply", "--dry-run=client", "--validate=false", "-f",
-                        str(DEPLOY / "k8s" / "service.yaml")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            kubectl,
+            "apply",
+            "--dry-run=client",
+            "--validate=false",
+            "-f",
+            str(DEPLOY / "k8s" / "service.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if r.returncode != 0 and ("connection refused" in r.stderr or "unable to recognize" in r.stderr):
         pytest.skip("kubectl needs an API server for discovery, even with --dry-run=client")
     assert r.returncode == 0, r.stderr
@@ -80,12 +98,35 @@ def exported_metric_names() -> set[str]:
     from orchestrator.daemon.metrics import Metrics
 
     m = Metrics()
-    m.publish({"state": "READY", "version": 1, "dirty": False, "spool": {"bytes": 1},
-               "queues": {"pending_buckets": 0},
-               "engines": [{"engine_id": "e0", "state": "READY", "version": 1, "finalize_count": 1,
-                            "heartbeat_age_s": 0.1}]})
-    m.sync_ended({"status": "FAILED", "kind": "rollback", "seconds": 1.0, "bytes": 1, "buckets": 1,
-                  "code": "TIMEOUT", "transport": "inline"})
+    m.publish(
+        {
+            "state": "READY",
+            "version": 1,
+            "dirty": False,
+            "spool": {"bytes": 1},
+            "queues": {"pending_buckets": 0},
+            "engines": [
+                {
+                    "engine_id": "e0",
+                    "state": "READY",
+                    "version": 1,
+                    "finalize_count": 1,
+                    "heartbeat_age_s": 0.1,
+                }
+            ],
+        }
+    )
+    m.sync_ended(
+        {
+            "status": "FAILED",
+            "kind": "rollback",
+            "seconds": 1.0,
+            "bytes": 1,
+            "buckets": 1,
+            "code": "TIMEOUT",
+            "transport": "inline",
+        }
+    )
     m.apply_seconds.labels("e0").observe(0.1)
     m.finalize_seconds.labels("e0").observe(0.1)
     m.catchups.labels("ok").inc()
@@ -101,7 +142,12 @@ def metric_names(expr: str) -> set[str]:
 
 def test_the_dashboard_is_grafana_shaped_and_plots_exported_metrics():
     dash = json.loads((DEPLOY / "grafana" / "weightsync-dashboard.json").read_text())
-    assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int) and dash["schemaVersion"] >= 30
+    assert (
+        dash["uid"]
+        and dash["title"]
+        and isinstance(dash["schemaVersion"], int)
+        and dash["schemaVersion"] >= 30
+    )
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     exported = exported_metric_names()
@@ -121,16 +167,25 @@ def test_alert_rules_parse_and_name_exported_metrics():
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     exported = exported_metric_names()
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
-    assert {"WeightsyncEngineLost", "WeightsyncVersionSkew", "WeightsyncSyncsFailing",
-            "WeightsyncRollbackHappened"} <= set(alerts)
+    assert {
+        "WeightsyncEngineLost",
+        "WeightsyncVersionSkew",
+        "WeightsyncSyncsFailing",
+        "WeightsyncRollbackHappened",
+    } <= set(alerts)
     for name, r in alerts.items():
         assert metric_names(r["expr"]) and metric_names(r["expr"]) <= exported, name
 
 
 def _flags_ok(argv: list[str]) -> None:
     sub = argv[0]
-    help_text = subprocess.run([sys.executable, "-m", "orchestrator", sub, "--help"], capture_output=True,
-                               text=True, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"}).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "orchestrator", sub, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"},
+    ).stdout
     for flag in [a for a in argv[1:] if a.startswith("--")]:
         assert flag in help_text, (sub, flag)
 

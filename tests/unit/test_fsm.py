@@ -12,8 +12,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Begin, Bucket, Failed, Finalized, Finish, ParamSpec, Probe, Register, TensorMeta
-from orchestrator.core import fsm
-from orchestrator.core.fsm import Orchestrator, State
+from orchestrator.core import ACTIVE, Limits, State
+from orchestrator.core import Core as Orchestrator
+from orchestrator.core import commands as fsm
+from orchestrator.core import events as ev
+from orchestrator.core.table import TRAINER_TRIGGERS
 
 S = State
 META = (TensorMeta("w", "float32", (4,), 0, 16),)
@@ -21,9 +24,9 @@ ENGINES = ("e0", "e1")
 
 
 def new(engines=ENGINES, **kw) -> Orchestrator:
-    o = Orchestrator(fsm.Limits(min_engines=len(engines)), **kw)
+    o = Orchestrator(Limits(min_engines=len(engines)), **kw)
     for e in engines:
-        o.handle_register(Register(engine_id=e, backend="torch"), 0.0)
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch")), 0.0)
     return o
 
 
@@ -32,29 +35,34 @@ def cmds(res, kind):
 
 
 def begin(o, version, sync_id=None):
-    return o.handle_begin(Begin(sync_id=sync_id or f"s{version}", version=version), 1.0)
+    return o.handle(ev.BeginSync(Begin(sync_id=sync_id or f"s{version}", version=version)), 1.0)
 
 
 def bucket(o, seq, sync_id=None, nbytes=16):
     sid = sync_id or o.sync.sync_id
-    return o.handle_bucket(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), nbytes, 1.0)
+    return o.handle(ev.BucketIn(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), nbytes), 1.0)
 
 
 def ack(o, seq, engines=ENGINES):
     out = []
     for e in engines:
-        out += o.handle_loaded(e, o.sync.sync_id, (0, seq), 1.0).commands
+        out += o.handle(ev.Loaded(e, o.sync.sync_id, (0, seq)), 1.0).commands
     return out
 
 
 def finish(o, n):
-    return o.handle_finish(Finish(sync_id=o.sync.sync_id, buckets=n), 1.0)
+    return o.handle(ev.FinishSync(Finish(sync_id=o.sync.sync_id, buckets=n)), 1.0)
 
 
 def finalized(o, engine, digest="d", version=None, count=1):
     s = o.sync
-    return o.handle_finalized(engine, Finalized(sync_id=s.sync_id, version=version or s.version,
-                                                digest=digest, finalize_count=count), 1.0)
+    return o.handle(
+        ev.EngineFinalized(
+            engine,
+            Finalized(sync_id=s.sync_id, version=version or s.version, digest=digest, finalize_count=count),
+        ),
+        1.0,
+    )
 
 
 def to_loading(o=None, version=1):
@@ -85,21 +93,28 @@ def fire(o: Orchestrator, trigger: str):
     sid = o.sync.sync_id if o.sync else "s-none"
     version = (o.sync.version if o.sync else (o.last_ready_version or 0)) + 1
     if trigger == "begin":
-        return o.handle_begin(Begin(sync_id=f"new{version}", version=version), 2.0)
+        return o.handle(ev.BeginSync(Begin(sync_id=f"new{version}", version=version)), 2.0)
     if trigger == "bucket":
-        return o.handle_bucket(Bucket(sync_id=sid, seq=1, tensors=META, checksum=0), 16, 2.0)
+        return o.handle(ev.BucketIn(Bucket(sync_id=sid, seq=1, tensors=META, checksum=0), 16), 2.0)
     if trigger == "finish":
-        return o.handle_finish(Finish(sync_id=sid, buckets=1), 2.0)
+        return o.handle(ev.FinishSync(Finish(sync_id=sid, buckets=1)), 2.0)
     if trigger == "finalized":
         res = None
         for e in ENGINES:
-            res = o.handle_finalized(e, Finalized(sync_id=sid, version=o.sync.version if o.sync else 1,
-                                                  digest="d", finalize_count=1), 2.0)
+            res = o.handle(
+                ev.EngineFinalized(
+                    e,
+                    Finalized(
+                        sync_id=sid, version=o.sync.version if o.sync else 1, digest="d", finalize_count=1
+                    ),
+                ),
+                2.0,
+            )
         return res
     if trigger == "abort":
-        return o.handle_abort(sid, "test", 2.0)
+        return o.handle(ev.AbortSync(sid, "test"), 2.0)
     if trigger == "failed":
-        return o.handle_failed("e0", Failed(sync_id=sid, code="SHAPE_MISMATCH", message="x"), 2.0)
+        return o.handle(ev.EngineFailed("e0", Failed(sync_id=sid, code="SHAPE_MISMATCH", message="x")), 2.0)
     raise ValueError(trigger)
 
 
@@ -133,7 +148,7 @@ TABLE = {
 
 
 def test_table_covers_every_state_and_trigger():
-    assert set(TABLE) == {(s, t) for s in State for t in fsm.TRIGGERS}
+    assert set(TABLE) == {(s, t) for s in State for t in TRAINER_TRIGGERS}
 
 
 def _snap(o):
@@ -175,7 +190,7 @@ def test_finalize_is_sent_once_per_engine_per_sync():
 def test_second_finish_after_ready_says_state_and_version():
     o = to_ready(version=4)
     with pytest.raises(WeightSyncError) as ei:
-        o.handle_finish(Finish(sync_id="s4", buckets=1), 3.0)
+        o.handle(ev.FinishSync(Finish(sync_id="s4", buckets=1)), 3.0)
     assert (ei.value.code, ei.value.state, ei.value.version) == (ErrorCode.INVALID_STATE, "READY", 4)
 
 
@@ -198,7 +213,7 @@ def test_finish_before_engines_applied_is_incomplete():
     o = new()
     begin(o, 1)
     bucket(o, 0)
-    o.handle_loaded("e0", "s1", (0, 0), 1.0)
+    o.handle(ev.Loaded("e0", "s1", (0, 0)), 1.0)
     with pytest.raises(WeightSyncError) as ei:
         finish(o, 1)
     assert ei.value.code is ErrorCode.INCOMPLETE_SYNC
@@ -209,8 +224,8 @@ def test_bucket_is_acked_only_when_every_engine_applied_it():
     begin(o, 1)
     res = bucket(o, 0)
     assert res.reply is None and cmds(res, fsm.ForwardBucket)[0].engine_ids == ENGINES
-    assert not o.handle_loaded("e0", "s1", (0, 0), 1.0).commands
-    assert cmds(o.handle_loaded("e1", "s1", (0, 0), 1.0), fsm.AckBucket)
+    assert not o.handle(ev.Loaded("e0", "s1", (0, 0)), 1.0).commands
+    assert cmds(o.handle(ev.Loaded("e1", "s1", (0, 0)), 1.0), fsm.AckBucket)
 
 
 def test_resent_bucket_is_acked_not_forwarded_again():
@@ -235,7 +250,7 @@ def test_stale_version_is_refused_and_state_kept():
 
 def test_begin_without_enough_engines_is_no_engines():
     o = new(engines=("e0",))
-    o.limits = fsm.Limits(min_engines=2)
+    o.limits = Limits(min_engines=2)
     with pytest.raises(WeightSyncError) as ei:
         begin(o, 1)
     assert ei.value.code is ErrorCode.NO_ENGINES and o.state == S.IDLE
@@ -252,8 +267,8 @@ def test_lost_engine_fails_the_sync_dirty():
     o = new()
     begin(o, 1)
     bucket(o, 0)
-    o.handle_heartbeat("e0", 10.0)
-    res = o.tick(1.0 + o.limits.engine_timeout + 1)
+    o.handle(ev.Heartbeat("e0"), 10.0)
+    res = o.handle(ev.Tick(), 1.0 + o.limits.engine_timeout + 1)
     assert o.state == S.IDLE and o.dirty and o.served_version is None
     (done,) = cmds(res, fsm.CompleteSync)
     assert done.error.code is ErrorCode.ENGINE_FAILED and "e1" in done.error.message
@@ -262,7 +277,7 @@ def test_lost_engine_fails_the_sync_dirty():
 def test_untouched_sync_rolls_back_to_ready():
     o = to_ready(version=1)
     begin(o, 2)
-    o.handle_abort("s2", "changed my mind", 2.0)
+    o.handle(ev.AbortSync("s2", "changed my mind"), 2.0)
     assert o.state == S.READY and o.served_version == 1 and not o.dirty
 
 
@@ -270,7 +285,7 @@ def test_touched_sync_abort_leaves_idle_dirty_and_tells_engines():
     o = to_ready(version=1)
     begin(o, 2)
     bucket(o, 0)
-    res = o.handle_abort("s2", "x", 2.0)
+    res = o.handle(ev.AbortSync("s2", "x"), 2.0)
     assert o.state == S.IDLE and o.dirty and o.served_version is None
     assert cmds(res, fsm.SendAbort)[0].engine_ids == ENGINES
 
@@ -280,9 +295,9 @@ def test_trainer_vanishing_mid_sync_times_out():
     begin(o, 1)
     bucket(o, 0)
     ack(o, 0)
-    o.handle_heartbeat("e0", 1.0 + o.limits.sync_timeout + 1)
-    o.handle_heartbeat("e1", 1.0 + o.limits.sync_timeout + 1)
-    res = o.tick(1.0 + o.limits.sync_timeout + 2)
+    o.handle(ev.Heartbeat("e0"), 1.0 + o.limits.sync_timeout + 1)
+    o.handle(ev.Heartbeat("e1"), 1.0 + o.limits.sync_timeout + 1)
+    res = o.handle(ev.Tick(), 1.0 + o.limits.sync_timeout + 2)
     assert o.state == S.IDLE and cmds(res, fsm.CompleteSync)[0].error.code is ErrorCode.TIMEOUT
 
 
@@ -296,35 +311,40 @@ def test_digest_mismatch_between_engines_fails_not_ready():
 
 def test_digest_must_match_trainer_digest():
     o = to_loading()
-    o.handle_finish(Finish(sync_id="s1", buckets=1, digest="trainer"), 1.0)
+    o.handle(ev.FinishSync(Finish(sync_id="s1", buckets=1, digest="trainer")), 1.0)
     finalized(o, "e0", digest="engine")
     assert o.state == S.IDLE
 
 
 def test_canary_mismatch_fails_with_position():
     o = new()
-    o.handle_begin(Begin(sync_id="s1", version=1, probes=(Probe((1, 2), 3, (5, 6, 7)),)), 1.0)
+    o.handle(ev.BeginSync(Begin(sync_id="s1", version=1, probes=(Probe((1, 2), 3, (5, 6, 7)),))), 1.0)
     bucket(o, 0)
     ack(o, 0)
     finish(o, 1)
-    res = o.handle_finalized("e0", Finalized(sync_id="s1", version=1, digest="d",
-                                             probes=((5, 9, 7),)), 1.0)
+    res = o.handle(
+        ev.EngineFinalized("e0", Finalized(sync_id="s1", version=1, digest="d", probes=((5, 9, 7),))), 1.0
+    )
     err = cmds(res, fsm.CompleteSync)[0].error
     assert err.code is ErrorCode.CANARY_MISMATCH and err.details["position"] == 1
 
 
 def test_spec_check_refuses_unknown_tensor_before_forwarding():
-    o = Orchestrator(fsm.Limits(min_engines=1))
-    o.handle_register(Register(engine_id="e0", backend="torch",
-                               spec=(ParamSpec("w", "float32", (4,)),)), 0.0)
+    o = Orchestrator(Limits(min_engines=1))
+    o.handle(
+        ev.EngineRegistered(
+            Register(engine_id="e0", backend="torch", spec=(ParamSpec("w", "float32", (4,)),))
+        ),
+        0.0,
+    )
     begin(o, 1)
     bad = (TensorMeta("nope", "float32", (4,), 0, 16),)
     with pytest.raises(WeightSyncError) as ei:
-        o.handle_bucket(Bucket(sync_id="s1", seq=0, tensors=bad, checksum=0), 16, 1.0)
+        o.handle(ev.BucketIn(Bucket(sync_id="s1", seq=0, tensors=bad, checksum=0), 16), 1.0)
     assert ei.value.code is ErrorCode.UNKNOWN_TENSOR and not o.sync.buckets
     wrong = (TensorMeta("w", "float32", (2, 2), 0, 16),)
     with pytest.raises(WeightSyncError) as ei:
-        o.handle_bucket(Bucket(sync_id="s1", seq=0, tensors=wrong, checksum=0), 16, 1.0)
+        o.handle(ev.BucketIn(Bucket(sync_id="s1", seq=0, tensors=wrong, checksum=0), 16), 1.0)
     assert ei.value.code is ErrorCode.SHAPE_MISMATCH
     assert cmds(bucket(o, 0), fsm.ForwardBucket)  # the good one still goes through
 
@@ -334,15 +354,22 @@ def test_every_transition_is_journaled_once():
     journaled = []
     for step in (lambda: begin(o, 1), lambda: bucket(o, 0), lambda: ack(o, 0)):
         r = step()
-        journaled += [c for c in (r.commands if hasattr(r, "commands") else r)
-                      if isinstance(c, fsm.Journal) and c.kind == "transition"]
+        journaled += [
+            c
+            for c in (r.commands if hasattr(r, "commands") else r)
+            if isinstance(c, fsm.Journal) and c.kind == "transition"
+        ]
     r = finish(o, 1)
     journaled += [c for c in r.commands if isinstance(c, fsm.Journal) and c.kind == "transition"]
     for e in ENGINES:
-        journaled += [c for c in finalized(o, e).commands
-                      if isinstance(c, fsm.Journal) and c.kind == "transition"]
+        journaled += [
+            c for c in finalized(o, e).commands if isinstance(c, fsm.Journal) and c.kind == "transition"
+        ]
     assert [(j.data["from"], j.data["to"]) for j in journaled] == [
-        ("IDLE", "LOADING_BUCKETS"), ("LOADING_BUCKETS", "FINALIZING"), ("FINALIZING", "READY")]
+        ("IDLE", "LOADING_BUCKETS"),
+        ("LOADING_BUCKETS", "FINALIZING"),
+        ("FINALIZING", "READY"),
+    ]
     assert [(h["from"], h["to"]) for h in o.history] == [(j.data["from"], j.data["to"]) for j in journaled]
 
 
@@ -364,8 +391,9 @@ class Model:
             self.ready_version, self.dirty = c.body["version"], False
             self.ended[c.sync_id] = None
         elif isinstance(c, fsm.CompleteSync):
-            back_to_ready = c.sync_id not in self.touched and self.ready_version is not None \
-                and not self.dirty
+            back_to_ready = (
+                c.sync_id not in self.touched and self.ready_version is not None and not self.dirty
+            )
             self.dirty = not back_to_ready
             self.ended[c.sync_id] = c.error.code.value
 
@@ -397,7 +425,7 @@ class RandomOrders(RuleBasedStateMachine):
     @rule(bump=st.integers(-1, 2))
     def do_begin(self, bump):
         v = max(0, self.version + bump)
-        self._run(lambda: self.o.handle_begin(Begin(sync_id=f"s{v}", version=v), self.now))
+        self._run(lambda: self.o.handle(ev.BeginSync(Begin(sync_id=f"s{v}", version=v)), self.now))
         if self.o.sync is not None:
             self.version = max(self.version, self.o.sync.version)
 
@@ -407,55 +435,79 @@ class RandomOrders(RuleBasedStateMachine):
         """A complete sync in one step, so READY (and what follows it) is common."""
         v = self.version + 1
         sid = f"w{v}"
-        self._run(lambda: self.o.handle_begin(Begin(sync_id=sid, version=v), self.now))
+        self._run(lambda: self.o.handle(ev.BeginSync(Begin(sync_id=sid, version=v)), self.now))
         if self.o.sync is None or self.o.sync.sync_id != sid:
             return
         self.version = v
-        self._run(lambda: self.o.handle_bucket(Bucket(sync_id=sid, seq=0, tensors=META, checksum=0), 16, self.now))
+        self._run(
+            lambda: self.o.handle(
+                ev.BucketIn(Bucket(sync_id=sid, seq=0, tensors=META, checksum=0), 16), self.now
+            )
+        )
         for e in ENGINES:
-            self._run(lambda e=e: self.o.handle_loaded(e, sid, (0, 0), self.now))
-        self._run(lambda: self.o.handle_finish(Finish(sync_id=sid, buckets=1), self.now))
+            self._run(lambda e=e: self.o.handle(ev.Loaded(e, sid, (0, 0)), self.now))
+        self._run(lambda: self.o.handle(ev.FinishSync(Finish(sync_id=sid, buckets=1)), self.now))
         for e in ENGINES:
-            self._run(lambda e=e: self.o.handle_finalized(e, Finalized(sync_id=sid, version=v, digest="d"), self.now))
+            self._run(
+                lambda e=e: self.o.handle(
+                    ev.EngineFinalized(e, Finalized(sync_id=sid, version=v, digest="d")), self.now
+                )
+            )
 
     @rule(seq=st.integers(0, 3))
     def do_bucket(self, seq):
         sid = self.o.sync.sync_id if self.o.sync else "none"
-        self._run(lambda: self.o.handle_bucket(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), 16, self.now))
+        self._run(
+            lambda: self.o.handle(
+                ev.BucketIn(Bucket(sync_id=sid, seq=seq, tensors=META, checksum=0), 16), self.now
+            )
+        )
 
     @rule(seq=st.integers(0, 3), engine=st.sampled_from(ENGINES))
     def do_loaded(self, seq, engine):
         sid = self.o.sync.sync_id if self.o.sync else "none"
-        self._run(lambda: self.o.handle_loaded(engine, sid, (0, seq), self.now))
+        self._run(lambda: self.o.handle(ev.Loaded(engine, sid, (0, seq)), self.now))
 
     @rule(n=st.integers(0, 4))
     def do_finish(self, n):
         sid = self.o.sync.sync_id if self.o.sync else "none"
-        self._run(lambda: self.o.handle_finish(Finish(sync_id=sid, buckets=n), self.now))
+        self._run(lambda: self.o.handle(ev.FinishSync(Finish(sync_id=sid, buckets=n)), self.now))
 
     @rule(engine=st.sampled_from(ENGINES), good=st.booleans())
     def do_finalized(self, engine, good):
         s = self.o.sync
         sid, v = (s.sync_id, s.version) if s else ("none", 1)
-        self._run(lambda: self.o.handle_finalized(engine, Finalized(
-            sync_id=sid, version=v, digest="d" if good else "other"), self.now))
+        self._run(
+            lambda: self.o.handle(
+                ev.EngineFinalized(
+                    engine, Finalized(sync_id=sid, version=v, digest="d" if good else "other")
+                ),
+                self.now,
+            )
+        )
 
     @rule()
     def do_abort(self):
         sid = self.o.sync.sync_id if self.o.sync else "none"
-        self._run(lambda: self.o.handle_abort(sid, "r", self.now))
+        self._run(lambda: self.o.handle(ev.AbortSync(sid, "r"), self.now))
 
     @precondition(lambda self: self.o.sync is not None)
     @rule(engine=st.sampled_from(ENGINES))
     def do_failed(self, engine):
-        self._run(lambda: self.o.handle_failed(engine, Failed(sync_id=self.o.sync.sync_id,
-                                                              code="ENGINE_FAILED", message="x"), self.now))
+        self._run(
+            lambda: self.o.handle(
+                ev.EngineFailed(
+                    engine, Failed(sync_id=self.o.sync.sync_id, code="ENGINE_FAILED", message="x")
+                ),
+                self.now,
+            )
+        )
 
     @rule()
     def do_heartbeats(self):
         self.now += 1.0
         for e in ENGINES:
-            self.o.handle_heartbeat(e, self.now)
+            self.o.handle(ev.Heartbeat(e), self.now)
 
     @invariant()
     def finalize_at_most_once_per_engine_per_sync(self):
@@ -474,10 +526,31 @@ class RandomOrders(RuleBasedStateMachine):
 
     @invariant()
     def state_matches_sync(self):
-        assert (self.o.sync is not None) == (self.o.state in fsm.ACTIVE)
+        assert (self.o.sync is not None) == (self.o.state in ACTIVE)
         if self.o.state == S.READY:
             assert not self.o.dirty and self.o.served_version is not None
 
 
 RandomOrders.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_random_message_orders = RandomOrders.TestCase
+
+
+def test_a_move_outside_the_table_is_internal_and_changes_nothing():
+    """The table is checked before a state changes: no row takes `finish` from READY."""
+    o = to_ready()
+    before = _snap(o)
+    with pytest.raises(WeightSyncError) as ei:
+        o.move("finish", S.FINALIZING, None)
+    assert ei.value.code is ErrorCode.INTERNAL and "no row of the state table" in ei.value.message
+    assert o.state == S.READY and _snap(o) == before
+
+
+def test_every_table_row_is_reachable_by_its_trigger_only():
+    """Rows never overlap: one (trigger, source, dest) each, and every destination is a state."""
+    from orchestrator.core.table import ROWS
+
+    seen = set()
+    for r in ROWS:
+        for src in r.sources:
+            assert (r.trigger, src, r.dest) not in seen
+            seen.add((r.trigger, src, r.dest))

@@ -2,56 +2,59 @@
 
 from __future__ import annotations
 
-from messages.errors import ErrorCode, StateError
-from messages.schema import Begin, Failed, Finalized, Register
-from orchestrator.core import fsm
-from orchestrator.core.fsm import State
-
-from tests.unit.test_fsm import ENGINES, ack, bucket, cmds, finalized, finish, to_ready
-
 import pytest
 
+from messages.errors import ErrorCode, StateError
+from messages.schema import Begin, Failed, Finalized, Register
+from orchestrator.core import Core as Orchestrator
+from orchestrator.core import Limits, Spooled, State
+from orchestrator.core import commands as fsm
+from orchestrator.core import events as ev
+from tests.unit.test_fsm import ENGINES, ack, bucket, cmds, finalized, finish, to_ready
 
-def spooled_new() -> fsm.Orchestrator:
-    o = fsm.Orchestrator(fsm.Limits(min_engines=2, spool=True))
+
+def spooled_new() -> Orchestrator:
+    o = Orchestrator(Limits(min_engines=2, spool=True))
     for e in ENGINES:
-        o.handle_register(Register(engine_id=e, backend="torch"), 0.0)
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch")), 0.0)
     return o
 
 
-def ready_v1_spooled() -> fsm.Orchestrator:
+def ready_v1_spooled() -> Orchestrator:
     o = to_ready(spooled_new())
-    o.set_spooled(fsm.Spooled(1, "d", 1))
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 1)), o.now)
     return o
 
 
 def test_a_spooled_daemon_spools_every_sync_and_commits_before_the_reply():
     o = spooled_new()
-    res = o.handle_begin(Begin(sync_id="s1", version=1), 1.0)
+    res = o.handle(ev.BeginSync(Begin(sync_id="s1", version=1)), 1.0)
     assert cmds(res, fsm.SpoolBegin) == [fsm.SpoolBegin("s1", 1)]
     bucket(o, 0)
     ack(o, 0)
     finish(o, 1)
     finalized(o, "e0")
-    out = o.handle_finalized("e1", Finalized(sync_id="s1", version=1, digest="d", finalize_count=1), 1.0)
+    out = o.handle(
+        ev.EngineFinalized("e1", Finalized(sync_id="s1", version=1, digest="d", finalize_count=1)), 1.0
+    )
     kinds = [type(c) for c in out.commands]
     assert kinds.index(fsm.SpoolCommit) < kinds.index(fsm.CompleteSync)
 
 
 def test_failed_touched_sync_rolls_back_only_when_the_spool_holds_the_served_version():
     o = ready_v1_spooled()
-    o.handle_begin(Begin(sync_id="s2", version=2), 2.0)
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
     bucket(o, 0)
-    res = o.handle_abort("s2", "test", 2.0)
+    res = o.handle(ev.AbortSync("s2", "test"), 2.0)
     assert o.state is State.IDLE and o.dirty and o.want_rollback
     assert cmds(res, fsm.SpoolDiscard) == [fsm.SpoolDiscard("s2")]
-    res = o.maybe_rollback(3.0)
+    res = o.handle(ev.Tick(), 3.0)
     assert o.state is State.LOADING_BUCKETS and o.sync.kind == "rollback"
-    assert cmds(res, fsm.StartRollback) == [fsm.StartRollback(o.sync.sync_id, 1)]
+    assert cmds(res, fsm.StartRollback) == [fsm.StartRollback(o.sync.sync_id, 1, "d")]
     assert o.sync.expected_digest == "d" and o.sync.rollback_of["sync_id"] == "s2"
     # a trainer cannot begin while the rollback runs, and is told why
     with pytest.raises(StateError) as ei:
-        o.handle_begin(Begin(sync_id="s3", version=3), 3.0)
+        o.handle(ev.BeginSync(Begin(sync_id="s3", version=3)), 3.0)
     assert ei.value.code is ErrorCode.INVALID_STATE and "rolling" in ei.value.message
     bucket(o, 0)
     ack(o, 0)
@@ -64,57 +67,64 @@ def test_failed_touched_sync_rolls_back_only_when_the_spool_holds_the_served_ver
 
 def test_no_rollback_without_a_matching_spool_and_no_second_try_after_a_failed_one():
     o = ready_v1_spooled()
-    o.set_spooled(fsm.Spooled(1, "other-digest", 1))  # not what is served
-    o.handle_begin(Begin(sync_id="s2", version=2), 2.0)
+    o.handle(ev.SpoolChanged(Spooled(1, "other-digest", 1)), o.now)  # not what is served
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
     bucket(o, 0)
-    o.handle_abort("s2", "test", 2.0)
-    assert not o.want_rollback and o.maybe_rollback(3.0).commands == []
-    o.set_spooled(fsm.Spooled(1, "d", 1))
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    assert not o.want_rollback and o.handle(ev.Tick(), 3.0).commands == []
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 1)), o.now)
     o.want_rollback = True
-    o.maybe_rollback(3.0)
-    o.handle_failed("e0", Failed(sync_id=o.sync.sync_id, code="ENGINE_FAILED", message="x"), 4.0)
+    o.handle(ev.Tick(), 3.0)
+    o.handle(ev.EngineFailed("e0", Failed(sync_id=o.sync.sync_id, code="ENGINE_FAILED", message="x")), 4.0)
     assert o.state is State.IDLE and not o.want_rollback  # no loop of rollbacks
     assert o.last_sync["rollback"] == "failed"
 
 
 def test_engine_registering_at_ready_catches_up_privately_and_counts_once_finalized():
     o = ready_v1_spooled()
-    res = o.handle_register(Register(engine_id="e2", backend="torch"), 5.0)
+    res = o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
     (start,) = cmds(res, fsm.StartCatchUp)
     assert o.engines["e2"].state == "JOINING" and o.state is State.READY
-    out = o.handle_loaded("e2", start.sync_id, (0, 0), 5.0)
+    out = o.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
     assert cmds(out, fsm.CatchUpAck) and cmds(out, fsm.SendFinalize) == [
-        fsm.SendFinalize("e2", start.sync_id, 1, ())]
-    out = o.handle_finalized("e2", Finalized(sync_id=start.sync_id, version=1, digest="d",
-                                             finalize_count=1), 5.0)
+        fsm.SendFinalize("e2", start.sync_id, 1, ())
+    ]
+    out = o.handle(
+        ev.EngineFinalized("e2", Finalized(sync_id=start.sync_id, version=1, digest="d", finalize_count=1)),
+        5.0,
+    )
     assert cmds(out, fsm.CatchUpDone) == [fsm.CatchUpDone("e2", start.sync_id, True, "")]
     assert (o.engines["e2"].state, o.engines["e2"].version) == ("READY", 1)
 
 
 def test_catch_up_with_a_wrong_digest_leaves_the_engine_stale():
     o = ready_v1_spooled()
-    (start,) = cmds(o.handle_register(Register(engine_id="e2", backend="torch"), 5.0), fsm.StartCatchUp)
-    o.handle_loaded("e2", start.sync_id, (0, 0), 5.0)
-    out = o.handle_finalized("e2", Finalized(sync_id=start.sync_id, version=1, digest="bad",
-                                             finalize_count=1), 5.0)
+    (start,) = cmds(
+        o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.StartCatchUp
+    )
+    o.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
+    out = o.handle(
+        ev.EngineFinalized("e2", Finalized(sync_id=start.sync_id, version=1, digest="bad", finalize_count=1)),
+        5.0,
+    )
     assert o.engines["e2"].state == "STALE" and cmds(out, fsm.SendAbort)
     assert not cmds(out, fsm.CatchUpDone)[0].ok
 
 
 def test_a_new_sync_supersedes_catch_ups_and_includes_the_engine():
     o = ready_v1_spooled()
-    o.handle_register(Register(engine_id="e2", backend="torch"), 5.0)
-    res = o.handle_begin(Begin(sync_id="s2", version=2), 6.0)
+    o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
+    res = o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 6.0)
     assert cmds(res, fsm.SendAbort) and not o.catchups
     assert "e2" in o.sync.participants and o.engines["e2"].state == "LOADING"
 
 
 def test_stalled_catch_up_times_out():
     o = ready_v1_spooled()
-    o.handle_register(Register(engine_id="e2", backend="torch"), 5.0)
+    o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
     for e in ("e0", "e1", "e2"):
-        o.handle_heartbeat(e, 5.0 + o.limits.bucket_timeout)
-    o.tick(5.0 + o.limits.bucket_timeout + 1)
+        o.handle(ev.Heartbeat(e), 5.0 + o.limits.bucket_timeout)
+    o.handle(ev.Tick(), 5.0 + o.limits.bucket_timeout + 1)
     assert o.engines["e2"].state == "STALE" and not o.catchups
 
 
@@ -123,11 +133,16 @@ def test_the_daemons_own_sync_ids_never_repeat_across_daemon_runs():
     ran: a catch-up named like one of the previous run's would never finish."""
     ids = []
     for run in ("run-a", "run-b"):  # two daemon lifetimes, same engine, same history
-        o = fsm.Orchestrator(fsm.Limits(min_engines=2, spool=True), run_id=run)
+        o = Orchestrator(Limits(min_engines=2, spool=True), run_id=run)
         for e in ENGINES:
-            o.handle_register(Register(engine_id=e, backend="torch"), 0.0)
+            o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch")), 0.0)
         to_ready(o)
-        o.set_spooled(fsm.Spooled(1, "d", 1))
-        ids += [c.sync_id for c in cmds(o.handle_register(Register(engine_id="e2", backend="torch"), 5.0),
-                                        fsm.StartCatchUp)]
+        o.handle(ev.SpoolChanged(Spooled(1, "d", 1)), o.now)
+        ids += [
+            c.sync_id
+            for c in cmds(
+                o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0),
+                fsm.StartCatchUp,
+            )
+        ]
     assert len(ids) == 2 and ids[0] != ids[1]

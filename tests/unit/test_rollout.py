@@ -33,8 +33,13 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"]
-CORPUS = ["the quick brown fox jumps over the lazy dog\n\n", "hello world\n", "user\nassistant\n",
-          "What is two plus two?\n\nFour.\n\n", "thinking about it\n\nanswer\n"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog\n\n",
+    "hello world\n",
+    "user\nassistant\n",
+    "What is two plus two?\n\nFour.\n\n",
+    "thinking about it\n\nanswer\n",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,9 @@ def raw_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -55,8 +61,9 @@ def raw_tokenizer():
 def tokenizer(raw_tokenizer):
     from transformers import PreTrainedTokenizerFast
 
-    t = PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, eos_token="<|im_end|>",
-                                pad_token="<|endoftext|>")
+    t = PreTrainedTokenizerFast(
+        tokenizer_object=raw_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     t.chat_template = QWEN3_CHAT_TEMPLATE
     return t
 
@@ -81,35 +88,42 @@ def test_prefix_is_none_when_thinking_on_or_anything_is_missing(tokenizer):
 
 
 def test_raw_tokenizers_tokenizer_gives_the_same_ids(tokenizer, raw_tokenizer):
-    assert non_thinking_prefix_ids(raw_tokenizer, DEFAULT_NON_THINKING_PREFIX, False) == \
-        non_thinking_prefix_ids(tokenizer, DEFAULT_NON_THINKING_PREFIX, False)
+    assert non_thinking_prefix_ids(
+        raw_tokenizer, DEFAULT_NON_THINKING_PREFIX, False
+    ) == non_thinking_prefix_ids(tokenizer, DEFAULT_NON_THINKING_PREFIX, False)
 
 
 def test_qwen3_template_injects_the_prefix_only_without_thinking(tokenizer):
     assert template_injects_prefix(QWEN3_CHAT_TEMPLATE)
     assert not template_injects_prefix("{{ messages[0].content }}")
-    off = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
-                                        enable_thinking=False)
-    on = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
-                                       enable_thinking=True)
+    off = tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    on = tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
     assert off == on + DEFAULT_NON_THINKING_PREFIX
 
 
 def test_reencoded_sequence_equals_what_the_engine_was_given(tokenizer):
     """The engine saw template(enable_thinking=False) + response: re-encoding must match it."""
-    engine_prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False,
-                                                  add_generation_prompt=True, enable_thinking=False)
+    engine_prompt = tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     response = tokenizer.encode("Four.<|im_end|>", add_special_tokens=False)
     engine_seq = tokenizer.encode(engine_prompt, add_special_tokens=False) + response
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(
-        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=True),
-        add_special_tokens=False)
+    prompt_ids = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=True
+        ),
+        add_special_tokens=False,
+    )
     prefix = non_thinking_prefix_ids(tokenizer, DEFAULT_NON_THINKING_PREFIX, False)
     input_ids, mask, labels = reencode_response(prompt_ids, response, prefix)
     assert input_ids == engine_seq
-    assert sum(mask) == len(response) and mask[-len(response):] == [1] * len(response)
-    assert labels[-len(response):] == response
-    assert set(labels[:-len(response)]) == {IGNORE_INDEX}
+    assert sum(mask) == len(response) and mask[-len(response) :] == [1] * len(response)
+    assert labels[-len(response) :] == response
+    assert set(labels[: -len(response)]) == {IGNORE_INDEX}
     # without the prefix every response token would sit len(prefix) positions early
     wrong, _, _ = reencode_response(prompt_ids, response, None)
     assert wrong != engine_seq and len(engine_seq) - len(wrong) == len(prefix)
@@ -118,8 +132,13 @@ def test_reencoded_sequence_equals_what_the_engine_was_given(tokenizer):
 def test_replace_assistant_response_carries_ids_and_mask():
     msgs = MESSAGES + [{"role": "assistant", "content": "text that will be replaced", "name": "a"}]
     out = replace_assistant_response_with_ids(msgs, [7, 8, 9], [1, 2])
-    assert out[-1] == {"role": "assistant", "name": "a", "content": None,
-                       "token_ids": [1, 2, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]}
+    assert out[-1] == {
+        "role": "assistant",
+        "name": "a",
+        "content": None,
+        "token_ids": [1, 2, 7, 8, 9],
+        "loss_mask": [0, 0, 1, 1, 1],
+    }
     assert msgs[-1]["content"] == "text that will be replaced"  # input not mutated
     appended = replace_assistant_response_with_ids(MESSAGES, [5], None)
     assert len(appended) == 2 and appended[-1]["token_ids"] == [5] and appended[-1]["loss_mask"] == [1]
@@ -132,6 +151,7 @@ def test_bad_token_ids_are_value_or_type_errors(bad):
 
 
 # -- routed experts ---------------------------------------------------------------------
+
 
 def routed(n, layers=2, topk=2, start=1):
     return torch.arange(start, start + n * layers * topk, dtype=torch.int32).reshape(n, layers, topk)
@@ -146,13 +166,16 @@ def test_right_padding_repeats_the_last_entry_left_padding_prepends_zeros():
     assert left.shape == (5, 2, 2) and torch.equal(left[2:], r) and not left[:2].any()
 
 
-@pytest.mark.parametrize("args,match", [
-    ((routed(4), 3, "right"), "more than target_len"),
-    ((torch.zeros(3, 2), 5, "right"), "layers, topk"),
-    ((routed(2), 4, "middle"), "padding_side"),
-    ((routed(2), -1, "left"), "non-negative"),
-    ((routed(0), 3, "right"), "empty"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((routed(4), 3, "right"), "more than target_len"),
+        ((torch.zeros(3, 2), 5, "right"), "layers, topk"),
+        ((routed(2), 4, "middle"), "padding_side"),
+        ((routed(2), -1, "left"), "non-negative"),
+        ((routed(0), 3, "right"), "empty"),
+    ],
+)
 def test_bad_padding_requests_are_clear_value_errors(args, match):
     with pytest.raises(ValueError, match=match):
         pad_routed_experts(*args)
@@ -170,17 +193,20 @@ def test_check_alignment_names_the_first_uncovered_position():
 
 
 @settings(max_examples=200, deadline=None)
-@given(prompt=st.lists(st.integers(0, 999), max_size=20),
-       prefix=st.one_of(st.none(), st.lists(st.integers(0, 999), min_size=1, max_size=6)),
-       response=st.lists(st.integers(0, 999), max_size=20),
-       extra=st.integers(0, 10), side=st.sampled_from(["left", "right"]))
+@given(
+    prompt=st.lists(st.integers(0, 999), max_size=20),
+    prefix=st.one_of(st.none(), st.lists(st.integers(0, 999), min_size=1, max_size=6)),
+    response=st.lists(st.integers(0, 999), max_size=20),
+    extra=st.integers(0, 10),
+    side=st.sampled_from(["left", "right"]),
+)
 def test_reencode_and_pad_properties(prompt, prefix, response, extra, side):
     ids, mask, labels = reencode_response(prompt, response, prefix)
     n_prefix = len(prefix or [])
     assert len(ids) == len(mask) == len(labels) == len(prompt) + n_prefix + len(response)
     assert sum(mask) == len(response)
     assert [t for t, m in zip(ids, mask) if m] == response == [lab for lab in labels if lab != IGNORE_INDEX]
-    assert ids[len(prompt):len(prompt) + n_prefix] == (prefix or [])
+    assert ids[len(prompt) : len(prompt) + n_prefix] == (prefix or [])
     # the engine recorded routing for the forwarded tokens; pad to the re-encoded length
     have = max(1, len(ids) - extra) if side == "right" else max(0, len(ids) - extra)
     rec = routed(min(have, len(ids))) if ids else routed(0)
@@ -189,7 +215,7 @@ def test_reencode_and_pad_properties(prompt, prefix, response, extra, side):
     padded = pad_routed_experts(rec, len(ids), side)
     assert padded.shape[0] == len(ids)
     check_alignment(ids, padded)
-    kept = padded[:rec.shape[0]] if side == "right" else padded[len(ids) - rec.shape[0]:]
+    kept = padded[: rec.shape[0]] if side == "right" else padded[len(ids) - rec.shape[0] :]
     assert torch.equal(kept, rec)
 
 
@@ -208,6 +234,7 @@ def test_padding_length_is_exact_on_both_sides(n, extra, side):
 
 # -- regression tests for the three review findings ---------------------------------------
 
+
 def _prefix_contract(fn, tokenizer):
     enc = tokenizer.encode(DEFAULT_NON_THINKING_PREFIX, add_special_tokens=False)
     expected = list(getattr(enc, "ids", enc))
@@ -218,6 +245,7 @@ def _prefix_contract(fn, tokenizer):
 
 def test_regression_undefined_variable(tokenizer):
     """Review finding 1: the prefix helper referenced a name that did not exist."""
+
     def buggy(tok, template_prefix, enable_thinking):
         if enable_thinking or not template_prefix:
             return None
@@ -230,6 +258,7 @@ def test_regression_undefined_variable(tokenizer):
 
 def test_regression_unsupported_keyword_call(raw_tokenizer):
     """Review finding 2: encode was called with a keyword the tokenizer does not take."""
+
     def buggy(tok, template_prefix, enable_thinking):
         if enable_thinking or not template_prefix:
             return None
@@ -249,6 +278,7 @@ def _padding_contract(fn):
 
 def test_regression_wrong_length_padding():
     """Review finding 3: the pad length was the target, not the missing count."""
+
     def buggy(r, target_len, padding_side):
         pad_len = target_len  # the bug: should be target_len - len(r)
         if padding_side == "right":

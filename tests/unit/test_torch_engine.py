@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engines.base import Engine
-from examples.tiny import perturbed
 from engines.torch_engine import TorchEngine, greedy, load_model
+from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.errors import DataError, ErrorCode, WeightSyncError
 from messages.schema import Probe

@@ -39,9 +39,15 @@ def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
     import sys
 
     from orchestrator.daemon.config import child_env
-    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                       timeout=timeout, env=child_env())
+
+    r = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
         raise AssertionError(f"isolated script failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])

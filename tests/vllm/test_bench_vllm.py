@@ -14,13 +14,33 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_bench_vllm_alternates_paths_and_profiles_each_sync(tmp_path):
     out = tmp_path / "v.json"
-    r = subprocess.run([sys.executable, "-m", "bench.vllm", "--size", "tiny", "--repeats", "2",
-                        "--bucket-bytes", str(256 * 1024), "--transports", "shm,inline",
-                        "--profile", "--check", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.vllm",
+            "--size",
+            "tiny",
+            "--repeats",
+            "2",
+            "--bucket-bytes",
+            str(256 * 1024),
+            "--transports",
+            "shm,inline",
+            "--profile",
+            "--check",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     data = json.loads(out.read_text())
     assert r.returncode == (1 if data["missed"] else 0), r.stderr[-3000:]
-    assert [ln[len("MISSED: "):] for ln in r.stdout.splitlines() if ln.startswith("MISSED: ")] == data["missed"]
+    assert [ln[len("MISSED: ") :] for ln in r.stdout.splitlines() if ln.startswith("MISSED: ")] == data[
+        "missed"
+    ]
     (res,) = data["results"]
     assert set(res["all_s"]) == {"direct", "shm", "inline", "disk"}
     assert all(len(v) == 2 for v in res["all_s"].values())  # the warm-up round is not counted

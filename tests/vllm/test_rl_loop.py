@@ -11,8 +11,13 @@ from orchestrator.daemon.config import child_env
 
 
 def test_rl_loop_reward_rises_and_engine_greedy_equals_the_trainers_after_every_push():
-    r = subprocess.run([sys.executable, "-m", "examples.rl_loop", "--steps", "4"], capture_output=True,
-                       text=True, timeout=280, env=child_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "examples.rl_loop", "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=child_env(),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     steps = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith('{"step"')]
     (res,) = [json.loads(ln[7:]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]

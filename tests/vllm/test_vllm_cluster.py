@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.tiny import perturbed
 from engines.torch_engine import load_model
-from messages.canary import make_probes
-from messages.buckets import digest
-from messages.errors import EngineError, ErrorCode
 from examples.launch import Cluster
+from examples.tiny import perturbed
+from messages.buckets import digest
+from messages.canary import make_probes
+from messages.errors import EngineError, ErrorCode
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -26,8 +26,14 @@ def probes_for(model_dir, weights, n=6):
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory, tiny_model_dir):
     workdir = Path(tmp_path_factory.mktemp("vllm-cluster"))
-    cluster = Cluster(workdir, tiny_model_dir, engines=0, min_engines=2, backend="vllm",
-                      daemon_args=["--engine-timeout", "30"])
+    cluster = Cluster(
+        workdir,
+        tiny_model_dir,
+        engines=0,
+        min_engines=2,
+        backend="vllm",
+        daemon_args=["--engine-timeout", "30"],
+    )
     try:
         cluster.start_daemon()
         cluster.start_engine("vllm-mp", ["--vllm-mp"])
@@ -46,18 +52,22 @@ def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_
     with vllm_cluster.client(timeout=120.0) as client:
         for v in (1, 2, 3):
             weights = dict(perturbed(tiny_state, v))
-            r = client.push(weights.items(), v, bucket_bytes=256 * 1024,
-                            probes=probes_for(tiny_model_dir, weights))
+            r = client.push(
+                weights.items(), v, bucket_bytes=256 * 1024, probes=probes_for(tiny_model_dir, weights)
+            )
             assert r.state == "READY" and r.buckets >= 4
             assert {e["digest"] for e in r.engines} == {digest(weights.items())}
             assert sorted(e["engine_id"] for e in r.engines) == ["vllm-inproc", "vllm-mp"]
         st = client.status()
     assert [(e["engine_id"], e["backend"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
-        ("vllm-inproc", "vllm", 3, 3), ("vllm-mp", "vllm", 3, 3)]
+        ("vllm-inproc", "vllm", 3, 3),
+        ("vllm-mp", "vllm", 3, 3),
+    ]
 
 
-def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(vllm_cluster, tiny_model_dir,
-                                                                            tiny_state):
+def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(
+    vllm_cluster, tiny_model_dir, tiny_state
+):
     """Each vLLM worker (in the engine process, or in vLLM's own worker process) joins the
     group and receives every bucket itself; no tensor crosses collective_rpc."""
     with vllm_cluster.client(timeout=120.0) as client:
@@ -65,8 +75,13 @@ def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(vl
         base = before["last_ready_version"] or 0
         for v in (base + 1, base + 2, base + 3):
             weights = dict(perturbed(tiny_state, v))
-            r = client.push(weights.items(), v, bucket_bytes=256 * 1024, transport="collective",
-                            probes=probes_for(tiny_model_dir, weights))
+            r = client.push(
+                weights.items(),
+                v,
+                bucket_bytes=256 * 1024,
+                transport="collective",
+                probes=probes_for(tiny_model_dir, weights),
+            )
             assert r.state == "READY" and r.detail["transport"] == "collective"
             assert {e["digest"] for e in r.engines} == {digest(weights.items())}
         st = client.status()
@@ -100,18 +115,18 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
     broadcast) fails the sync with CHECKSUM_MISMATCH on both vLLM engines (in-process and
     multiprocessing workers); nothing is finalized and the next push is READY."""
     from messages.errors import WeightSyncError
-    from orchestrator.trainer.stream import StreamMixin
     from orchestrator.trainer.group import TrainerGroup
+    from orchestrator.trainer.stream import Stream
 
     if transport == "shm":
-        real_msg = StreamMixin._bucket_msg
+        real_msg = Stream.bucket_msg
 
         def bucket_msg(self, sync_id, b, rid, checksum=None, shm=None):
             if b.seq == 1 and shm is not None:
                 b.data[b.nbytes // 2] ^= 0x40  # in the slot, after the checksum was taken
             return real_msg(self, sync_id, b, rid, checksum, shm)
 
-        monkeypatch.setattr(StreamMixin, "_bucket_msg", bucket_msg)
+        monkeypatch.setattr(Stream, "bucket_msg", bucket_msg)
     else:
         real_start = TrainerGroup.start
 
@@ -127,8 +142,9 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
         v = (st["last_ready_version"] or 0) + 1
         counts = {e["engine_id"]: e["finalize_count"] for e in st["engines"]}
         with pytest.raises(WeightSyncError) as ei:
-            client.push(dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=256 * 1024,
-                        transport=transport)
+            client.push(
+                dict(perturbed(tiny_state, v)).items(), v, bucket_bytes=256 * 1024, transport=transport
+            )
         assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH, ei.value
         monkeypatch.undo()
         assert {e["engine_id"]: e["finalize_count"] for e in client.status()["engines"]} == counts

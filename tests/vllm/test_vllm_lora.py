@@ -7,32 +7,43 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from engines.torch_engine import load_model
 from examples.launch import Cluster
 from messages.buckets import iter_buckets
 from messages.canary import make_probes
 from orchestrator.trainer.lora import lora_tensors, push_adapter
 from tests.integration.test_lora import ALPHA, PROMPTS, TARGETS, make_adapter, merged
-from engines.torch_engine import load_model
 
 ENGINE_RANK = 8
 
 
 def test_vllm_serves_pushed_adapters_and_rolls_back_to_the_previous_one(tmp_path_factory, tiny_model_dir):
     work = Path(tmp_path_factory.mktemp("vllm-lora"))
-    c = Cluster(work, tiny_model_dir, engines=1, backend="vllm",
-                daemon_args=["--engine-timeout", "30", "--spool", str(work / "spool")],
-                engine_args=["--lora-rank", str(ENGINE_RANK), "--lora-targets", ",".join(TARGETS)])
+    c = Cluster(
+        work,
+        tiny_model_dir,
+        engines=1,
+        backend="vllm",
+        daemon_args=["--engine-timeout", "30", "--spool", str(work / "spool")],
+        engine_args=["--lora-rank", str(ENGINE_RANK), "--lora-targets", ",".join(TARGETS)],
+    )
     base = load_model(tiny_model_dir)
     try:
         with c, c.client(timeout=120.0) as client:
             a1 = make_adapter(base, 1)
             m1 = merged(tiny_model_dir, a1)
-            r1 = push_adapter(client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK,
-                              probes=make_probes(m1, PROMPTS, 6))
+            r1 = push_adapter(
+                client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=make_probes(m1, PROMPTS, 6)
+            )
             assert r1.state == "READY"
             sid = client.begin(2)["sync_id"]
-            b0 = next(iter(iter_buckets(lora_tensors(make_adapter(base, 2), alpha=ALPHA,
-                                                     engine_rank=ENGINE_RANK), 16 * 1024)))
+            b0 = next(
+                iter(
+                    iter_buckets(
+                        lora_tensors(make_adapter(base, 2), alpha=ALPHA, engine_rank=ENGINE_RANK), 16 * 1024
+                    )
+                )
+            )
             client.send_bucket(sid, b0)
             client.abort(sid, reason="trainer step failed")
             deadline = time.monotonic() + 60
@@ -41,8 +52,14 @@ def test_vllm_serves_pushed_adapters_and_rolls_back_to_the_previous_one(tmp_path
                 time.sleep(0.2)
             assert st["version"] == 1 and st["engines"][0]["digest"] == r1.engines[0]["digest"]
             a3 = make_adapter(base, 3)
-            r3 = push_adapter(client, a3, 3, alpha=ALPHA, engine_rank=ENGINE_RANK,
-                              probes=make_probes(merged(tiny_model_dir, a3), PROMPTS, 6))
+            r3 = push_adapter(
+                client,
+                a3,
+                3,
+                alpha=ALPHA,
+                engine_rank=ENGINE_RANK,
+                probes=make_probes(merged(tiny_model_dir, a3), PROMPTS, 6),
+            )
             assert r3.state == "READY"
             assert make_probes(m1, PROMPTS, 6) != make_probes(merged(tiny_model_dir, a3), PROMPTS, 6)
     except BaseException:

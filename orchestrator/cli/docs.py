@@ -1,0 +1,38 @@
+"""Regenerate the documentation that is generated from code:
+docs/ARCHITECTURE.md's state table (orchestrator/core/table.py) and docs/PROTOCOL.md's
+field tables (messages/schema.py). `python -m orchestrator.cli.docs [--check]`; tests
+fail when either drifts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from messages import protocol_doc
+from orchestrator.core import table
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = {
+    ROOT / "docs" / "ARCHITECTURE.md": table.splice,
+    ROOT / "docs" / "PROTOCOL.md": protocol_doc.splice,
+}
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for path, splice in GENERATED.items():
+        text = path.read_text()
+        new = splice(text)
+        if new != text:
+            stale.append(str(path))
+            if "--check" not in argv:
+                path.write_text(new)
+    if stale and "--check" in argv:
+        print("out of date: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    print("\n".join(f"regenerated {p}" for p in stale) or "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

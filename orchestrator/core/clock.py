@@ -1,0 +1,151 @@
+"""The clock and the daemon's own observations: deadlines, lost engines, recovery (a
+rollback of every engine, a catch-up of one), a trainer's closed connection, a bug, a
+shutdown, the spool's contents.
+
+Theory of operation: every tick finds the engines silent past `engine_timeout` (lost),
+then the running sync's overdue deadline, if any, and fails the sync with it (a lost
+participant first). With no sync running, a dirty daemon whose spool holds the version
+it last served replays that version to every live engine as a rollback sync (its own
+sync_id; the service feeds it like a trainer would); a READY daemon brings each stale
+engine to its version with a private catch-up. Catch-ups that stop making progress end.
+
+Rules: as in `sync`: find the facts first, then act.
+"""
+
+from __future__ import annotations
+
+from messages.errors import ErrorCode, WeightSyncError
+from orchestrator.core.commands import Journal, StartRollback, SyncOpened
+from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick, TrainerGone
+from orchestrator.core.model import Model
+from orchestrator.core.records import SyncRecord
+from orchestrator.core.states import ACTIVE, EngineState, State
+
+S, E = State, EngineState
+
+
+def tick(m: Model, event: Tick) -> None:
+    lim, now, s = m.limits, m.now, m.sync
+    lost = [
+        x.engine_id
+        for x in m.engines.values()
+        if x.state != E.LOST and now - x.last_seen > lim.engine_timeout
+    ]
+    overdue = _overdue(m, s, lost) if s is not None else None
+    rollback = s is None and m.state == S.IDLE and _rollback_due(m, lost)
+    for eid in lost:
+        m.engines[eid].move("lose")
+        m.leave_group(eid)
+    if overdue is not None:
+        m.close_failed("tick", overdue)
+    elif rollback:
+        _open_rollback(m)
+    elif s is None:
+        _expire_catchups(m)
+
+
+def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None:
+    """Why the running sync must fail now, or None."""
+    lim, now = m.limits, m.now
+    gone = [x for x in lost if x in s.participants]
+    if gone:  # whatever the state: a participant is gone
+        return m.error(
+            ErrorCode.ENGINE_FAILED,
+            f"engine(s) {gone} lost: disconnected, or no heartbeat for {lim.engine_timeout}s",
+            engine_ids=gone,
+        )
+    if m.state == S.LOADING_BUCKETS:
+        late = [k for k, b in s.buckets.items() if not b.done and now - b.forwarded_at > lim.bucket_timeout]
+        if late:
+            slow = sorted(set(s.participants) - s.buckets[late[0]].acked_by)
+            return m.error(
+                ErrorCode.TIMEOUT,
+                f"bucket seq {late[0][1]} not applied within {lim.bucket_timeout}s by {slow}",
+                engine_ids=slow,
+            )
+        if s.trainer_lost_at is not None and now - s.trainer_lost_at >= lim.trainer_grace:
+            return m.error(
+                ErrorCode.ABORTED,
+                f"the trainer's connection closed "
+                f"{now - s.trainer_lost_at:.1f}s ago mid-sync (it exited or was "
+                f"killed); sync abandoned",
+                trainer_lost=True,
+            )
+        if now - s.last_activity > lim.sync_timeout:
+            return m.error(ErrorCode.TIMEOUT, f"no trainer message for {lim.sync_timeout}s")
+    if (
+        m.state == S.FINALIZING
+        and s.finalize_started is not None
+        and now - s.finalize_started > lim.finalize_timeout
+    ):
+        slow = sorted(set(s.participants) - set(s.finalized))
+        return m.error(
+            ErrorCode.TIMEOUT,
+            f"finalize not reported within {lim.finalize_timeout}s by {slow}",
+            engine_ids=slow,
+        )
+    return None
+
+
+def _rollback_due(m: Model, lost: list[str]) -> bool:
+    live = [x for x in m.engines.values() if x.state != E.LOST and x.engine_id not in lost]
+    return m.want_rollback and m.dirty and m.can_roll_back() and len(live) >= max(1, m.limits.min_engines)
+
+
+def _open_rollback(m: Model) -> None:
+    sp = m.spooled
+    if sp is None or m.served_digest is None:  # can_roll_back() held: for the type checker
+        return
+    sync_id = m.new_own_sync_id("rollback")
+    m.move("tick", S.LOADING_BUCKETS, None, version=sp.version, sync_id=sync_id)
+    s = m.open_sync(sync_id, sp.version, expected=sp.buckets, kind="rollback")
+    s.rollback_of = m.last_sync
+    s.expected_digest = m.served_digest
+    m.want_rollback = False
+    m.outbox.append(SyncOpened(sync_id, sp.version, "rollback", s.transport, False))
+    m.outbox.append(
+        Journal(
+            "sync",
+            {
+                "sync_id": sync_id,
+                "version": sp.version,
+                "status": "LOADING_BUCKETS",
+                "kind": "rollback",
+                "at": m.now,
+            },
+        )
+    )
+    m.outbox.append(StartRollback(sync_id, sp.version, m.served_digest))
+
+
+def _expire_catchups(m: Model) -> None:
+    lim = m.limits
+    for eid, c in sorted(m.catchups.items()):
+        if m.engines[eid].state == E.LOST:
+            m.end_catchup(eid, False, "engine lost")
+        elif m.now - c.last_progress > (lim.finalize_timeout if c.finalize_sent else lim.bucket_timeout):
+            m.end_catchup(eid, False, "no progress before the deadline")
+
+
+def trainer_gone(m: Model, event: TrainerGone) -> None:
+    """The trainer's connection closed mid-sync: the sync fails after `trainer_grace`
+    unless the trainer comes back (any message of it clears this)."""
+    s = m.sync
+    if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
+        s.trainer_lost_at = m.now
+
+
+def internal(m: Model, event: InternalError) -> None:
+    if m.state in ACTIVE:
+        m.close_failed("internal", m.error(ErrorCode.INTERNAL, event.reason))
+
+
+def shutdown(m: Model, event: Shutdown) -> None:
+    if m.state in ACTIVE:
+        m.close_failed("shutdown", m.error(ErrorCode.INTERNAL, "daemon shutting down"))
+
+
+def spool_changed(m: Model, event: SpoolChanged) -> None:
+    m.spooled = event.spooled
+    if m.state == S.READY:
+        m.catch_up_stale()

@@ -1,0 +1,108 @@
+"""The engines, trigger by trigger: register, heartbeat, and a closed connection.
+
+Theory of operation: an engine registers (again after a restart or a reconnect) and
+heartbeats; the daemon keeps one record per engine id. One registering while READY
+either already serves the daemon's version (same version and digest) or is brought to it
+from the spool (a catch-up, `Model.start_catchup`). A participant that registers again
+mid-sync restarted and lost its buckets: the sync fails. An engine id held by another
+live process on an open connection is refused (DUPLICATE_ENGINE). Lost engines are found
+by the clock (`clock.tick`); a closed connection of a collective participant makes it
+lost at the next tick without waiting out its heartbeats.
+
+Rules: as in `sync`: refuse first (changing nothing), then act.
+"""
+
+from __future__ import annotations
+
+from messages.errors import ErrorCode
+from orchestrator.core.events import EngineGone, EngineRegistered, Heartbeat
+from orchestrator.core.model import Model
+from orchestrator.core.records import EngineRecord
+from orchestrator.core.states import EngineState, State
+
+S, E = State, EngineState
+
+
+def register(m: Model, event: EngineRegistered) -> None:
+    msg = event.msg
+    old, s = m.engines.get(msg.engine_id), m.sync
+    if (
+        old is not None
+        and event.other_connection
+        and old.state != E.LOST
+        and (old.host, old.pid) != (msg.host, msg.pid)
+    ):
+        raise m.error(
+            ErrorCode.DUPLICATE_ENGINE,
+            f"engine id {msg.engine_id!r} is held by a live engine (pid {old.pid} on "
+            f"{old.host or '?'}); give this one another --engine-id, or stop the other",
+            holder_host=old.host,
+            holder_pid=old.pid,
+        )
+    if old is not None and s is not None and msg.engine_id in s.participants and old.state != E.LOST:
+        # The same id registering mid-sync: the process restarted and lost its buckets.
+        m.close_failed(
+            "register",
+            m.error(
+                ErrorCode.ENGINE_FAILED,
+                f"engine {msg.engine_id} re-registered during the sync",
+                engine_id=msg.engine_id,
+            ),
+        )
+    ready = m.state == S.READY
+    current = (
+        ready
+        and msg.version is not None
+        and msg.version == m.served_version
+        and msg.digest == m.served_digest
+    )
+    rec = EngineRecord(
+        msg.engine_id,
+        msg.backend,
+        msg.model,
+        msg.host,
+        msg.pid,
+        tuple(msg.transports),
+        state=E.READY if current else E.STALE,
+        version=msg.version,
+        digest=msg.digest,
+        finalize_count=msg.finalize_count,
+        last_seen=m.now,
+        spec={p.name: p for p in msg.spec},
+        cast_ok=msg.cast_ok,
+        collective_ranks=msg.collective_ranks,
+        collective_backends=tuple(msg.collective_backends),
+    )
+    # A catch-up in flight for this id is over (its process restarted, or it was lost):
+    # end it so its feed stops, then start afresh below if the engine is stale.
+    m.end_catchup(msg.engine_id, False, "engine registered again")
+    m.leave_group(msg.engine_id)  # a new process: the group's ranks for it are gone
+    m.engines[msg.engine_id] = rec
+    if ready and rec.state == E.STALE:
+        m.start_catchup(msg.engine_id)
+    m.reply = {
+        "engine_id": msg.engine_id,
+        "state": rec.state.value,
+        "daemon_state": m.state.value,
+        "version": m.served_version,
+    }
+
+
+def heartbeat(m: Model, event: Heartbeat) -> None:
+    x = m.engines.get(event.engine_id)
+    if not event.registered_here or x is None or x.state == E.LOST:
+        m.reply = {"known": False}  # the engine registers again
+        return
+    x.last_seen = m.now
+    m.reply = {"known": True}
+
+
+def engine_gone(m: Model, event: EngineGone) -> None:
+    """Counted lost at the next tick, without waiting out its heartbeats: a collective
+    group cannot go on without a member. A live process re-registers and catches up."""
+    s = m.sync
+    if s is None or s.group is None or event.engine_id not in s.participants:
+        return
+    x = m.engines.get(event.engine_id)
+    if x is not None:
+        x.last_seen = float("-inf")

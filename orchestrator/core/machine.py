@@ -1,0 +1,59 @@
+"""The core: `Core.handle(event, now)` is the only way in (h11 style: no I/O, no clocks).
+
+Rules: each event type goes to its trigger function (`sync`, `fleet`, `clock`), which
+refuses with a typed error having changed nothing, or acts: records, commands, a reply.
+State changes go through the table (`core.table`), checked before they happen. A refused
+event leaves the core exactly as it was, outbox included; a bug inside a trigger is
+raised to the service, which fails the running sync with INTERNAL (`InternalError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from messages.errors import WeightSyncError
+from orchestrator.core import clock, fleet, sync
+from orchestrator.core import events as ev
+from orchestrator.core.commands import Journal, Result
+from orchestrator.core.model import Model
+
+HANDLERS: dict[type[ev.Event], Callable[[Model, Any], None]] = {
+    ev.BeginSync: sync.begin,
+    ev.BucketIn: sync.bucket,
+    ev.FinishSync: sync.finish,
+    ev.AbortSync: sync.abort,
+    ev.Loaded: sync.loaded,
+    ev.EngineFinalized: sync.finalized,
+    ev.EngineFailed: sync.failed,
+    ev.EngineRegistered: fleet.register,
+    ev.Heartbeat: fleet.heartbeat,
+    ev.EngineGone: fleet.engine_gone,
+    ev.Tick: clock.tick,
+    ev.TrainerGone: clock.trainer_gone,
+    ev.InternalError: clock.internal,
+    ev.Shutdown: clock.shutdown,
+    ev.SpoolChanged: clock.spool_changed,
+}
+
+
+class Core(Model):
+    """The records (`Model`) and the one entry point. Public queries: `state`,
+    `served_version`, `snapshot(now)`, `error(code, message)`."""
+
+    def handle(self, event: ev.Event, now: float) -> Result:
+        """Apply `event` at time `now`; raise a typed WeightSyncError (and change
+        nothing) if it is refused."""
+        self.now = now
+        self.reply = None
+        self.outbox = []
+        try:
+            HANDLERS[type(event)](self, event)
+        except WeightSyncError:
+            self.outbox = []
+            raise
+        out, self.outbox = self.outbox, []
+        for c in out:
+            if isinstance(c, Journal) and c.kind == "transition":
+                c.data["dirty"] = self.dirty
+        return Result(self.reply, out)

@@ -1,0 +1,430 @@
+"""What the core knows, and the steps every trigger shares.
+
+Rules: `Model` holds the records (engines, the running sync, the served version, the
+spool, catch-ups) and the steps several triggers take the same way: moving through the
+state table (journaled and logged once), opening a sync, closing it READY or failed,
+starting and ending a catch-up. A step changes records and appends commands to the
+outbox; it never raises on input (the trigger checked it first), never reads a clock
+(`now` is the input's) and does no I/O. The trigger modules (`sync`, `fleet`, `clock`)
+decide which steps an input takes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from typing import Any
+
+from messages.errors import ErrorCode, WeightSyncError, make_error
+from orchestrator.core import syncs
+from orchestrator.core.commands import (
+    CatchUpDone,
+    Command,
+    CompleteSync,
+    Journal,
+    SendAbort,
+    SpoolCommit,
+    SpoolDiscard,
+    StartCatchUp,
+)
+from orchestrator.core.records import CatchUp, EngineRecord, GroupPlan, Limits, Spooled, SyncRecord
+from orchestrator.core.states import EngineState, State
+from orchestrator.core.table import StateTable
+
+S, E = State, EngineState
+ENDED_KEPT = 4096  # ended sync ids remembered (a late message for one is answered with its end)
+
+
+class Model:
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        initial: State = S.IDLE,
+        served_version: int | None = None,
+        served_digest: str | None = None,
+        dirty: bool = False,
+        now: float = 0.0,
+        run_id: str = "0",
+        history: Iterable[dict[str, Any]] = (),
+        ended: Iterable[tuple[str, str | None, str]] = (),
+    ) -> None:
+        self.limits = limits or Limits()
+        self.table = StateTable(initial)
+        # Names the daemon's own syncs (rollback, catch-up): an engine outlives a daemon
+        # restart and refuses a finalize for a sync_id it already ran.
+        self.run_id = run_id
+        self.last_ready_version = served_version
+        self.served_digest = served_digest
+        self.dirty = dirty
+        self.engines: dict[str, EngineRecord] = {}
+        self.sync: SyncRecord | None = None
+        self.last_sync: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque(history, maxlen=self.limits.history)
+        self.outbox: list[Command] = []
+        self.reply: dict[str, Any] | None = None
+        self.now = now
+        self.spooled: Spooled | None = None
+        self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be
+        self.catchups: dict[str, CatchUp] = {}
+        # Outcome (code, reason; None for READY) of ended syncs: a late message for one is
+        # answered with it, and its id is never begun again.
+        self.ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        for sync_id, code, reason in ended:
+            self.remember_ended(sync_id, code, reason)
+        self.group: GroupPlan | None = None  # the collective group syncs reuse
+        self._groups = 0
+        self._own_syncs = 0
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self.table.state
+
+    @property
+    def served_version(self) -> int | None:
+        return None if self.dirty else self.last_ready_version
+
+    def live_engines(self) -> list[EngineRecord]:
+        return [x for x in self.engines.values() if x.state != E.LOST]
+
+    def participant(self, engine_id: str, sync_id: str) -> SyncRecord | None:
+        """The running sync, if `engine_id` takes part in it (and is not lost)."""
+        s = self.sync
+        if s is None or s.sync_id != sync_id or engine_id not in s.participants:
+            return None
+        x = self.engines.get(engine_id)
+        return None if x is None or x.state == E.LOST else s
+
+    def can_roll_back(self) -> bool:
+        """The spool holds exactly the version last served (same digest)."""
+        sp = self.spooled
+        return (
+            sp is not None
+            and self.last_ready_version is not None
+            and sp.version == self.last_ready_version
+            and sp.digest == self.served_digest
+        )
+
+    def untouched_and_was_ready(self) -> bool:
+        """A failure now leaves the engines as they were: READY again, not dirty."""
+        s = self.sync
+        return (
+            s is not None
+            and self.state == S.LOADING_BUCKETS
+            and not s.buckets
+            and not s.finalize_sent
+            and not self.dirty
+            and self.last_ready_version is not None
+        )
+
+    def error(self, code: ErrorCode, message: str, **details: Any) -> WeightSyncError:
+        """A typed error that says where the daemon is (state, version, running sync)."""
+        return make_error(
+            code,
+            message,
+            state=self.state.value,
+            version=self.served_version,
+            sync_id=self.sync.sync_id if self.sync else None,
+            details=details or None,
+        )
+
+    def require_sync(self, sync_id: str, what: str) -> SyncRecord:
+        """The running sync `sync_id`, or raise why it is not running: its own failure if it
+        ended (the real cause, not the state it left), else UNKNOWN_SYNC."""
+        if self.sync is not None and self.sync.sync_id == sync_id:
+            return self.sync
+        ended = self.ended.get(sync_id)
+        if ended is not None:
+            code, reason = ended
+            if code is None:
+                raise self.error(
+                    ErrorCode.INVALID_STATE,
+                    f"{what} for sync {sync_id!r}, which already completed (READY)",
+                    ended=True,
+                )
+            raise self.error(
+                ErrorCode(code), f"{what} for sync {sync_id!r}, which already ended: {reason}", ended=True
+            )
+        if self.sync is not None:
+            raise self.error(
+                ErrorCode.UNKNOWN_SYNC,
+                f"{what} for sync {sync_id!r}, but sync {self.sync.sync_id!r} is running",
+            )
+        raise self.error(
+            ErrorCode.UNKNOWN_SYNC,
+            f"{what} for sync {sync_id!r}, which this daemon does not know (it "
+            f"restarted, or the sync never began): begin again",
+        )
+
+    def ended_note(self, sync_id: str) -> str:
+        ended = self.ended.get(sync_id)
+        if ended is None:
+            return ""
+        return f" (sync {sync_id!r} " + (
+            "already completed (READY))" if ended[0] is None else f"already ended: {ended[1]})"
+        )
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        """The status object's core part; with `now`, each engine's heartbeat age."""
+        engines = []
+        for x in sorted(self.engines.values(), key=lambda x: x.engine_id):
+            v = x.view()
+            if now is not None:
+                v["heartbeat_age_s"] = round(now - x.last_seen, 3)
+            engines.append(v)
+        return {
+            "state": self.state.value,
+            "version": self.served_version,
+            "last_ready_version": self.last_ready_version,
+            "digest": self.served_digest,
+            "dirty": self.dirty,
+            "sync": self.sync.view() if self.sync else None,
+            "last_sync": dict(self.last_sync) if self.last_sync else None,
+            "engines": engines,
+            "history": [dict(h) for h in self.history],
+            "min_engines": self.limits.min_engines,
+            "rollback_pending": self.want_rollback and self.can_roll_back(),
+            "collective": self.group.view() if self.group else None,
+        }
+
+    # -- steps --------------------------------------------------------------------------
+    def remember_ended(self, sync_id: str, code: str | None, reason: str) -> None:
+        if code is not None and code not in ErrorCode.__members__:
+            code = ErrorCode.INTERNAL.value
+        self.ended[sync_id] = (code, reason)
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
+    def move(
+        self,
+        trigger: str,
+        dest: State,
+        s: SyncRecord | None,
+        error: WeightSyncError | None = None,
+        *,
+        version: int | None = None,
+        sync_id: str | None = None,
+    ) -> None:
+        """Change state through the table (INTERNAL if no row allows it; nothing changed
+        then) and journal the transition once, naming the sync it belongs to (`s`, or
+        `version` and `sync_id` of one about to open)."""
+        src = self.state
+        self.table.move(trigger, dest)
+        entry: dict[str, Any] = {
+            "from": src.value,
+            "to": dest.value,
+            "trigger": trigger,
+            "version": s.version if s else (version if version is not None else self.last_ready_version),
+            "sync_id": s.sync_id if s else sync_id,
+            "at": self.now,
+        }
+        if error is not None:
+            entry["code"] = error.code.value
+            entry["reason"] = error.message
+        self.history.append(entry)
+        # The row's `dirty` is the daemon's after the whole input (Core.handle sets it).
+        self.outbox.append(Journal("transition", {**entry, "dirty": None}))
+
+    def open_sync(
+        self,
+        sync_id: str,
+        version: int,
+        *,
+        senders: int = 1,
+        expected: int | None = None,
+        probes: tuple[Any, ...] = (),
+        kind: str = "sync",
+    ) -> SyncRecord:
+        """A sync record with every live engine as a participant; catch-ups are superseded."""
+        participants = tuple(sorted(x.engine_id for x in self.live_engines()))
+        s = self.sync = SyncRecord(
+            sync_id, version, senders, expected, probes, participants, self.now, self.now
+        )
+        s.kind = kind
+        for eid, c in sorted(self.catchups.items()):  # a full sync supersedes any catch-up
+            self.outbox.append(SendAbort((eid,), c.sync_id))
+            self.outbox.append(CatchUpDone(eid, c.sync_id, False, f"superseded by sync {sync_id}"))
+        self.catchups.clear()
+        for eid in participants:
+            self.engines[eid].move("enlist")
+        return s
+
+    def close_failed(self, trigger: str, err: WeightSyncError) -> None:
+        """End the running sync as failed. READY again when it touched nothing of a READY
+        daemon, else IDLE with dirty set (and a rollback wanted when the spool can)."""
+        s = self.sync
+        if s is None:
+            raise make_error(ErrorCode.INTERNAL, "close_failed without a running sync")
+        rolled_back = self.untouched_and_was_ready()
+        self.move(trigger, S.READY if rolled_back else S.IDLE, s, err)
+        s.error = err
+        if s.group is not None:
+            self.group = None  # members may have died or hold a half-done broadcast
+        if not rolled_back:
+            self.dirty = True
+        for eid in s.participants:
+            x = self.engines[eid]
+            if x.state == E.LOST:
+                continue
+            if rolled_back and x.version == self.last_ready_version:
+                x.move("restore")
+            else:
+                x.move("doubt")
+                if not rolled_back:
+                    x.version, x.digest = None, None
+        touched = tuple(x for x in s.participants if self.engines[x].state != E.LOST)
+        if s.buckets or s.finalize_sent:
+            self.outbox.append(SendAbort(touched, s.sync_id))
+        if s.kind == "sync":
+            if self.limits.spool:
+                self.outbox.append(SpoolDiscard(s.sync_id))
+            # A rollback that fails is not retried by itself (no loop); the next sync repairs.
+            self.want_rollback = not rolled_back and self.can_roll_back()
+        status = "ABORTED" if trigger == "abort" else "FAILED"
+        self.last_sync = {
+            **syncs.summary(s, status, self.now),
+            "code": err.code.value,
+            "reason": err.message,
+            "dirty": self.dirty,
+            "at": self.now,
+            "rollback": "pending" if self.want_rollback else ("failed" if s.kind == "rollback" else "none"),
+        }
+        if self.want_rollback:
+            err.details = {**(err.details or {}), "rollback_to": self.last_ready_version}
+        self.outbox.append(
+            Journal(
+                "sync",
+                {
+                    "sync_id": s.sync_id,
+                    "version": s.version,
+                    "status": status,
+                    "code": err.code.value,
+                    "reason": err.message,
+                    "buckets": len(s.buckets),
+                    "bytes": s.nbytes,
+                    "at": self.now,
+                },
+            )
+        )
+        err.state, err.version, err.sync_id = self.state.value, self.served_version, s.sync_id
+        self.outbox.append(
+            CompleteSync(
+                s.sync_id, None, err, summary=self.last_sync, state=self.state.value, dirty=self.dirty
+            )
+        )
+        self.remember_ended(s.sync_id, err.code.value, f"{status}: {err.message}")
+        self.sync = None
+        self.reply = {"state": self.state.value, "version": self.served_version, "dirty": self.dirty}
+
+    def close_ready(self, trigger: str) -> None:
+        """End the running sync READY: every participant finalized with the same digest."""
+        s = self.sync
+        if s is None or not s.finalized:
+            raise make_error(ErrorCode.INTERNAL, "close_ready without a finalized sync")
+        self.move(trigger, S.READY, s)
+        digest = next(iter(s.finalized.values())).digest
+        if s.kind == "sync" and self.limits.spool:
+            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest))
+        self.last_ready_version, self.served_digest, self.dirty = s.version, digest, False
+        for eid, fin in s.finalized.items():
+            x = self.engines[eid]
+            x.version, x.digest, x.finalize_count, x.probes = (
+                s.version,
+                fin.digest,
+                fin.finalize_count,
+                fin.probes,
+            )
+            x.move("serve")
+        body = syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now)
+        body["digest"] = digest
+        if s.rollback_of is not None:
+            body["rolled_back_from"] = s.rollback_of
+        body["engines"] = [
+            {
+                "engine_id": eid,
+                "digest": f.digest,
+                "probes": [list(p) for p in f.probes],
+                "finalize_count": f.finalize_count,
+                "seconds": f.seconds,
+                "phases": dict(f.phases),
+            }
+            for eid, f in sorted(s.finalized.items())
+        ]
+        self.last_sync = {**body, "at": self.now}
+        self.outbox.append(
+            Journal(
+                "sync",
+                {
+                    "sync_id": s.sync_id,
+                    "version": s.version,
+                    "status": "READY",
+                    "digest": digest,
+                    "buckets": len(s.buckets),
+                    "bytes": s.nbytes,
+                    "at": self.now,
+                },
+            )
+        )
+        self.outbox.append(
+            CompleteSync(s.sync_id, body, summary=self.last_sync, state=self.state.value, dirty=self.dirty)
+        )
+        self.remember_ended(s.sync_id, None, "READY")
+        self.sync = None
+        self.want_rollback = False
+        self.catch_up_stale()  # engines that registered during the sync join now
+
+    # -- catch-up: one engine brought to the served version from the spool --------------
+    def catch_up_stale(self) -> None:
+        for x in sorted(self.engines.values(), key=lambda x: x.engine_id):
+            if x.state == E.STALE and x.engine_id not in self.catchups:
+                self.start_catchup(x.engine_id)
+
+    def start_catchup(self, engine_id: str) -> None:
+        x = self.engines[engine_id]
+        sp = self.spooled
+        if not self.can_roll_back() or sp is None or self.last_ready_version is None or x.state != E.STALE:
+            return
+        self._own_syncs += 1
+        sync_id = f"catchup-{engine_id}-{self.run_id}-{self._own_syncs}"
+        self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
+        x.move("join")
+        self.outbox.append(StartCatchUp(engine_id, sync_id, self.last_ready_version))
+
+    def end_catchup(self, engine_id: str, ok: bool, reason: str = "") -> None:
+        c = self.catchups.pop(engine_id, None)
+        if c is None:
+            return
+        x = self.engines.get(engine_id)
+        if not ok:
+            if x is not None and x.state != E.LOST:
+                x.move("doubt")
+                x.version, x.digest = None, None
+            self.outbox.append(SendAbort((engine_id,), c.sync_id))
+        self.outbox.append(CatchUpDone(engine_id, c.sync_id, ok, reason))
+
+    def catchup_of(self, engine_id: str, sync_id: str) -> CatchUp | None:
+        """The catch-up `sync_id` of `engine_id` (its progress noted now), else None."""
+        c = self.catchups.get(engine_id)
+        if c is None or c.sync_id != sync_id:
+            return None
+        c.last_progress = self.now
+        self.engines[engine_id].last_seen = self.now
+        return c
+
+    def new_own_sync_id(self, kind: str) -> str:
+        self._own_syncs += 1
+        return f"{kind}-{self.run_id}-{self._own_syncs}"
+
+    def new_group_id(self) -> str:
+        return f"g{self._groups + 1}.{self.run_id}"[:128]
+
+    def group_planned(self, plan: GroupPlan) -> None:
+        if plan is not self.group:
+            self._groups += 1
+        self.group = plan
+
+    def leave_group(self, engine_id: str) -> None:
+        g = self.group
+        if g is not None and any(eid == engine_id for eid, _, _ in g.members):
+            self.group = None  # the next collective sync plans a new group without stale ranks

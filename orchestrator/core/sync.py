@@ -1,0 +1,392 @@
+"""A trainer's sync, trigger by trigger: begin, bucket, finish, abort, and the engines'
+answers about it (loaded, finalized, failed).
+
+Theory of operation: a sync streams buckets to every participant (LOADING_BUCKETS); a
+bucket is acknowledged to the trainer once every live participant applied it. `finish`
+moves to FINALIZING only when every sender finished and every announced bucket is
+applied everywhere (the participants are prepared); then each participant is told to
+finalize exactly once (the commit), and the last valid `finalized` makes the daemon
+READY. Anything else that goes wrong before READY fails the sync (`Model.close_failed`).
+
+Rules: each function first finds the facts and refuses (raises a typed error, having
+changed nothing), then acts: records, commands, reply. Read top to bottom per trigger.
+"""
+
+from __future__ import annotations
+
+from messages.errors import ErrorCode
+from messages.schema import Bucket
+from orchestrator.core import syncs
+from orchestrator.core.commands import (
+    AckBucket,
+    CatchUpAck,
+    ForwardBucket,
+    Journal,
+    SendFinalize,
+    SpoolBegin,
+    SyncOpened,
+)
+from orchestrator.core.events import (
+    AbortSync,
+    BeginSync,
+    BucketIn,
+    EngineFailed,
+    EngineFinalized,
+    FinishSync,
+    Loaded,
+)
+from orchestrator.core.model import Model
+from orchestrator.core.records import BucketRecord, SyncRecord
+from orchestrator.core.states import EngineState, State
+
+S, E = State, EngineState
+
+
+# -- begin ----------------------------------------------------------------------------------
+def begin(m: Model, event: BeginSync) -> None:
+    msg, s = event.msg, m.sync
+    if s is not None and s.sync_id == msg.sync_id and s.version == msg.version and s.kind == "sync":
+        _reply_running(m, s)  # a repeated begin (its reply was lost): answered again
+        return
+    if s is not None and s.kind == "rollback":
+        raise m.error(
+            ErrorCode.INVALID_STATE,
+            f"the daemon is rolling the engines back to version {s.version} after a "
+            f"failed sync; retry when it is READY",
+            rollback_running=True,
+        )
+    if s is not None and s.sync_id == msg.sync_id:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"sync {msg.sync_id!r} was begun with version {s.version}")
+    if s is not None:
+        age = m.now - s.started_at
+        raise m.error(
+            ErrorCode.INVALID_STATE,
+            f"begin is not allowed in state {m.state.value}: sync {s.sync_id!r} "
+            f"(version {s.version}) has been running for {age:.0f}s; wait for it, "
+            f"or end it with `weightsync abort --sync-id {s.sync_id}`",
+            running_sync_id=s.sync_id,
+            running_version=s.version,
+            running_seconds=round(age, 3),
+        )
+    if msg.sync_id in m.ended:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            f"sync_id {msg.sync_id!r} was used by an earlier sync; every begin needs a new sync_id",
+        )
+    if m.last_ready_version is not None and msg.version <= m.last_ready_version:
+        raise m.error(
+            ErrorCode.STALE_VERSION,
+            f"version {msg.version} is not newer than served version {m.last_ready_version}",
+        )
+    live = len(m.live_engines())
+    if live < m.limits.min_engines:
+        raise m.error(ErrorCode.NO_ENGINES, f"{live} engine(s) registered, {m.limits.min_engines} required")
+    # taken: every live engine takes part; the transport is planned for all of them
+    m.move("begin", S.LOADING_BUCKETS, None, version=msg.version, sync_id=msg.sync_id)
+    s = m.open_sync(
+        msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
+    )
+    group = syncs.plan_group(
+        msg, s.participants, m.engines, m.group, m.new_group_id(), m.limits.bucket_timeout
+    )
+    if group is not None:
+        m.group_planned(group)
+        s.group, s.transport = group, "collective"
+    else:
+        s.shm_engines, s.transport = syncs.plan_transport(msg, s.participants, m.engines, m.limits.host)
+    m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.transport, m.limits.spool))
+    if m.limits.spool:
+        m.outbox.append(SpoolBegin(msg.sync_id, msg.version))
+    m.outbox.append(
+        Journal(
+            "sync",
+            {
+                "sync_id": msg.sync_id,
+                "version": msg.version,
+                "status": "LOADING_BUCKETS",
+                "kind": "sync",
+                "at": m.now,
+            },
+        )
+    )
+    m.reply = {**s.view(), "state": S.LOADING_BUCKETS.value}
+    if s.group is not None:  # the trainer sends the daemon a copy of each bucket to spool
+        m.reply["spool_copy"] = m.limits.spool
+
+
+def _reply_running(m: Model, s: SyncRecord) -> None:
+    s.last_activity, s.trainer_lost_at = m.now, None
+    m.reply = {**s.view(), "state": m.state.value, "repeated": True}
+    if s.group is not None:
+        m.reply["spool_copy"] = m.limits.spool
+
+
+# -- bucket ---------------------------------------------------------------------------------
+def bucket(m: Model, event: BucketIn) -> None:
+    msg, lim = event.msg, m.limits
+    if event.nbytes > lim.max_frame_bytes:
+        raise m.error(
+            ErrorCode.TOO_LARGE,
+            f"bucket frame of {event.nbytes} bytes exceeds "
+            f"max_frame_bytes {lim.max_frame_bytes}; use smaller buckets",
+        )
+    if event.pending >= lim.max_pending:
+        raise m.error(
+            ErrorCode.TOO_LARGE,
+            f"{event.pending} bucket requests already pending on "
+            f"this connection (max_pending {lim.max_pending}); lower the window",
+        )
+    s = m.require_sync(msg.sync_id, "bucket")
+    if m.state != S.LOADING_BUCKETS:
+        raise m.error(ErrorCode.INVALID_STATE, f"bucket is not allowed in state {m.state.value}")
+    _check_route(m, s, event)
+    if msg.sender >= s.senders:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
+    key = (msg.sender, msg.seq)
+    rec = s.buckets.get(key)
+    if rec is not None and rec.nbytes != event.nbytes:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE, f"seq {msg.seq} resent with {event.nbytes} bytes, first had {rec.nbytes}"
+        )
+    if rec is not None:  # a resend: acknowledged now if every engine applied it, else when they have
+        s.last_activity, s.trainer_lost_at = m.now, None
+        if rec.done:
+            m.reply = {"seq": msg.seq, "duplicate": True}
+        return
+    _check_spec(m, s, msg)
+    s.last_activity, s.trainer_lost_at = m.now, None
+    s.buckets[key] = BucketRecord(event.nbytes, m.now)
+    s.nbytes += event.nbytes
+    s.names.update(t.name for t in msg.tensors)
+    alive = tuple(x for x in s.participants if m.engines[x].state != E.LOST)
+    m.outbox.append(
+        ForwardBucket(
+            s.sync_id,
+            key,
+            s.version,
+            alive,
+            shm_engines=s.shm_engines if msg.shm is not None else (),
+            group=s.group,
+            spool=m.limits.spool and s.kind == "sync",
+        )
+    )
+
+
+def _check_route(m: Model, s: SyncRecord, event: BucketIn) -> None:
+    """The bucket travels the way its sync negotiated, and its bytes hashed right."""
+    msg = event.msg
+    if msg.size is not None and s.transport != "collective":
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "collective bucket, but this sync did not negotiate "
+            "a collective group (begin with transport=collective|auto and a collective offer)",
+        )
+    if msg.size is None and s.transport == "collective":
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "this sync's buckets travel by the collective: send their size, not their bytes or a shm slot",
+        )
+    if msg.shm is not None and s.transport == "inline":
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "shm bucket, but this sync did not negotiate shared "
+            "memory (begin with transport=shm|auto from the engines' host)",
+        )
+    if event.shm_error is not None:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"bucket seq {msg.seq}: {event.shm_error}")
+    if msg.size is not None and m.limits.spool and s.kind == "sync" and not event.has_payload:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "this daemon spools: a collective bucket must carry "
+            "a copy of its bytes (begin's reply says spool_copy)",
+        )
+    if event.checksum_ok is False:
+        where = {"collective": "the spool copy", "mixed": "the shm slot"}.get(s.transport, "the frame")
+        raise m.error(
+            ErrorCode.CHECKSUM_MISMATCH,
+            f"bucket seq {msg.seq}: checksum does not match {where}; nothing applied",
+        )
+
+
+def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
+    """Refuse a bucket some participant would refuse, before any engine sees it."""
+    for eid in s.participants:
+        x = m.engines[eid]
+        if not x.spec:
+            continue
+        for t in msg.tensors:
+            spec = x.spec.get(t.name)
+            if spec is None:
+                raise m.error(
+                    ErrorCode.UNKNOWN_TENSOR,
+                    f"engine {eid} has no tensor {t.name!r}",
+                    engine_id=eid,
+                    tensor=t.name,
+                )
+            if tuple(spec.shape) != tuple(t.shape) or (not x.cast_ok and spec.dtype != t.dtype):
+                raise m.error(
+                    ErrorCode.SHAPE_MISMATCH,
+                    f"{t.name}: engine {eid} expects {spec.dtype}{list(spec.shape)}, "
+                    f"bucket has {t.dtype}{list(t.shape)}",
+                    engine_id=eid,
+                    tensor=t.name,
+                )
+
+
+def loaded(m: Model, event: Loaded) -> None:
+    c = m.catchup_of(event.engine_id, event.sync_id)
+    if c is not None:  # a catch-up's bucket (clock.py runs the catch-up)
+        if event.key not in c.acked:
+            c.acked.add(event.key)
+            m.outbox.append(CatchUpAck(event.engine_id, event.sync_id, event.key))
+        if len(c.acked) >= c.total and not c.finalize_sent:
+            c.finalize_sent = True
+            m.outbox.append(SendFinalize(event.engine_id, event.sync_id, c.version, ()))
+        return
+    s = m.participant(event.engine_id, event.sync_id)
+    rec = s.buckets.get(event.key) if s else None
+    if s is None or rec is None or rec.done:
+        return  # late or duplicate: nothing to do
+    m.engines[event.engine_id].last_seen = m.now
+    rec.acked_by.add(event.engine_id)
+    ack_if_applied(m, s, event.key, rec)
+
+
+def ack_if_applied(m: Model, s: SyncRecord, key: tuple[int, int], rec: BucketRecord) -> None:
+    alive = {x for x in s.participants if m.engines[x].state != E.LOST}
+    if not rec.done and alive <= rec.acked_by:
+        rec.done = True
+        m.outbox.append(AckBucket(s.sync_id, key))
+
+
+# -- finish: prepared everywhere, then the commit (finalize once per participant) ------------
+def finish(m: Model, event: FinishSync) -> None:
+    msg = event.msg
+    if m.state != S.LOADING_BUCKETS and (m.sync is None or m.sync.sync_id == msg.sync_id):
+        raise m.error(
+            ErrorCode.INVALID_STATE,
+            f"finish is only allowed in LOADING_BUCKETS, state is {m.state.value}{m.ended_note(msg.sync_id)}",
+        )
+    s = m.require_sync(msg.sync_id, "finish")
+    if msg.sender >= s.senders:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
+    finished = {**s.finished, msg.sender: msg.buckets}
+    if len(finished) < s.senders:  # another sender still streams: wait for its finish
+        _record_finish(m, s, event)
+        return
+    reason = syncs.incomplete_reason(s, finished)
+    if reason is not None:
+        raise m.error(ErrorCode.INCOMPLETE_SYNC, reason)
+    missing = None if msg.partial else syncs.missing_tensors(s, m.engines)
+    if missing is not None:
+        eid, names = missing
+        raise m.error(
+            ErrorCode.INCOMPLETE_SYNC,
+            f"engine {eid} would be left with {len(names)} tensor(s) of the old "
+            f"version: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
+            f"(send them, or push with --partial); nothing was finalized",
+            engine_id=eid,
+            missing=names[:64],
+            missing_count=len(names),
+        )
+    _record_finish(m, s, event)
+    m.move("finish", S.FINALIZING, s)
+    s.finalize_started = m.now
+    for eid in s.participants:
+        if eid in s.finalize_sent:  # the guard behind the invariant: once per engine
+            continue
+        s.finalize_sent.add(eid)
+        m.engines[eid].move("start_finalize")
+        m.outbox.append(SendFinalize(eid, s.sync_id, s.version, s.probes))
+
+
+def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:
+    msg = event.msg
+    s.last_activity, s.trainer_lost_at = m.now, None
+    s.finished[msg.sender] = msg.buckets
+    if msg.digest is not None and s.senders == 1:
+        s.expected_digest = msg.digest
+
+
+def finalized(m: Model, event: EngineFinalized) -> None:
+    eid, msg, s = event.engine_id, event.msg, m.sync
+    c = m.catchup_of(eid, msg.sync_id)
+    if c is not None:  # a catch-up's finalize
+        if msg.version == c.version and msg.digest == m.served_digest and c.finalize_sent:
+            x = m.engines[eid]
+            x.version, x.digest, x.finalize_count = msg.version, msg.digest, msg.finalize_count
+            x.move("serve")
+            m.end_catchup(eid, True)
+        else:
+            m.end_catchup(
+                eid,
+                False,
+                f"finalized version {msg.version} digest {msg.digest}, "
+                f"expected {c.version} {m.served_digest}",
+            )
+        return
+    if s is None or m.state != S.FINALIZING or m.participant(eid, msg.sync_id) is None or eid in s.finalized:
+        return  # late, stray or repeated: changes nothing
+    if msg.version != s.version:
+        m.close_failed(
+            "finalized",
+            m.error(
+                ErrorCode.ENGINE_FAILED,
+                f"engine {eid} finalized version {msg.version}, expected {s.version}",
+                engine_id=eid,
+            ),
+        )
+        return
+    want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
+    if want is not None and msg.digest != want:
+        m.close_failed(
+            "finalized",
+            m.error(
+                ErrorCode.ENGINE_FAILED,
+                f"engine {eid} holds digest {msg.digest}, expected {want}",
+                engine_id=eid,
+                digest=msg.digest,
+                expected=want,
+            ),
+        )
+        return
+    mismatch = syncs.canary_mismatch(s.probes, msg.probes)
+    if mismatch is not None:
+        idx, pos, got, exp = mismatch
+        m.close_failed(
+            "finalized",
+            m.error(
+                ErrorCode.CANARY_MISMATCH,
+                f"engine {eid}: probe {idx} differs at position {pos} (got {got}, expected {exp})",
+                engine_id=eid,
+                probe=idx,
+                position=pos,
+                got=got,
+                expected=exp,
+            ),
+        )
+        return
+    s.finalized[eid] = msg
+    m.engines[eid].finalize_count = msg.finalize_count
+    if all(x in s.finalized for x in s.participants):
+        m.close_ready("finalized")
+
+
+# -- a sync given up: abort, an engine's failure --------------------------------------------
+def abort(m: Model, event: AbortSync) -> None:
+    m.require_sync(event.sync_id, "abort")  # a running sync (a rollback too) can be aborted
+    m.close_failed(
+        "abort", m.error(ErrorCode.ABORTED, f"sync aborted by trainer: {event.reason or 'no reason'}")
+    )
+
+
+def failed(m: Model, event: EngineFailed) -> None:
+    eid, msg = event.engine_id, event.msg
+    if m.catchups.get(eid) is not None:
+        if m.catchup_of(eid, msg.sync_id) is not None and not msg.duplicate:
+            m.end_catchup(eid, False, f"{msg.code}: {msg.message}")
+        return
+    if msg.duplicate or m.participant(eid, msg.sync_id) is None:
+        return  # the engine's finalize guard speaking, or about a sync that is over
+    code = ErrorCode(msg.code) if msg.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED
+    m.close_failed("failed", m.error(code, f"engine {eid} failed: {msg.message}", engine_id=eid, seq=msg.seq))

@@ -1,0 +1,69 @@
+"""What the daemon holds for the syncs in flight: how each sync's buckets travel (its
+route), the bucket frames between arrival and forwarding, the requests waiting for an
+answer, and which trainer connections a sync belongs to.
+
+Rules: plain bookkeeping owned by the loop task; the dispatcher adds, the effects runner
+answers and forgets. A sync's entries go when it completes (`close`), so nothing here
+outlives the sync it belongs to.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from messages import schema
+from orchestrator.core.commands import SyncOpened
+from orchestrator.daemon.transport import Waiter
+
+Key = tuple[str, tuple[int, int]]  # (sync_id, (sender, seq))
+
+
+@dataclass(slots=True)
+class Pending:
+    """A bucket between its arrival and its forwarding (its frame, if it has one)."""
+
+    msg: schema.Bucket
+    frame: Any
+
+
+class Inflight:
+    def __init__(self) -> None:
+        self.routes: dict[str, SyncOpened] = {}
+        self.frames: dict[Key, Pending] = {}
+        self.bucket_waiters: dict[Key, list[Waiter]] = defaultdict(list)
+        self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
+        self.owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
+
+    def pending_on(self, ident: bytes) -> int:
+        """Bucket requests of this trainer connection still unanswered."""
+        return sum(1 for ws in self.bucket_waiters.values() for w in ws if w.ident == ident)
+
+    def connection_closed(self, ident: bytes) -> list[str]:
+        """The syncs that lost their last trainer connection with `ident`."""
+        orphaned = []
+        for sync_id, owners in list(self.owners.items()):
+            owners.discard(ident)
+            if not owners:
+                del self.owners[sync_id]
+                orphaned.append(sync_id)
+        return orphaned
+
+    def close(self, sync_id: str) -> tuple[list[Waiter], list[Waiter]]:
+        """Forget the sync; its (bucket, finish) waiters, to be answered by the caller."""
+        self.routes.pop(sync_id, None)
+        self.owners.pop(sync_id, None)
+        buckets = [
+            w for k in [k for k in self.bucket_waiters if k[0] == sync_id] for w in self.bucket_waiters.pop(k)
+        ]
+        for k in [k for k in self.frames if k[0] == sync_id]:
+            del self.frames[k]
+        return buckets, self.finish_waiters.pop(sync_id, [])
+
+    def view(self, effect_batches: int) -> dict[str, int]:
+        return {
+            "pending_buckets": len(self.frames),
+            "unacked_bucket_requests": sum(len(w) for w in self.bucket_waiters.values()),
+            "effect_batches": effect_batches,
+        }

@@ -1,0 +1,53 @@
+"""docs/PROTOCOL.md's field tables are the schema's: regenerate them when the schema changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from messages import protocol_doc, schema
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
+
+
+def test_protocol_doc_tables_equal_the_schema():
+    doc = DOC.read_text()
+    assert protocol_doc.splice(doc) == doc, "run: python -m messages.protocol_doc --write docs/PROTOCOL.md"
+
+
+def test_every_message_type_is_documented():
+    documented = {cls for _, classes in protocol_doc.SECTIONS for cls in classes}
+    assert set(schema.MESSAGE_TYPES.values()) <= documented
+    text = DOC.read_text()
+    for name in schema.MESSAGE_TYPES:
+        assert f"### `{name}`" in text
+
+
+def test_architecture_doc_state_table_is_the_code_table():
+    from orchestrator.core import table
+
+    doc = (DOC.parent / "ARCHITECTURE.md").read_text()
+    assert table.BEGIN in doc and table.END in doc
+    assert table.splice(doc) == doc, "run: python -m orchestrator.cli.docs"
+
+
+def test_the_docs_command_reports_drift(tmp_path, monkeypatch):
+    """`python -m orchestrator.cli.docs --check` fails on a doc whose table was edited by hand."""
+    from orchestrator.cli import docs
+
+    arch = tmp_path / "ARCHITECTURE.md"
+    arch.write_text(
+        (DOC.parent / "ARCHITECTURE.md").read_text().replace("| begin | IDLE, READY |", "| begin | IDLE |")
+    )
+    proto = tmp_path / "PROTOCOL.md"
+    proto.write_text(DOC.read_text())
+    monkeypatch.setattr(
+        docs,
+        "GENERATED",
+        {
+            arch: docs.GENERATED[docs.ROOT / "docs" / "ARCHITECTURE.md"],
+            proto: docs.GENERATED[docs.ROOT / "docs" / "PROTOCOL.md"],
+        },
+    )
+    assert docs.main(["--check"]) == 1
+    assert docs.main([]) == 0  # regenerates
+    assert docs.main(["--check"]) == 0 and "| begin | IDLE, READY |" in arch.read_text()
