@@ -454,6 +454,28 @@ def missed_targets(result: dict[str, Any]) -> list[str]:
                 f"daemon RSS <= 100 MiB + window x bucket ({limit:.0f} MiB): "
                 f"{r['orchestrator_rss_mib']:.0f} MiB ({where})"
             )
+    by = {(r["transport"], r["engines"], r["bucket_bytes"], r["model_bytes"]): r for r in result["runs"]}
+    for (t, n, b, m), r in sorted(by.items()):
+        where = f"bucket={b // MiB}MiB model={m / GiB:.2f}GiB"
+        if t != "shm" or n != 1:
+            continue
+        inline = by.get(("inline", 1, b, m))
+        if inline is not None and r["gbps"] < 2 * inline["gbps"]:
+            out.append(f"shm >= 2x inline (1 engine): {r['gbps'] / inline['gbps']:.2f}x ({where})")
+        four = by.get(("shm", 4, b, m))
+        if four is not None and four["seconds"] > 1.5 * r["seconds"]:
+            out.append(
+                f"shm 4 engines <= 1.5x the 1-engine time: {four['seconds'] / r['seconds']:.2f}x ({where})"
+            )
+    sizes = sorted({r["model_bytes"] for r in result["runs"]})
+    if len(sizes) > 1:  # the trainer's RSS must not grow with the model it pushes
+        for (t, n, b, m), r in sorted(by.items()):
+            small = by.get((t, n, b, sizes[0]))
+            if m == sizes[-1] and small is not None and r["trainer_rss_mib"] > small["trainer_rss_mib"] + 16:
+                out.append(
+                    f"trainer RSS flat in model size: +{r['trainer_rss_mib']:.0f} MiB at {m / GiB:.2f}GiB vs "
+                    f"+{small['trainer_rss_mib']:.0f} MiB at {sizes[0] / GiB:.2f}GiB ({t} engines={n} bucket={b // MiB}MiB)"
+                )
     for p in (result.get("control") or {}).get("points", []):
         if p["buckets_per_s"] < 5000:
             out.append(f">= 5,000 control buckets/s: {p['buckets_per_s']:.0f}/s (engines={p['engines']})")

@@ -9,6 +9,9 @@ Rules:
   for a sync_id is refused with `failed{duplicate: true}` and the post-load step is not
   run again. A resent bucket (same sync_id, sender, seq) is acknowledged, not re-applied.
 - A new sync_id starts the engine's `begin` lazily, on the first message of that sync.
+- Progress is cumulative and coalesced: `loaded {sender, seq: k}` says every bucket of
+  that sender up to seq k is applied, sent at most once per REPORT_INTERVAL (a failure
+  goes at once), so the daemon reads a few reports per window, not one per bucket.
 - Every received frame is verified against its checksum again (end to end) before use.
 """
 
@@ -34,6 +37,7 @@ from messages import codec, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
 from messages.link import Link
+from messages.schema import MAX_ALSO, REPORT_INTERVAL
 from messages.shm import shm_available
 
 log = structlog.get_logger()
@@ -49,8 +53,29 @@ class SyncTrack:
     version: int
     queued: set[tuple[int, int]] = field(default_factory=set)
     applied: set[tuple[int, int]] = field(default_factory=set)
+    through: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it applied
+    reported: dict[int, int] = field(default_factory=dict)  # sender -> the last `through` sent
     finalize_requested: bool = False
     failed: bool = False
+
+    fresh: dict[int, list[int]] = field(default_factory=dict)  # sender -> applied past a gap, unsent
+    count: int = 0  # buckets applied since the last report, and their seconds (metrics)
+    seconds: float = 0.0
+
+    def applied_one(self, sender: int, seq: int) -> None:
+        self.applied.add((sender, seq))
+        k = self.through.get(sender, -1)
+        if seq == k + 1:
+            while (sender, k + 1) in self.applied:
+                k += 1
+            self.through[sender] = k
+        elif seq > k + 1:
+            self.fresh.setdefault(sender, []).append(seq)
+
+    def unreported(self) -> bool:
+        return any(v for v in self.fresh.values()) or any(
+            k > self.reported.get(snd, -1) for snd, k in self.through.items()
+        )
 
 
 class Worker:
@@ -93,6 +118,7 @@ class Worker:
         self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
         self._reregister_sent = False
         self._outq: deque[list[Any]] = deque()
+        self._last_report = 0.0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -177,6 +203,8 @@ class Worker:
                     )
                     next_wait_note = time.monotonic() + 10.0
                 timeout = max(0.0, next_hb - time.monotonic())
+                if self._unreported():
+                    timeout = min(timeout, max(0.0, self._last_report + REPORT_INTERVAL - time.monotonic()))
                 events = dict(poller.poll(int(min(timeout, 0.5) * 1000)))
                 if rfd in events:
                     try:
@@ -191,6 +219,7 @@ class Worker:
                         except zmq.Again:
                             break
                         self._on_message(frames, applier)
+                self._report()
                 if time.monotonic() >= next_hb:
                     if not self._outq:  # a heartbeat queued behind others would say nothing
                         self._send(schema.Heartbeat(engine_id=self.engine_id, id=self._id()))
@@ -240,16 +269,51 @@ class Worker:
                 elif kind == "aborted":
                     self.version, self.digest = None, None
                 continue
-            if isinstance(item, schema.Loaded):
+            if isinstance(item, schema.Loaded):  # reported by `_report`, coalesced
                 t = self.syncs.get(item.sync_id)
                 if t is not None:
-                    t.applied.add((item.sender, item.seq))
-            elif isinstance(item, schema.Failed):
+                    t.applied_one(item.sender, item.seq)
+                    t.count, t.seconds = t.count + 1, t.seconds + item.seconds
+                continue
+            if isinstance(item, schema.Failed):
                 t = self.syncs.get(item.sync_id)
                 if t is not None:
                     t.failed = True
                 self.version, self.digest = None, None
             self._send(item)
+
+    def _unreported(self) -> bool:
+        return self.current is not None and self.current.unreported()
+
+    def _report(self, force: bool = False) -> None:
+        """Send how far each sender's buckets are applied, if that moved and the last
+        report is REPORT_INTERVAL old (or `force`)."""
+        t = self.current
+        if t is None or t.failed:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_report < REPORT_INTERVAL:
+            return
+        for sender in sorted(set(t.through) | set(t.fresh)):
+            k = t.through.get(sender, -1)
+            pending = sorted(q for q in t.fresh.pop(sender, ()) if q > k)
+            ahead = pending[:MAX_ALSO]
+            if pending[MAX_ALSO:]:  # the rest goes in the next report
+                t.fresh[sender] = pending[MAX_ALSO:]
+            if k > t.reported.get(sender, -1) or ahead:
+                t.reported[sender] = k
+                self._last_report = now
+                self._send(
+                    schema.Loaded(
+                        sync_id=t.sync_id,
+                        seq=k,
+                        sender=sender,
+                        also=tuple(ahead),
+                        count=t.count,
+                        seconds=t.seconds,
+                    )
+                )
+                t.count, t.seconds = 0, 0.0
 
     def _track(self, msg: schema.Load | schema.Finalize, applier: Applier) -> SyncTrack:
         t = self.syncs.get(msg.sync_id)
@@ -271,8 +335,10 @@ class Worker:
         if isinstance(msg, schema.Load):
             t = self._track(msg, applier)
             key = (msg.sender, msg.seq)
-            if key in t.applied:
-                self._send(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender))
+            if key in t.applied:  # a resend: say again that it is applied
+                through = t.through.get(msg.sender, -1)
+                also = (msg.seq,) if msg.seq > through else ()
+                self._send(schema.Loaded(sync_id=msg.sync_id, seq=through, sender=msg.sender, also=also))
                 return
             if key in t.queued or t.failed:
                 return

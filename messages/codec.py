@@ -194,7 +194,7 @@ def peek_id(raw: Any) -> int:
     """Best-effort request id of a header that failed to decode, so the error correlates."""
     try:
         buf = _raw_bytes(raw)
-        if memoryview(buf).nbytes > 65536:
+        if memoryview(buf).nbytes > MAX_HEADER_BYTES:  # never read: the refusal is TOO_LARGE
             return 0
         rid = _ENVELOPE.decode(buf).id
         return rid if type(rid) is int and 0 <= rid < 2**63 else 0

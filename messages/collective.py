@@ -216,14 +216,18 @@ class Member:
         self.group: Group | None = None
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._next = 0
+        self._dead: set[str] = set()  # groups closed or broken here: never joined again
 
     def ensure(self, ref: dict[str, Any]) -> Group:
         g = self.group
         if g is not None and g.spec.id == ref["id"] and not g.broken:
             return g
         if g is not None:
+            self._dead.add(g.spec.id)
             g.close()
         self.group = None
+        if ref["id"] in self._dead:  # its root left it: joining again would wait out the timeout
+            raise CollectiveError(f"group {ref['id']} failed or was closed here; it is not joined again")
         spec = GroupSpec(
             id=ref["id"],
             host=ref["host"],
@@ -263,6 +267,7 @@ class Member:
 
     def close(self) -> None:
         if self.group is not None:
+            self._dead.add(self.group.spec.id)
             self.group.close()
             self.group = None
         self._bufs = [None] * len(self._bufs)

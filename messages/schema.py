@@ -18,8 +18,11 @@ from msgspec import Meta
 
 from messages.dtypes import Dtype
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Major version of the wire protocol, checked on every message (independent of the package)."""
+
+REPORT_INTERVAL = 0.002
+"""Seconds between two progress reports (`loaded`, cumulative) of one engine."""
 
 DEFAULT_ADDR = "tcp://127.0.0.1:5555"  # the daemon's trainer socket
 DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5556"  # the daemon's engine socket
@@ -101,6 +104,7 @@ Transport = Literal["inline", "shm", "collective", "auto"]
 Backend = Literal["gloo", "nccl"]
 Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
 MAX_GROUP = 4096
+MAX_ALSO = 4096  # buckets one `loaded` may report beyond its cumulative seq
 Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}")]
 
 
@@ -282,11 +286,16 @@ class Heartbeat(Message, frozen=True, tag="heartbeat"):
 
 
 class Loaded(Message, frozen=True, tag="loaded"):
+    """Cumulative progress: every bucket of `sender` up to `seq` is applied (-1: none
+    yet), and so are the buckets in `also` (applied ahead of a gap, e.g. out of order)."""
+
     sync_id: Id
-    seq: Seq
+    seq: Annotated[int, Meta(ge=-1, le=2**31 - 1, description="-1..2**31-1")]
     id: RequestId = 0
     sender: Sender = 0
-    seconds: Seconds = 0.0
+    seconds: Seconds = 0.0  # apply time of the `count` buckets this report newly covers
+    also: Annotated[tuple[Seq, ...], Meta(max_length=MAX_ALSO)] = ()
+    count: Count = 0  # buckets applied since the engine's previous report (metrics)
 
 
 class Finalized(Message, frozen=True, tag="finalized"):

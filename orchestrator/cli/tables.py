@@ -11,6 +11,8 @@ from typing import Any
 
 from rich.table import Table
 
+SUMMARY_AFTER = 16  # a larger fleet is shown grouped by state, version and digest
+
 
 def status_table(st: dict[str, Any]) -> Table:
     sync = st.get("sync")
@@ -26,10 +28,13 @@ def status_table(st: dict[str, Any]) -> Table:
             f"\ncollective group {group['group']}: {group['backend']}, world size "
             f"{group['world_size']}, store {group['store']}"
         )
+    engines = st.get("engines", [])
+    if len(engines) > SUMMARY_AFTER:
+        return _fleet_table(title, engines)
     t = Table(title=title, title_justify="left")
     for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
         t.add_column(col)
-    for e in st.get("engines", []):
+    for e in engines:
         t.add_row(
             *[
                 str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
@@ -45,6 +50,31 @@ def status_table(st: dict[str, Any]) -> Table:
                 )
             ]
         )
+    return t
+
+
+def _fleet_table(title: str, engines: list[dict[str, Any]]) -> Table:
+    """One row per (state, version, digest, backend): how many engines, and a few of them."""
+    groups: dict[tuple[str, str, str, str], list[str]] = {}
+    for e in engines:
+        key = (
+            str(e.get("state")),
+            str(e.get("version")),
+            (e.get("digest") or "")[:12],
+            str(e.get("backend")),
+        )
+        groups.setdefault(key, []).append(str(e.get("engine_id")))
+    t = Table(
+        title=f"{title}\n{len(engines)} engines, grouped (the full list: status --json)",
+        title_justify="left",
+    )
+    for col in ("state", "engines", "version", "digest", "backend", "for example"):
+        t.add_column(col)
+    for (state, version, digest, backend), ids in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], -len(kv[1]))
+    ):
+        sample = ", ".join(sorted(ids)[:3]) + (" ..." if len(ids) > 3 else "")
+        t.add_row(state, str(len(ids)), version, digest, backend, sample)
     return t
 
 

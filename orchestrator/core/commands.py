@@ -41,7 +41,8 @@ class ForwardBucket:
 @dataclass(frozen=True, slots=True)
 class AckBucket:
     sync_id: str
-    key: tuple[int, int]
+    key: tuple[int, int]  # (sender, seq): every participant applied it
+    through: int = -1  # every bucket of that sender up to this seq is acknowledged
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,7 @@ class StartCatchUp:
 class CatchUpAck:
     engine_id: str
     sync_id: str
-    key: tuple[int, int]
+    key: tuple[int, int]  # (sender, seq): every seq of that sender up to it is applied
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,8 @@ class Loaded(Event):
     TRIGGER: ClassVar[str] = "loaded"
     engine_id: str
     sync_id: str
-    key: tuple[int, int]  # (sender, seq)
+    key: tuple[int, int]  # (sender, seq): every bucket of sender up to seq is applied
+    also: tuple[int, ...] = ()  # seqs of that sender applied beyond a gap
 
 
 @dataclass(frozen=True, slots=True)

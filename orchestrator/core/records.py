@@ -101,6 +101,9 @@ class SyncRecord:
     started_at: float
     last_activity: float
     buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
+    # (engine_id, sender) -> highest seq the engine applied every bucket through
+    through: dict[tuple[str, int], int] = field(default_factory=dict)
+    acked_through: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it acked
     finished: dict[int, int] = field(default_factory=dict)
     expected_digest: str | None = None
     finalize_sent: set[str] = field(default_factory=set)
@@ -150,7 +153,7 @@ class CatchUp:
     version: int
     total: int
     last_progress: float
-    acked: set[tuple[int, int]] = field(default_factory=set)
+    through: dict[int, int] = field(default_factory=dict)  # sender -> highest seq applied
     finalize_sent: bool = False
 
 

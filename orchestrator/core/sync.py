@@ -234,29 +234,51 @@ def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
 
 
 def loaded(m: Model, event: Loaded) -> None:
-    c = m.catchup_of(event.engine_id, event.sync_id)
-    if c is not None:  # a catch-up's bucket (clock.py runs the catch-up)
-        if event.key not in c.acked:
-            c.acked.add(event.key)
-            m.outbox.append(CatchUpAck(event.engine_id, event.sync_id, event.key))
-        if len(c.acked) >= c.total and not c.finalize_sent:
+    """`loaded {seq: k, also}` is cumulative: every bucket of that sender up to seq k is
+    applied, and so are those in `also` (ahead of a gap). Engines coalesce their reports;
+    the daemon keeps a high-water mark per engine and sender, so a report costs what it
+    newly covers, and a bucket is compared with the live participants only once enough of
+    them applied it. Acknowledgements to the trainer are cumulative too (`AckBucket.through`)."""
+    eid, (sender, through) = event.engine_id, event.key
+    c = m.catchup_of(eid, event.sync_id)
+    if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
+        if through > c.through.get(sender, -1):
+            c.through[sender] = through
+            m.outbox.append(CatchUpAck(eid, event.sync_id, (sender, through)))
+        if sum(t + 1 for t in c.through.values()) >= c.total and not c.finalize_sent:
             c.finalize_sent = True
-            m.outbox.append(SendFinalize(event.engine_id, event.sync_id, c.version, ()))
+            m.outbox.append(SendFinalize(eid, event.sync_id, c.version, ()))
         return
-    s = m.participant(event.engine_id, event.sync_id)
-    rec = s.buckets.get(event.key) if s else None
-    if s is None or rec is None or rec.done:
-        return  # late or duplicate: nothing to do
-    m.engines[event.engine_id].last_seen = m.now
-    rec.acked_by.add(event.engine_id)
-    ack_if_applied(m, s, event.key, rec)
-
-
-def ack_if_applied(m: Model, s: SyncRecord, key: tuple[int, int], rec: BucketRecord) -> None:
-    alive = {x for x in s.participants if m.engines[x].state != E.LOST}
-    if not rec.done and alive <= rec.acked_by:
-        rec.done = True
-        m.outbox.append(AckBucket(s.sync_id, key))
+    s = m.participant(eid, event.sync_id)
+    if s is None:
+        return  # late: nothing to do
+    mark = (eid, sender)
+    prev = s.through.get(mark, -1)
+    if through <= prev and not event.also:
+        return  # a repeated report
+    m.engines[eid].last_seen = m.now
+    covered: list[int] = []
+    for seq in range(prev + 1, through + 1):
+        if (sender, seq) not in s.buckets:  # never forwarded: the mark stops before it
+            break
+        s.through[mark] = seq
+        covered.append(seq)
+    covered.extend(q for q in event.also if q > s.through.get(mark, -1))
+    alive: set[str] | None = None
+    for seq in covered:
+        rec = s.buckets.get((sender, seq))
+        if rec is None or rec.done or eid in rec.acked_by:
+            continue
+        rec.acked_by.add(eid)
+        if alive is None:
+            alive = {x for x in s.participants if m.engines[x].state != E.LOST}
+        if len(rec.acked_by) >= len(alive) and alive <= rec.acked_by:
+            rec.done = True
+            acked = s.acked_through.get(sender, -1)
+            while (r := s.buckets.get((sender, acked + 1))) is not None and r.done:
+                acked += 1
+            s.acked_through[sender] = acked
+            m.outbox.append(AckBucket(s.sync_id, (sender, seq), acked))
 
 
 # -- finish: prepared everywhere, then the commit (finalize once per participant) ------------

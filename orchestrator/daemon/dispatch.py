@@ -240,11 +240,14 @@ class Dispatcher:
             return
         engine_id = self.transport.engine_of(ident)
         if isinstance(msg, schema.Heartbeat):
+            self.transport.stats.heartbeats += 1
             res = self.core.handle(
                 ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id), time.monotonic()
             )
-            self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
-            await self.effects.execute(res.commands, trigger="heartbeat")
+            if res.reply is not None and res.reply.get("known") is False:  # silence means known
+                self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply))
+            if res.commands:
+                await self.effects.execute(res.commands, trigger="heartbeat")
             return
         if engine_id is None:
             log.warning("unregistered_engine_message", type=msg.TYPE)
@@ -260,8 +263,10 @@ class Dispatcher:
             return
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
-            self.metrics.apply_seconds.labels(engine_id).observe(msg.seconds)
-            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq)))
+            if msg.count:
+                self.metrics.apply_seconds.labels(engine_id).inc(msg.seconds)
+                self.metrics.buckets_applied.labels(engine_id).inc(msg.count)
+            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also))
         elif isinstance(msg, schema.Finalized):
             log.info(
                 "engine_finalized",

@@ -31,7 +31,7 @@ from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.recovery import Recovery
 from orchestrator.daemon.spool import Spool
 from orchestrator.daemon.storage import Storage
-from orchestrator.daemon.transport import Transport
+from orchestrator.daemon.transport import Transport, Waiter
 
 log = structlog.get_logger()
 
@@ -69,6 +69,8 @@ class Effects:
         self.publish: Callable[[], None] | None = None  # metrics' status snapshot
         self._tail: asyncio.Future[None] | None = None  # the last batch whose effects are pending
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refs_of = ""  # the group whose per-engine GroupRefs `_refs` holds
+        self._refs: dict[str, schema.GroupRef] = {}
 
     @property
     def batches(self) -> int:
@@ -139,14 +141,35 @@ class Effects:
                 await self._tell(c)
         if rest:
             self._failpoint_kill("told", trigger)
+        self._ack_buckets([c for c in rest if isinstance(c, cmd.AckBucket)])
         for c in rest:
-            if isinstance(c, cmd.AckBucket):
-                for w in self.inflight.bucket_waiters.pop((c.sync_id, c.key), []):
-                    self.transport.reply_ok(w, {"seq": c.key[1], "sender": c.key[0]})
-            elif isinstance(c, cmd.CompleteSync):
+            if isinstance(c, cmd.CompleteSync):
                 self.complete_sync(c)
         if then is not None:
             then()
+
+    def _ack_buckets(self, acks: list[cmd.AckBucket]) -> None:
+        """Acknowledgements are cumulative: `ok {through: k}` answers every bucket of that
+        sender up to seq k, so a trainer connection gets one reply per sender per batch
+        for its buckets up to the batch's `through` (on its highest one); a bucket acked
+        ahead of a gap is answered alone. The daemon's own requests (a rollback's replay)
+        are answered one by one."""
+        through: dict[tuple[str, int], int] = {}
+        for c in acks:
+            k = (c.sync_id, c.key[0])
+            through[k] = max(through.get(k, -1), c.through)
+        last: dict[tuple[str, int, bytes], tuple[int, Waiter]] = {}
+        for c in acks:
+            sender, seq = c.key
+            for w in self.inflight.bucket_waiters.pop((c.sync_id, c.key), []):
+                if w.on_reply is not None or seq > through[(c.sync_id, sender)]:
+                    self.transport.reply_ok(w, {"seq": seq, "sender": sender})
+                    continue
+                k3 = (c.sync_id, sender, w.ident)
+                if k3 not in last or last[k3][0] < seq:
+                    last[k3] = (seq, w)
+        for (sync_id, sender, _ident), (seq, w) in last.items():
+            self.transport.reply_ok(w, {"seq": seq, "sender": sender, "through": through[(sync_id, sender)]})
 
     def spooled(self) -> Spooled | None:
         info = self.spool.info if self.spool else None
@@ -283,27 +306,31 @@ class Effects:
         g = c.group
         if g is None:
             return
+        if self._refs_of != g.id:  # each engine's GroupRef, made once per group
+            self._refs_of, self._refs = g.id, {}
+        load = schema.Load(
+            sync_id=m.sync_id,
+            version=c.version,
+            seq=m.seq,
+            tensors=m.tensors,
+            checksum=m.checksum,
+            sender=m.sender,
+            size=m.size,
+        )
         for eid in c.engine_ids:
-            ref = schema.GroupRef(
-                id=g.id,
-                host=g.host,
-                port=g.port,
-                rank=g.rank_of(eid),
-                world_size=g.world_size,
-                backend=g.backend,
-                timeout=g.timeout,
-            )
-            load = schema.Load(
-                sync_id=m.sync_id,
-                version=c.version,
-                seq=m.seq,
-                tensors=m.tensors,
-                checksum=m.checksum,
-                sender=m.sender,
-                group=ref,
-                size=m.size,
-            )
-            self.transport.send_engine(eid, [codec.encode_header(load)])
+            ref = self._refs.get(eid)
+            if ref is None:
+                ref = self._refs[eid] = schema.GroupRef(
+                    id=g.id,
+                    host=g.host,
+                    port=g.port,
+                    rank=g.rank_of(eid),
+                    world_size=g.world_size,
+                    backend=g.backend,
+                    timeout=g.timeout,
+                )
+            header = codec.encode_header(msgspec.structs.replace(load, group=ref))
+            self.transport.send_engine(eid, [header])
         log.debug(
             "bucket_announced",
             sync_id=m.sync_id,

@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 ENGINE_STATES = ("STALE", "JOINING", "LOADING", "FINALIZING", "READY", "LOST")
 
 
@@ -108,12 +107,16 @@ class Metrics:
         self.catchups = Counter(
             "weightsync_catchups_total", "Engines brought to the served version", ["outcome"], registry=r
         )
-        self.apply_seconds = Histogram(
+        # Engines report progress cumulatively (several buckets per report), so apply time
+        # is a sum and a count: mean seconds per bucket = rate(seconds) / rate(buckets).
+        self.apply_seconds = Counter(
             "weightsync_bucket_apply_seconds",
-            "An engine's time to verify and apply one bucket",
+            "An engine's time verifying and applying buckets",
             ["engine_id"],
-            buckets=APPLY_BUCKETS,
             registry=r,
+        )
+        self.buckets_applied = Counter(
+            "weightsync_buckets_applied", "Buckets an engine applied", ["engine_id"], registry=r
         )
         self.finalize_seconds = Histogram(
             "weightsync_engine_finalize_seconds",

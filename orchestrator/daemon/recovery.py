@@ -99,8 +99,9 @@ class Recovery:
 
     def catchup_acked(self, cmd: cmd.CatchUpAck) -> None:
         f = self.catchups.get(cmd.engine_id)
-        if f is not None and f.sync_id == cmd.sync_id:
-            f.inflight.discard(cmd.key)
+        if f is not None and f.sync_id == cmd.sync_id:  # cumulative: every seq up to key's
+            sender, through = cmd.key
+            f.inflight = {k for k in f.inflight if k[0] != sender or k[1] > through}
 
     def catchup_done(self, cmd: cmd.CatchUpDone) -> None:
         f = self.catchups.get(cmd.engine_id)

@@ -46,6 +46,8 @@ from orchestrator.daemon.transport import Stats, Transport
 
 log = structlog.get_logger()
 
+IDLE_COALESCE = 0.05  # seconds an idle daemon lets messages gather between two wake-ups
+
 
 def _ended(journal: Journal) -> list[tuple[str, str | None, str]]:
     """Sync ids a new begin may not reuse, with how each ended (oldest first)."""
@@ -215,12 +217,29 @@ class Service:
         monitors = [zmq.asyncio.Socket.from_socket(p.monitor) for p in (t.trainer_peers, t.engine_peers)]
         for m in monitors:
             poller.register(m, zmq.POLLIN)
+        # Quiet (no sync, no recovery): the trainer socket wakes the loop at once, the
+        # engines' (a fleet's heartbeats) are read every IDLE_COALESCE seconds in a batch,
+        # so an idle daemon does not wake once per engine message.
+        quiet_poller = zmq.asyncio.Poller()
+        quiet_poller.register(trainer_wait, zmq.POLLIN)
+        for m in monitors:
+            quiet_poller.register(m, zmq.POLLIN)
         tick_ms = int(self.settings.tick_interval * 1000)
-        last_tick = time.monotonic()
+        last_tick = last_engines = time.monotonic()
         while not self._stop.is_set():
-            events = dict(await poller.poll(tick_ms))
+            if self._quiet():
+                wait = max(0.0, last_engines + IDLE_COALESCE - time.monotonic())
+                events = dict(await quiet_poller.poll(int(min(wait * 1000, tick_ms))))
+                if trainer_wait in events or time.monotonic() - last_engines >= IDLE_COALESCE:
+                    # the batch is due, or a trainer's request must not overtake what the
+                    # engines sent before it (a registration before a begin); an empty
+                    # drain is cheap
+                    events[engine_wait] = zmq.POLLIN
+            else:
+                events = dict(await poller.poll(tick_ms))
             # Engines first: their acks free window slots the trainer is waiting on.
             if engine_wait in events:
+                last_engines = time.monotonic()
                 await self._drain(t.engine, self.dispatch.on_engine, "engine")
             if trainer_wait in events:
                 await self._drain(t.trainer, self.dispatch.on_trainer, "trainer")
@@ -232,6 +251,14 @@ class Service:
                 await self._guarded("timer", self._on_tick)
             if self.recovery is not None:
                 await self._guarded("recovery", self.recovery.pump)
+
+    def _quiet(self) -> bool:
+        r = self.recovery
+        return (
+            self.core.state in (State.IDLE, State.READY)
+            and self.effects.batches == 0
+            and (r is None or (r.rollback is None and not r.catchups))
+        )
 
     async def _drain(
         self,
@@ -325,6 +352,7 @@ class Service:
             "bytes_announced": self.stats.bytes_announced,
             "messages_received": self.stats.received,
             "messages_sent": self.stats.sent,
+            "heartbeats_received": self.stats.heartbeats,
             "errors": dict(self.stats.errors),
         }
         return snap

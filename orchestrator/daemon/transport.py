@@ -45,6 +45,7 @@ class Stats:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: int = 0  # messages received on both sockets
     sent: int = 0  # messages sent on both sockets
+    heartbeats: int = 0  # engines' heartbeats among `received` (answered only when unknown)
 
 
 def refuse_live_ipc(addr: str) -> None:

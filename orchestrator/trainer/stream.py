@@ -221,16 +221,30 @@ class Stream:
                 send(oldest)
                 return
             seq = by_id.pop(getattr(reply, "id", -1), None)
-            if seq is None:
-                return  # a reply to an earlier attempt already handled
             if isinstance(reply, schema.Error):
+                if seq is None:
+                    return  # a reply to an earlier attempt already handled
                 raise error_from_reply(reply)
-            done = inflight.pop(seq, None)
-            if done is not None and done.attempts == 1:
-                now = time.monotonic()
-                sizer.acked(now - done.sent_at, now)
-            if done is not None and progress is not None:
-                progress(done.bucket.nbytes)
+            # cumulative: `through` acknowledges every bucket of this sender up to it
+            through = reply.body.get("through") if isinstance(reply, schema.Ok) else None
+            if not isinstance(through, int):
+                through = None
+            if seq is None and through is None:
+                return  # a reply to an earlier attempt already handled
+            if through is not None:
+                acked = sorted(s for s in inflight if s <= through)
+            else:
+                acked = [seq] if seq is not None else []
+            if through is not None:  # their requests need no reply of their own now
+                for rid in [rid for rid, s in by_id.items() if s <= through]:
+                    del by_id[rid]
+            now = time.monotonic()
+            for s in acked:
+                done = inflight.pop(s, None)
+                if done is not None and done.attempts == 1 and s == acked[-1]:
+                    sizer.acked(now - done.sent_at, now)
+                if done is not None and progress is not None:
+                    progress(done.bucket.nbytes)
 
         slots = ring if ring is not None else InlineRing(limit)
 

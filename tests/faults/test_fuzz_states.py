@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from examples.launch import Cluster
 from messages import schema
 from messages.errors import ErrorCode
+from messages.schema import PROTOCOL_VERSION
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 
@@ -246,7 +247,7 @@ def test_fuzz_every_state_with_extreme_values_on_both_sockets(rig, request):
     def one(case):
         target, kind, edits, payload = case
         rig.reach(target)
-        h = {"v": 1, "id": 5, **base_headers(rig.sync_id, rig.version)[kind]}
+        h = {"v": PROTOCOL_VERSION, "id": 5, **base_headers(rig.sync_id, rig.version)[kind]}
         for field, value in edits:
             if (field == "v" and value == 1) or (kind == "register" and field == "engine_id"):
                 continue  # a second, silent engine would stall every later sync (as it should)

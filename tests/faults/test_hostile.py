@@ -14,6 +14,7 @@ import pytest
 from examples.launch import Cluster
 from messages import schema
 from messages.errors import ErrorCode
+from messages.schema import PROTOCOL_VERSION
 
 from .scripted import HOST, Peer, ScriptedEngine, bucket_frames
 
@@ -85,7 +86,7 @@ def refused_fast(peer: Peer, header: dict | schema.Message, payload=(), codes=(E
     if isinstance(header, schema.Message):
         peer.send(header, payload)
     else:
-        peer.send_raw({"v": 1, "id": 7, **header}, payload)
+        peer.send_raw({"v": PROTOCOL_VERSION, "id": 7, **header}, payload)
     reply = peer.recv_type(schema.Error, timeout=1.0)
     assert time.monotonic() - t0 < 1.0
     assert reply.code in {c.value for c in codes}, reply

@@ -47,7 +47,8 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as c:
         addr = c.status()["daemon"]["metrics_addr"]
         assert addr and addr.startswith("127.0.0.1:")
-        m = scrape(addr)
+        # the gauges come from the snapshot the loop publishes every tick
+        m = until(lambda: (mm := scrape(addr)) and value(mm, "weightsync_engines", state="STALE") == 2 and mm)
         assert value(m, "weightsync_engines", state="STALE") == 2  # registered, nothing served yet
         assert value(m, "weightsync_served_version") == -1
 
@@ -99,7 +100,8 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
             assert value(mm, "weightsync_engine_finalize_count", engine_id=eid) == e["finalize_count"] == 1
             assert value(mm, "weightsync_engine_version", engine_id=eid) == e["version"] == 1
             assert value(mm, "weightsync_engine_version_skew", engine_id=eid) == 0
-            assert value(mm, "weightsync_bucket_apply_seconds_count", engine_id=eid) == r.buckets
+            assert value(mm, "weightsync_buckets_applied_total", engine_id=eid) == r.buckets
+            assert value(mm, "weightsync_bucket_apply_seconds_total", engine_id=eid) > 0
             assert value(mm, "weightsync_engine_heartbeat_age_seconds", engine_id=eid) < 5
         assert value(mm, "weightsync_engines", state="READY") == 2
         assert value(mm, "weightsync_syncs_total", outcome="ready", kind="sync") == 1

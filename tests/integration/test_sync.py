@@ -13,7 +13,7 @@ from examples.tiny import perturbed
 from messages import codec, schema
 from messages.buckets import digest, iter_buckets
 from messages.errors import DataError, ErrorCode, StateError
-from messages.schema import Probe
+from messages.schema import PROTOCOL_VERSION, Probe
 
 from .helpers import running_daemon
 
@@ -151,7 +151,7 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
             [
                 msgpack.packb(
                     {
-                        "v": 1,
+                        "v": PROTOCOL_VERSION,
                         "type": "bucket",
                         "id": 5,
                         "sync_id": "x",
@@ -162,7 +162,11 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
                 )
             ],  # no payload frame
             [msgpack.packb({"v": 99, "type": "status", "id": 6})],
-            [msgpack.packb({"v": 1, "type": "register", "id": 7, "engine_id": "x", "backend": "y"})],
+            [
+                msgpack.packb(
+                    {"v": PROTOCOL_VERSION, "type": "register", "id": 7, "engine_id": "x", "backend": "y"}
+                )
+            ],
         ]  # an engine message on the trainer socket
         codes = []
         for frames in cases:

@@ -106,6 +106,30 @@ def test_duplicate_load_and_second_finalize_are_not_applied(harness, tiny_state,
     assert fin.probes == (greedy(ref, PROBE.prompt, PROBE.max_tokens),)
 
 
+def test_progress_is_cumulative_and_coalesced(harness, tiny_state):
+    """Many small buckets sent at once: the engine reports `loaded` with increasing seqs,
+    fewer reports than buckets, the last covering every bucket; failures are not delayed."""
+    orch, worker, eng, _ = harness
+    new = dict(perturbed(tiny_state, 2))
+    buckets = list(iter_buckets(new.items(), 4 << 10))
+    assert len(buckets) >= 10
+    for i, b in enumerate(buckets):
+        load = schema.Load(sync_id="s2", version=1, seq=i, tensors=b.tensors, checksum=b.checksum)
+        orch.send(load, [b.frame()])
+    seqs = []
+    while not seqs or seqs[-1] < len(buckets) - 1:
+        msg = orch.recv(want=("loaded", "failed"))
+        assert msg.TYPE == "loaded", msg
+        seqs.append(msg.seq)
+    assert seqs == sorted(set(seqs)) and len(seqs) < len(buckets)
+    assert eng.loads == len(buckets)
+    b = buckets[0]  # a resend of an applied bucket is not re-applied: answered with the mark
+    orch.send(
+        schema.Load(sync_id="s2", version=1, seq=0, tensors=b.tensors, checksum=b.checksum), [b.frame()]
+    )
+    assert orch.recv(want=("loaded",)).seq == len(buckets) - 1
+
+
 @pytest.mark.parametrize(
     "transport,bucket_bytes",
     [

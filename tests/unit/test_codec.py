@@ -195,7 +195,10 @@ def test_other_major_version_is_unsupported_protocol():
 
 def test_oversized_header_is_too_large():
     with pytest.raises(MessageError) as ei:
-        codec.decode([msgpack.packb({"v": 1, "type": "status", "pad": "x" * 1000})], max_header_bytes=100)
+        codec.decode(
+            [msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "pad": "x" * 1000})],
+            max_header_bytes=100,
+        )
     assert ei.value.code is ErrorCode.TOO_LARGE
 
 
@@ -213,12 +216,24 @@ def _code_allowed(frames, allowed):
 def test_pickle_is_never_accepted():
     import pickle
 
-    assert _code([pickle.dumps({"v": 1, "type": "status"})]) is ErrorCode.BAD_MESSAGE
+    assert _code([pickle.dumps({"v": PROTOCOL_VERSION, "type": "status"})]) is ErrorCode.BAD_MESSAGE
 
 
 def test_peek_id_recovers_id_of_a_bad_header_and_zero_for_garbage():
     assert codec.peek_id(msgpack.packb({"v": 1, "type": "nope", "id": 42})) == 42
     assert codec.peek_id(b"\xc1") == 0
+
+
+def test_a_refused_header_larger_than_64k_is_answered_with_its_own_id():
+    """A begin whose 200 KB sync_id is refused still names its request id (readable),
+    so the sender matches the refusal instead of waiting out its timeout."""
+    raw = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "type": "begin", "id": 77, "sync_id": "s" * 200_000, "version": 1}
+    )
+    with pytest.raises(MessageError) as info:
+        codec.decode([raw])
+    assert info.value.code is ErrorCode.BAD_MESSAGE
+    assert codec.peek_id(raw) == 77
 
 
 def test_encoded_bucket_decodes_to_views_with_packed_bytes():

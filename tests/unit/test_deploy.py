@@ -127,7 +127,8 @@ def exported_metric_names() -> set[str]:
             "transport": "inline",
         }
     )
-    m.apply_seconds.labels("e0").observe(0.1)
+    m.apply_seconds.labels("e0").inc(0.1)
+    m.buckets_applied.labels("e0").inc(2)
     m.finalize_seconds.labels("e0").observe(0.1)
     m.catchups.labels("ok").inc()
     names = set()

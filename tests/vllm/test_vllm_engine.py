@@ -175,8 +175,8 @@ def test_duplicated_finalize_through_the_worker_is_refused_and_outputs_stay_righ
                 schema.Load(sync_id="w-50", version=50, seq=b.seq, tensors=b.tensors, checksum=b.checksum),
                 [b.frame()],
             )
-        for _ in buckets:
-            orch.recv(want=("loaded",))
+        while orch.recv(want=("loaded",)).seq < len(buckets) - 1:  # cumulative, coalesced
+            pass
         before = vllm_engine.finalize_count
         probes = tuple(Probe(p, 8) for p in PROMPTS)
         orch.send(schema.Finalize(sync_id="w-50", version=50, probes=probes))

@@ -1,0 +1,365 @@
+"""`python -m bench.fleet`: what a sync costs the real daemon as the fleet grows.
+
+It starts the real `weightsync serve` process and N simulated engines (bench.simengine:
+the real engine protocol over real ZeroMQ sockets, up to 64 engines per process, no
+torch), and this process drives real syncs through the real `TrainerClient`:
+
+- collective: the trainer's group is simulated (`SimGroup`: nothing is broadcast; the
+  engines "receive" each bucket when the daemon announces it), the control plane is not;
+- inline: real frames of `--bucket-bytes` (default 64 B) through the daemon to every engine.
+
+For each (transport, engines) point it runs one warm-up sync, then `--repeats` syncs of
+`--buckets` buckets, and reports medians: the daemon's CPU seconds per sync (utime+stime
+from /proc), the messages it received and sent during the sync (its own counters; the
+engines' heartbeats and the two `status` calls that read the counters are left out), the
+trainer's wall seconds, and the daemon's peak RSS. `fit` is a least-squares line of daemon
+CPU per bucket against engines, per transport: `per_bucket_us` (the intercept) and
+`per_engine_bucket_us` (the slope). With the largest fleet it also measures how long the
+engines take to register, what idle heartbeats cost the daemon, and `status` latency.
+
+    python -m bench.fleet --engines 1,16,64,256 --buckets 2000 --transports collective,inline \
+        --repeats 3 --json fleet.json --check
+
+`--check` exits 1 naming every missed target (docs/BENCHMARKS.md lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.common import machine, peak_rss_mib, reset_peak
+from examples.launch import Cluster
+from messages import schema
+from messages.buckets import digest
+from orchestrator.trainer.group import TrainerGroup
+
+PER_PROCESS = 64  # simulated engines per simulator process
+
+
+class SimGroup(TrainerGroup):
+    """Rank 0 of a simulated data plane: the daemon plans a real group, nothing is sent."""
+
+    def __init__(self) -> None:
+        super().__init__("tcp://127.0.0.1:1", host="127.0.0.1")
+        self.broadcasts = 0
+
+    def offer(self) -> schema.CollectiveOffer:
+        return schema.CollectiveOffer(host=self.host, port=1, session=self.session, backends=("gloo",))
+
+    def start(self, data: Any, seq: int) -> None:
+        self.broadcasts += 1
+        self.pending_seq = seq
+
+    def wait(self, give_up: Callable[[], str | None]) -> None:
+        self.pending_seq = None
+
+    def fail(self) -> None:
+        self.pending_seq = None
+
+    def close(self) -> None:
+        self.pending_seq = None
+
+
+class SimFleet:
+    """A real daemon and N simulated engines in `workdir`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        engines: int,
+        *,
+        daemon_args: Sequence[str] = (),
+        faults: dict[str, str] | None = None,
+        heartbeat: float = 1.0,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.n = engines
+        self.digests = self.workdir / "digests"
+        self.digests.mkdir(parents=True, exist_ok=True)
+        self.cluster = Cluster(
+            self.workdir,
+            engines=0,
+            min_engines=engines,
+            daemon_args=["--log-level", "warning", *daemon_args],
+        )
+        self.faults = faults or {}
+        self.heartbeat = heartbeat
+        self.sims: list[subprocess.Popen[bytes]] = []
+        self.ids = [f"sim-{i}" for i in range(engines)]
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start the daemon and the engines; the seconds the engines took to register."""
+        self.cluster.start_daemon()
+        self.cluster.wait_engines(0, timeout=30.0)
+        t0 = time.monotonic()
+        for i in range(0, self.n, PER_PROCESS):
+            self.start_sims(self.ids[i : i + PER_PROCESS])
+        self.wait_registered(self.n, timeout)
+        return time.monotonic() - t0
+
+    def start_sims(self, ids: Sequence[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"sims-{len(self.sims)}.log", "ab")
+        faults = [f"--fault={k}={v}" for k, v in self.faults.items() if k in ids]
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.simengine",
+                "--connect",
+                self.cluster.engine_addr,
+                "--ids",
+                ",".join(ids),
+                "--digests",
+                str(self.digests),
+                "--heartbeat",
+                str(self.heartbeat),
+                *faults,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        self.sims.append(p)
+        return p
+
+    def wait_registered(self, n: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.cluster.status(timeout=5.0)
+            live = [e for e in st["engines"] if e["state"] not in ("LOST", "FAILED")]
+            if len(live) >= n:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(live)}/{n} simulated engines registered in {timeout}s")
+            for p in self.sims:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a simulator process exited with {p.returncode}")
+            time.sleep(0.05)
+
+    @property
+    def daemon_pid(self) -> int:
+        return self.cluster.daemon.popen.pid
+
+    def client(self, **kw: Any) -> Any:
+        c = self.cluster.client(**kw)
+        c.group = SimGroup()
+        return c
+
+    def write_digest(self, version: int, weights: Sequence[tuple[str, Any]]) -> str:
+        d = digest(weights)
+        (self.digests / str(version)).write_text(d)
+        return d
+
+    def stop(self) -> None:
+        for p in self.sims:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.sims:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.cluster.stop()
+
+    def __enter__(self) -> SimFleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def tiny_weights(count: int, version: int) -> list[tuple[str, Any]]:
+    """`count` tensors of 16 float32 (64 bytes: one bucket each), different per version."""
+    import torch
+
+    base = torch.arange(16, dtype=torch.float32)
+    return [(f"t.{i}", base + (i * 1000 + version)) for i in range(count)]
+
+
+def _counters(fleet: SimFleet, client: Any) -> tuple[float, int, int]:
+    st = client.status()["daemon"]
+    cpu = psutil.Process(fleet.daemon_pid).cpu_times()
+    return cpu.user + cpu.system, st["messages_received"] + st["messages_sent"], st["heartbeats_received"]
+
+
+def measure(
+    workdir: Path, transport: str, engines: int, buckets: int, repeats: int, window: int = 32
+) -> dict[str, Any]:
+    """One point: medians of `repeats` syncs after a warm-up."""
+    with SimFleet(workdir, engines) as fleet, fleet.client(timeout=120.0) as client:
+        samples: list[dict[str, float]] = []
+        for v in range(1, repeats + 2):
+            weights = tiny_weights(buckets, v)
+            fleet.write_digest(v, weights)
+            reset_peak(fleet.daemon_pid)
+            cpu0, msgs0, hb0 = _counters(fleet, client)
+            t0 = time.perf_counter()
+            r = client.push(weights, v, bucket_bytes=64, window=window, transport=transport)
+            wall = time.perf_counter() - t0
+            cpu1, msgs1, hb1 = _counters(fleet, client)
+            if r.state != "READY" or r.buckets != buckets:
+                raise RuntimeError(f"sync {v} ended {r.state} with {r.buckets} buckets")
+            if r.detail.get("transport") != transport:
+                raise RuntimeError(f"asked for {transport}, the daemon chose {r.detail.get('transport')}")
+            if v == 1:
+                continue  # the warm-up
+            samples.append(
+                {
+                    "daemon_cpu_s": cpu1 - cpu0,
+                    # the status reply before and the status request after are not the sync's
+                    "daemon_msgs": (msgs1 - msgs0) - (hb1 - hb0) - 2,
+                    "wall_s": wall,
+                    "daemon_rss_mib": peak_rss_mib(fleet.daemon_pid),
+                }
+            )
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    return {
+        "transport": transport,
+        "engines": engines,
+        "buckets": buckets,
+        "daemon_cpu_s": round(med["daemon_cpu_s"], 4),
+        "daemon_msgs": int(med["daemon_msgs"]),
+        "wall_s": round(med["wall_s"], 4),
+        "daemon_rss_mib": round(med["daemon_rss_mib"], 1),
+    }
+
+
+def fleet_wide(workdir: Path, engines: int, idle_s: float = 5.0) -> dict[str, float]:
+    """Registration, idle heartbeats and `status` with the whole fleet up."""
+    fleet = SimFleet(workdir, engines)
+    try:
+        register_s = fleet.start(timeout=120.0)
+        proc = psutil.Process(fleet.daemon_pid)
+        time.sleep(1.0)
+        c0 = proc.cpu_times()
+        time.sleep(idle_s)
+        c1 = proc.cpu_times()
+        idle = (c1.user + c1.system - c0.user - c0.system) / idle_s
+        with fleet.client(timeout=10.0) as client:
+            lat = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                client.status()
+                lat.append(time.perf_counter() - t0)
+    finally:
+        fleet.stop()
+    return {
+        "engines": engines,
+        "register_s": round(register_s, 3),
+        "idle_cpu_pct": round(idle * 100, 2),
+        "status_ms": round(statistics.median(lat) * 1e3, 2),
+    }
+
+
+def fit(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Daemon CPU per bucket = per_bucket + per_engine_bucket x engines, per transport."""
+    out = {}
+    for t in sorted({r["transport"] for r in runs}):
+        pts = [(r["engines"], r["daemon_cpu_s"] / r["buckets"] * 1e6) for r in runs if r["transport"] == t]
+        if len(pts) < 2:
+            out[t] = {"per_bucket_us": round(pts[0][1], 2), "per_engine_bucket_us": None}
+            continue
+        mx = statistics.fmean(x for x, _ in pts)
+        my = statistics.fmean(y for _, y in pts)
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+        out[t] = {"per_bucket_us": round(my - slope * mx, 2), "per_engine_bucket_us": round(slope, 3)}
+    return out
+
+
+def missed_targets(
+    runs: list[dict[str, Any]], fits: dict[str, Any], wide: dict[str, float] | None
+) -> list[str]:
+    """Every target of docs/BENCHMARKS.md's fleet section this run can judge."""
+    missed = []
+    by = {(r["transport"], r["engines"]): r for r in runs}
+    top = by.get(("collective", 256))
+    if top is not None:
+        if top["daemon_cpu_s"] > 1.0:
+            missed.append(f"collective 256 engines: daemon CPU {top['daemon_cpu_s']:.2f}s per sync > 1.0s")
+        limit = 4 * 256 + 16
+        if top["daemon_msgs"] > limit:
+            missed.append(f"collective 256 engines: {top['daemon_msgs']} daemon messages per sync > {limit}")
+        one = by.get(("collective", 1))
+        if one is not None and top["wall_s"] > 2 * one["wall_s"]:
+            missed.append(
+                f"collective: sync wall {top['wall_s']:.2f}s with 256 engines > 2x {one['wall_s']:.2f}s with 1"
+            )
+    slope = fits.get("inline", {}).get("per_engine_bucket_us")
+    if slope is not None and slope > 5.0:
+        missed.append(f"inline: daemon CPU per bucket grows {slope:.1f}us per extra engine > 5us")
+    if wide is not None:
+        if wide["engines"] >= 256 and wide["register_s"] > 1.0:
+            missed.append(f"{wide['engines']} engines registered in {wide['register_s']:.2f}s > 1s")
+        if wide["idle_cpu_pct"] > 5.0:
+            missed.append(
+                f"{wide['engines']} idle engines cost the daemon {wide['idle_cpu_pct']:.1f}% of a core > 5%"
+            )
+        if wide["status_ms"] > 100.0:
+            missed.append(f"status with {wide['engines']} engines took {wide['status_ms']:.0f}ms > 100ms")
+    return missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="1,16,64,256")
+    ap.add_argument("--buckets", type=int, default=2000)
+    ap.add_argument("--transports", default="collective,inline")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--check", action="store_true", help="exit 1 naming every missed target")
+    ap.add_argument("--no-fleet-wide", action="store_true", help="skip registration/idle/status")
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.engines.split(",")]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="ws-fleet-") as tmp:
+        for t in args.transports.split(","):
+            for n in counts:
+                r = measure(Path(tmp) / f"{t}-{n}-{uuid.uuid4().hex[:6]}", t, n, args.buckets, args.repeats)
+                runs.append(r)
+                print(
+                    f"{t:10s} {n:4d} engines x {r['buckets']} buckets: daemon {r['daemon_cpu_s']:.3f} s CPU, "
+                    f"{r['daemon_msgs']} msgs, wall {r['wall_s']:.3f} s, peak RSS {r['daemon_rss_mib']:.0f} MiB",
+                    flush=True,
+                )
+        wide = None if args.no_fleet_wide else fleet_wide(Path(tmp) / "wide", max(counts))
+    fits = fit(runs)
+    for t, f in fits.items():
+        print(
+            f"fit {t}: {f['per_bucket_us']} us per bucket + {f['per_engine_bucket_us']} us per engine-bucket"
+        )
+    if wide is not None:
+        print(
+            f"fleet of {wide['engines']}: registered in {wide['register_s']} s, idle daemon "
+            f"{wide['idle_cpu_pct']}% of a core, status {wide['status_ms']} ms"
+        )
+    missed = missed_targets(runs, fits, wide)
+    for m in missed:
+        print(f"MISSED {m}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"runs": runs, "fit": fits, "missed": missed, "machine": machine()}, indent=1)
+        )
+    return 1 if (missed and args.check) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

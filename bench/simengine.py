@@ -1,0 +1,312 @@
+"""Simulated engines: many per process, each a DEALER that speaks the real engine protocol
+to a real daemon over ZeroMQ, with no torch and no model.
+
+    python -m bench.simengine --connect ipc:///tmp/w/engine.sock --ids sim-0,sim-1 \
+        --digests /tmp/w/digests [--fault sim-1=fail_at:100]
+
+Each engine registers (inline and collective, one collective rank, gloo), heartbeats,
+verifies every inline frame against its checksum, reports its progress as a real engine
+does (cumulative `loaded`, at most one per REPORT_INTERVAL), finalizes
+once per sync (a second `finalize` is refused as a real engine does), answers canary
+probes with their expected tokens and reports the digest the trainer wrote for that
+version to `--digests/<version>` (a collective bucket's bytes never reach a simulated
+engine: the data plane is simulated, the control plane is real).
+
+Faults, for the fleet tests: `fail_at:SEQ` (report a failed load of bucket SEQ),
+`exit_at:SEQ` (close the socket and stop answering at bucket SEQ, as a killed process),
+`wrong_digest` (finalize with a digest the trainer never sent), `no_finalize` (never
+answer finalize), `restart_after:SECONDS` (exit like a killed process, then register
+again as a new process after SECONDS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket as pysocket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from messages import codec, schema
+from messages.checksums import checksum
+from messages.errors import ErrorCode, MessageError
+from messages.schema import MAX_ALSO, REPORT_INTERVAL
+
+ORCHESTRATOR_TYPES = ("load", "finalize", "abort", "ok", "error")
+
+
+@dataclass
+class SimEngine:
+    engine_id: str
+    fault: str = ""
+    sock: Any = None
+    version: int | None = None
+    digest: str | None = None
+    finalize_count: int = 0
+    finalized: set[str] = field(default_factory=set)
+    loads: int = 0
+    next_id: int = 0
+    dead_until: float | None = None  # killed; registers again as a new process at this time
+    sync_id: str = ""
+    through: dict[int, int] = field(default_factory=dict)  # sender -> seq applied through
+    reported: dict[int, int] = field(default_factory=dict)
+    last_report: float = 0.0
+    count: int = 0  # buckets since the last report
+    reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
+
+    ahead: dict[int, set[int]] = field(default_factory=dict)  # sender -> applied past a gap
+    fresh: dict[int, list[int]] = field(default_factory=dict)  # ... and not yet reported
+
+    def unreported(self) -> bool:
+        return any(v for v in self.fresh.values()) or any(
+            k > self.reported.get(snd, -1) for snd, k in self.through.items()
+        )
+
+    def fault_seq(self, kind: str) -> int | None:
+        if self.fault.startswith(kind + ":"):
+            return int(self.fault.split(":", 1)[1])
+        return None
+
+
+class Fleet:
+    """Every simulated engine of this process, driven by one thread and one poller."""
+
+    def __init__(
+        self,
+        connect: str,
+        ids: list[str],
+        digests: Path,
+        heartbeat: float = 1.0,
+        faults: dict[str, str] | None = None,
+        ctx: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.connect = connect
+        self.digests = digests
+        self.heartbeat = heartbeat
+        self.ctx = ctx or zmq.Context.instance()
+        self.engines = [SimEngine(i, (faults or {}).get(i, "")) for i in ids]
+        self.by_sock: dict[Any, SimEngine] = {}
+        self.poller = zmq.Poller()
+        self.stopped = False
+        self.host = pysocket.gethostname()
+
+    # -- sockets ------------------------------------------------------------------------
+    def _open(self, e: SimEngine) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.connect)
+        e.sock = sock
+        self.by_sock[sock] = e
+        self.poller.register(sock, zmq.POLLIN)
+        self._send(e, self._register(e))
+
+    def _close(self, e: SimEngine) -> None:
+        if e.sock is None:
+            return
+        self.poller.unregister(e.sock)
+        del self.by_sock[e.sock]
+        e.sock.close(linger=0)
+        e.sock = None
+
+    def _register(self, e: SimEngine) -> schema.Register:
+        return schema.Register(
+            engine_id=e.engine_id,
+            backend="sim",
+            id=self._id(e),
+            model="sim",
+            transports=("inline", "collective"),
+            version=e.version,
+            digest=e.digest,
+            finalize_count=e.finalize_count,
+            pid=os.getpid(),
+            host=self.host,
+            collective_ranks=1,
+            collective_backends=("gloo",),
+        )
+
+    @staticmethod
+    def _id(e: SimEngine) -> int:
+        e.next_id += 1
+        return e.next_id
+
+    def _send(self, e: SimEngine, msg: schema.Message) -> None:
+        if e.sock is not None:
+            e.sock.send_multipart(codec.encode(msg), copy=False)
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self) -> None:
+        for e in self.engines:
+            self._open(e)
+        n = max(1, len(self.engines))
+        next_hb = [time.monotonic() + self.heartbeat * (i + 1) / n for i in range(n)]  # staggered
+        while not self.stopped:
+            now = time.monotonic()
+            wait = min(next_hb) - now
+            if any(e.unreported() for e in self.engines):
+                wait = min(wait, REPORT_INTERVAL)
+            for sock, _ in self.poller.poll(max(0, int(min(wait, 0.2) * 1000))):
+                e = self.by_sock.get(sock)
+                while e is not None and e.sock is sock:
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(e, frames)
+            now = time.monotonic()
+            for i, e in enumerate(self.engines):
+                if e.unreported() and now - e.last_report >= REPORT_INTERVAL:
+                    self._report(e, now)
+                if e.dead_until is not None and now >= e.dead_until:
+                    e.dead_until = None
+                    e.version, e.digest, e.finalized = None, None, set()
+                    e.fault, e.reregister_sent = "", False  # a restarted process is healthy
+                    self._open(e)
+                if now >= next_hb[i]:
+                    next_hb[i] = now + self.heartbeat
+                    self._send(e, schema.Heartbeat(engine_id=e.engine_id, id=self._id(e)))
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def close(self) -> None:
+        for e in self.engines:
+            self._close(e)
+
+    def _on_message(self, e: SimEngine, frames: list[Any]) -> None:
+        try:
+            decoded = codec.decode(frames, allowed=ORCHESTRATOR_TYPES)
+        except MessageError:
+            return
+        msg = decoded.msg
+        if isinstance(msg, schema.Load):
+            self._load(e, msg, decoded.payload)
+        elif isinstance(msg, schema.Finalize):
+            self._finalize(e, msg)
+        elif isinstance(msg, schema.Abort):
+            e.version, e.digest = None, None
+        elif isinstance(msg, schema.Ok) and msg.body.get("known") is False:
+            if not e.reregister_sent:  # heartbeats sent before the daemon knew us
+                e.reregister_sent = True
+                self._send(e, self._register(e))
+        elif isinstance(msg, schema.Ok) and "daemon_state" in msg.body:
+            e.reregister_sent = False
+        elif isinstance(msg, schema.Error) and msg.code == ErrorCode.DUPLICATE_ENGINE.value:
+            self._close(e)
+
+    def _load(self, e: SimEngine, msg: schema.Load, payload: list[Any]) -> None:
+        e.loads += 1
+        e.version, e.digest = None, None
+        if e.fault_seq("exit_at") == msg.seq:
+            self._close(e)
+            return
+        if e.fault.startswith("restart_after:"):
+            self._close(e)
+            e.dead_until = time.monotonic() + float(e.fault.split(":", 1)[1])
+            return
+        if e.fault_seq("fail_at") == msg.seq:
+            self._failed(e, msg, ErrorCode.ENGINE_FAILED, "simulated failure")
+            return
+        if payload and checksum(payload[0].buffer) != msg.checksum:
+            self._failed(e, msg, ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq} arrived corrupted")
+            return
+        if msg.sync_id != e.sync_id:
+            e.sync_id, e.through, e.reported, e.ahead, e.fresh = msg.sync_id, {}, {}, {}, {}
+        k = e.through.get(msg.sender, -1)
+        if msg.seq > k and msg.seq not in e.ahead.get(msg.sender, ()):
+            e.count += 1
+        if msg.seq == k + 1:
+            e.through[msg.sender] = msg.seq
+            ahead = e.ahead.setdefault(msg.sender, set())
+            while e.through[msg.sender] + 1 in ahead:
+                ahead.discard(e.through[msg.sender] + 1)
+                e.through[msg.sender] += 1
+        elif msg.seq > k + 1:  # ahead of a gap: reported in `also`
+            e.ahead.setdefault(msg.sender, set()).add(msg.seq)
+            e.fresh.setdefault(msg.sender, []).append(msg.seq)
+        else:  # a resend: say the mark again
+            e.reported.pop(msg.sender, None)
+
+    def _report(self, e: SimEngine, now: float) -> None:
+        for sender in sorted(set(e.through) | set(e.fresh)):
+            k = e.through.get(sender, -1)
+            also = tuple(sorted(q for q in e.fresh.pop(sender, ()) if q > k))[:MAX_ALSO]
+            if k > e.reported.get(sender, -1) or also:
+                e.reported[sender] = k
+                self._send(
+                    e, schema.Loaded(sync_id=e.sync_id, seq=k, sender=sender, also=also, count=e.count)
+                )
+                e.count = 0
+        e.last_report = now
+
+    def _failed(self, e: SimEngine, msg: schema.Load, code: ErrorCode, text: str) -> None:
+        self._send(
+            e,
+            schema.Failed(sync_id=msg.sync_id, code=code.value, message=text, seq=msg.seq, sender=msg.sender),
+        )
+
+    def _finalize(self, e: SimEngine, msg: schema.Finalize) -> None:
+        if msg.sync_id in e.finalized:  # the engine's own guard: the post-load step runs once
+            self._send(
+                e,
+                schema.Failed(
+                    sync_id=msg.sync_id,
+                    code=ErrorCode.INVALID_STATE.value,
+                    message="finalize already ran for this sync; refused",
+                    duplicate=True,
+                ),
+            )
+            return
+        if e.fault == "no_finalize":
+            return
+        e.finalized.add(msg.sync_id)
+        e.finalize_count += 1
+        digest = self._digest_of(msg.version)
+        if e.fault == "wrong_digest":
+            digest = format(int(digest, 16) ^ 1, f"0{len(digest)}x")  # one bit off
+        e.version, e.digest = msg.version, digest
+        self._send(
+            e,
+            schema.Finalized(
+                sync_id=msg.sync_id,
+                version=msg.version,
+                digest=digest,
+                finalize_count=e.finalize_count,
+                probes=tuple(p.expected or () for p in msg.probes),
+            ),
+        )
+
+    def _digest_of(self, version: int) -> str:
+        try:
+            return (self.digests / str(version)).read_text().strip()
+        except OSError:
+            return f"{version:016x}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.simengine", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connect", required=True, help="the daemon's engine address")
+    ap.add_argument("--ids", required=True, help="comma-separated engine ids")
+    ap.add_argument("--digests", required=True, type=Path, help="directory of <version> digest files")
+    ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    ap.add_argument("--fault", action="append", default=[], help="ENGINE_ID=KIND[:ARG]")
+    args = ap.parse_args(argv)
+    faults = dict(f.split("=", 1) for f in args.fault)
+    fleet = Fleet(args.connect, args.ids.split(","), args.digests, args.heartbeat, faults)
+    signal.signal(signal.SIGTERM, lambda *_: fleet.stop())
+    signal.signal(signal.SIGINT, lambda *_: fleet.stop())
+    try:
+        fleet.run()
+    finally:
+        fleet.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""A fleet of 64 simulated engines (bench.simengine: the real engine protocol over real
+ZeroMQ, no torch) against the real daemon process, driven by the real TrainerClient."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bench.fleet import SimFleet, tiny_weights
+from messages.errors import ErrorCode, WeightSyncError
+
+N = 64
+BUCKETS = 200
+
+
+def counts(fleet: SimFleet) -> dict[str, int]:
+    return {e["engine_id"]: e["finalize_count"] for e in fleet.cluster.status()["engines"]}
+
+
+def push(fleet: SimFleet, client, version: int, transport: str):
+    weights = tiny_weights(BUCKETS, version)
+    fleet.write_digest(version, weights)
+    return client.push(weights, version, bucket_bytes=64, window=32, transport=transport)
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_a_fleet_of_64_commits_once_per_engine(tmp_path, transport):
+    with SimFleet(tmp_path, N) as fleet, fleet.client(timeout=60.0) as client:
+        for v in (1, 2):
+            r = push(fleet, client, v, transport)
+            assert (r.state, r.buckets, r.detail["transport"]) == ("READY", BUCKETS, transport)
+            assert len(r.engines) == N
+            assert {e["digest"] for e in r.engines} == {r.digest}
+        assert set(counts(fleet).values()) == {2}  # finalized exactly once per engine per version
+        st = fleet.cluster.status()["daemon"]
+        assert st["heartbeats_received"] > 0
+
+
+@pytest.mark.parametrize(
+    "fault,code", [("fail_at:120", ErrorCode.ENGINE_FAILED), ("wrong_digest", ErrorCode.ENGINE_FAILED)]
+)
+def test_one_failing_engine_fails_the_sync_named_and_nothing_is_served(tmp_path, fault, code):
+    bad = "sim-37"
+    with (
+        SimFleet(tmp_path, N, faults={bad: fault}, daemon_args=["--bucket-timeout", "20"]) as fleet,
+        fleet.client(timeout=60.0) as client,
+    ):
+        before = counts(fleet)
+        with pytest.raises(WeightSyncError) as info:
+            push(fleet, client, 1, "inline")
+        err = info.value
+        assert err.code == code and bad in err.message, err
+        st = fleet.cluster.status()
+        assert st["state"] == "IDLE" and st["last_ready_version"] is None
+        if fault.startswith("fail_at"):  # the failure came before finish: no engine finalized
+            assert counts(fleet) == before
+
+
+def test_an_engine_that_never_finalizes_times_out_named(tmp_path):
+    bad = "sim-5"
+    with (
+        SimFleet(tmp_path, N, faults={bad: "no_finalize"}, daemon_args=["--finalize-timeout", "3"]) as fleet,
+        fleet.client(timeout=60.0) as client,
+    ):
+        with pytest.raises(WeightSyncError) as info:
+            push(fleet, client, 1, "inline")
+        assert info.value.code == ErrorCode.TIMEOUT and bad in info.value.message, info.value
+        assert fleet.cluster.status()["last_ready_version"] is None
+
+
+def test_a_rejoin_storm_catches_every_engine_up(tmp_path):
+    """All 64 engines of one simulator process die at once while READY and come back as new
+    processes: each is caught up from the spool, and the next push is not held back."""
+    spool = tmp_path / "spool"
+    with (
+        SimFleet(tmp_path, N, daemon_args=["--spool", str(spool), "--engine-timeout", "3"]) as fleet,
+        fleet.client(timeout=60.0) as client,
+    ):
+        assert push(fleet, client, 1, "inline").state == "READY"
+        (proc,) = fleet.sims
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        fleet.sims.clear()
+        new = fleet.start_sims(fleet.ids)
+        deadline = time.monotonic() + 60
+        while True:  # every engine registered from the new process and caught up
+            st = fleet.cluster.status()
+            ready = [
+                e
+                for e in st["engines"]
+                if e["pid"] == new.pid and e["state"] == "READY" and e["version"] == 1
+            ]
+            if len(ready) == N and st["state"] == "READY":
+                break
+            assert time.monotonic() < deadline, st["engines"][:4]
+            time.sleep(0.2)
+        assert {e["finalize_count"] for e in st["engines"]} == {1}  # the new processes, caught up once
+        t0 = time.monotonic()
+        r = push(fleet, client, 2, "inline")
+        assert r.state == "READY" and len(r.engines) == N
+        assert time.monotonic() - t0 < 30
