@@ -19,7 +19,9 @@ Rules:
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,7 +193,32 @@ class Group:
             self.pg.shutdown()
         except Exception as exc:  # already torn down by a failure: nothing left to release
             log.debug("group_shutdown_error", group=self.spec.id, error=_short(exc))
+        # A process group's destructor joins its worker thread, which may be inside a
+        # broadcast a dead or stalled peer never completes (until the group's timeout):
+        # the last reference goes to the reaper thread, never to the caller's.
+        _bury(self.pg)
+        self.pg = None
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
+
+
+_graves: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def _reap() -> None:
+    while True:
+        pg = _graves.get()
+        del pg  # may block until the group's timeout; only this thread waits
+
+
+def _bury(pg: Any) -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="collective-reaper", daemon=True)
+            _reaper.start()
+    _graves.put(pg)
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -1,12 +1,18 @@
 """`python -m tests.faults.soak --syncs 500`: many syncs with random faults injected.
 
-A daemon with a spool and two torch engines; a trainer pushes version after version;
-before some syncs a fault is drawn (trainer abort, corrupted bucket, resent bucket,
-engine SIGKILL, engine SIGSTOP past its deadline, daemon SIGKILL and restart). After each
-sync the daemon must settle at READY (or IDLE when nothing could be repaired), and every
-READY engine must hold the digest of the version the daemon says it serves. Prints:
-syncs ok / failed / rolled back, double finalizes, READY with a wrong digest, leaked
-processes and /dev/shm segments; the last four must be 0 (exit code 1 otherwise).
+A daemon with a spool and two torch engines; a trainer pushes version after version over
+a transport drawn each time (inline, shm, collective); for some syncs a fault is drawn
+among those that transport can suffer (trainer abort, corrupted bucket, resent bucket,
+engine SIGKILL, engine SIGSTOP past its deadline, daemon SIGKILL and restart) and
+injected halfway through. After each sync the daemon must settle at READY (or IDLE when
+nothing could be repaired), and every READY engine must hold the digest of the version
+the daemon says it serves.
+
+A failure is explained only by the code its fault must produce (`EXPECTED`): a fault-free
+sync that fails, an INTERNAL, or any other code is unexplained, and so is a corrupted
+bucket the daemon did not refuse with CHECKSUM_MISMATCH. Prints: syncs ok / failed /
+rolled back, double finalizes, READY with a wrong digest, leaked processes and /dev/shm
+segments, unsettled and unexplained; all of those must be 0 (exit code 1 otherwise).
 """
 
 from __future__ import annotations
@@ -22,7 +28,31 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-FAULTS = ["trainer_abort", "corrupt_bucket", "resend_bucket", "engine_kill", "engine_stop", "daemon_kill"]
+TRANSPORTS = ("inline", "shm", "collective")
+FAULTS = {  # what each transport can suffer mid-sync
+    "inline": (
+        "trainer_abort",
+        "corrupt_bucket",
+        "resend_bucket",
+        "engine_kill",
+        "engine_stop",
+        "daemon_kill",
+    ),
+    "shm": ("trainer_abort", "engine_kill", "engine_stop", "daemon_kill"),
+    "collective": ("trainer_abort", "corrupt_bucket", "engine_kill", "engine_stop", "daemon_kill"),
+}
+# The codes a sync may fail with, per (transport, fault); () means it must succeed.
+ENGINE_GONE = ("ENGINE_FAILED", "TIMEOUT")
+EXPECTED: dict[tuple[str, str], tuple[str, ...]] = {
+    **{(t, "none"): () for t in TRANSPORTS},
+    **{(t, "trainer_abort"): ("ABORTED",) for t in TRANSPORTS},
+    **{(t, "engine_kill"): ENGINE_GONE for t in TRANSPORTS},
+    **{(t, "engine_stop"): ENGINE_GONE for t in TRANSPORTS},
+    **{(t, "daemon_kill"): ("UNKNOWN_SYNC", "TIMEOUT") for t in TRANSPORTS},
+    ("inline", "corrupt_bucket"): (),  # refused before fan-out, resent, the sync succeeds
+    ("inline", "resend_bucket"): (),  # acknowledged again, applied once
+    ("collective", "corrupt_bucket"): ("CHECKSUM_MISMATCH",),  # caught by the engines
+}
 BUCKET = 128 * 1024
 
 
@@ -72,74 +102,149 @@ class Soak:
         return self.rng.choice(names)
 
     def sync(self) -> None:
-        from messages.buckets import iter_buckets
         from messages.errors import WeightSyncError
 
         self.version += 1
         v = self.version
         w = self.weights(v)
-        fault = self.rng.choice(FAULTS) if self.rng.random() < self.fault_rate else "none"
+        transport = self.rng.choice(TRANSPORTS)
+        fault = self.rng.choice(FAULTS[transport]) if self.rng.random() < self.fault_rate else "none"
         self.counts[f"fault:{fault}"] += 1
-        transport = self.rng.choice(["inline", "shm"])
+        self.counts[f"transport:{transport}"] += 1
         try:
             with self.cluster.client(timeout=20.0, retries=1) as c:
-                if fault == "none":
-                    c.push(w.items(), v, bucket_bytes=BUCKET, transport=transport)
+                if transport == "inline" and fault != "none":
+                    self.inline_with_fault(c, v, w, fault)
                 else:
-                    buckets = list(iter_buckets(w.items(), BUCKET))
-                    sid = c.begin(v)["sync_id"]
-                    half = len(buckets) // 2
-                    for b in buckets[:half]:
-                        c.send_bucket(sid, b)
-                    self.inject(fault, c, sid, buckets[half])
-                    for b in buckets[half:]:
-                        c.send_bucket(sid, b)
-                    c.finish(sid, len(buckets), digest=self.digests[v])
+                    self.push_with_fault(c, v, w, transport, fault)
             self.counts["ok"] += 1
+            if EXPECTED[(transport, fault)]:  # e.g. an abort that came too late to matter
+                self.counts[f"ok_despite:{fault}"] += 1
         except WeightSyncError as err:
             self.counts["failed"] += 1
             self.counts[f"code:{err.code.value}"] += 1
+            explained = err.code.value in EXPECTED[(transport, fault)]
             self.failures.append(
                 {
                     "version": v,
+                    "transport": transport,
                     "fault": fault,
                     "code": err.code.value,
                     "message": err.message,
                     "state": err.state,
                     "details": err.details or {},
+                    "explained": explained,
                 }
             )
-            if not explained(err):
+            if not explained:
                 self.counts["unexplained"] += 1
         self.settle()
 
-    def inject(self, fault: str, c: Any, sid: str, bucket: Any) -> None:
+    def inline_with_fault(self, c: Any, v: int, w: dict, fault: str) -> None:
+        """Bucket by bucket, so a fault can be aimed at one bucket."""
+        from messages.buckets import iter_buckets
         from messages.errors import WeightSyncError
 
-        if fault == "trainer_abort":
-            c.abort(sid, "soak")  # the sync is gone: the next send_bucket fails, typed
-        elif fault == "corrupt_bucket":
+        buckets = list(iter_buckets(w.items(), BUCKET))
+        sid = c.begin(v, transport="inline")["sync_id"]
+        half = len(buckets) // 2
+        for b in buckets[:half]:
+            c.send_bucket(sid, b)
+        if fault == "corrupt_bucket":
             try:
-                c.send_bucket(sid, bucket, checksum=bucket.checksum ^ 1)
-            except WeightSyncError:
-                pass  # refused before fan-out; the loop resends it correctly
+                c.send_bucket(sid, buckets[half], checksum=buckets[half].checksum ^ 1)
+                self.unexplained("corrupt_bucket: a corrupted bucket was acknowledged")
+            except WeightSyncError as err:
+                if err.code.value != "CHECKSUM_MISMATCH":
+                    self.unexplained(f"corrupt_bucket: refused with {err.code.value}, not CHECKSUM_MISMATCH")
         elif fault == "resend_bucket":
-            c.send_bucket(sid, bucket)  # sent twice: acked, applied once
+            c.send_bucket(sid, buckets[half])  # sent twice: acknowledged twice, applied once
+        else:
+            self.inject(fault, sid)
+        for b in buckets[half:]:
+            c.send_bucket(sid, b)
+        c.finish(sid, len(buckets), digest=self.digests[v])
+
+    def push_with_fault(self, c: Any, v: int, w: dict, transport: str, fault: str) -> None:
+        """A whole push; the fault is injected once half the bytes are acknowledged (or,
+        for a corrupted collective bucket, one byte flips in flight after its checksum)."""
+        import uuid
+        from contextlib import ExitStack
+        from unittest import mock
+
+        from orchestrator.trainer.group import TrainerGroup
+
+        sid, total = uuid.uuid4().hex, sum(t.numel() * t.element_size() for t in w.values())
+        done = {"bytes": 0, "injected": False}
+
+        def progress(n: int) -> None:
+            done["bytes"] += n
+            if (
+                fault not in ("none", "corrupt_bucket")
+                and not done["injected"]
+                and done["bytes"] * 2 >= total
+            ):
+                done["injected"] = True
+                self.inject(fault, sid)
+
+        with ExitStack() as stack:
+            if fault == "corrupt_bucket":
+                real, seen = TrainerGroup.start, []
+
+                def start(group: Any, data: Any, seq: int) -> None:
+                    seen.append(seq)
+                    if len(seen) == 2:
+                        data = data.clone()
+                        data[len(data) // 2] ^= 0x40
+                    real(group, data, seq)
+
+                stack.enter_context(mock.patch.object(TrainerGroup, "start", start))
+            r = c.push(w.items(), v, bucket_bytes=BUCKET, transport=transport, sync_id=sid, progress=progress)
+        if r.detail.get("transport") not in (transport, "mixed"):
+            self.unexplained(f"asked for {transport}, the daemon chose {r.detail.get('transport')}")
+
+    def unexplained(self, why: str) -> None:
+        self.counts["unexplained"] += 1
+        self.failures.append(
+            {"version": self.version, "fault": "", "code": "", "message": why, "explained": False}
+        )
+
+    def inject(self, fault: str, sid: str) -> None:
+        if fault == "trainer_abort":  # another trainer client (an operator): `weightsync abort`
+            with self.cluster.client(timeout=10.0, retries=1) as other:
+                other.abort(sid, "soak")
         elif fault == "engine_kill":
             p = self.engine()
             p.popen.send_signal(signal.SIGKILL)
             p.popen.wait(10)
             self.cluster.start_engine(p.name)
-        elif fault == "engine_stop":
+        elif fault == "engine_stop":  # stopped until the daemon counts it lost, then resumed
             p = self.engine()
             p.popen.send_signal(signal.SIGSTOP)
-            time.sleep(3.0)  # past the 2 s engine deadline
-            p.popen.send_signal(signal.SIGCONT)
+            try:
+                self.wait_for(
+                    lambda st: any(e["engine_id"] == p.name and e["state"] == "LOST" for e in st["engines"])
+                )
+            finally:
+                p.popen.send_signal(signal.SIGCONT)
         elif fault == "daemon_kill":
             d = self.cluster.daemon
             d.popen.send_signal(signal.SIGKILL)
             d.popen.wait(10)
             self.cluster.start_daemon()
+
+    def wait_for(self, cond: Any, timeout: float = 15.0) -> None:
+        from messages.errors import WeightSyncError
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if cond(self.cluster.status(timeout=2.0)):
+                    return
+            except WeightSyncError:
+                pass
+            time.sleep(0.05)
+        self.unexplained(f"condition not reached in {timeout}s")
 
     def settle(self, timeout: float = 60.0) -> None:
         """Wait until no sync or rollback runs, then check what READY claims."""
@@ -191,14 +296,6 @@ class Soak:
                         continue
             doubles += sum(n - 1 for n in seen.values() if n > 1)
         return doubles
-
-
-def explained(err: Any) -> bool:
-    """A failure names its cause: any code but a bare INVALID_STATE, or an INVALID_STATE
-    that says which sync ended how, or which sync or rollback is in the way."""
-    if err.code.value != "INVALID_STATE":
-        return True
-    return any(w in err.message for w in ("already ended", "already completed", "running", "rolling"))
 
 
 def ours_or_orphaned(segment: str) -> bool:
@@ -263,6 +360,7 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
         "leaked_shm_segments": len(leaked_shm),
         "seconds": round(time.monotonic() - t0, 1),
         "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
+        "transports": {k[10:]: n for k, n in sorted(soak.counts.items()) if k.startswith("transport:")},
         "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")},
         "unexplained_failures": soak.counts["unexplained"],
         "failures": soak.failures,
@@ -282,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         f"unsettled {r['unsettled']} ({r['seconds']} s)"
     )
     print(
-        f"faults injected: {r['faults']}; error codes: {r['codes']}; "
+        f"transports: {r['transports']}; faults injected: {r['faults']}; error codes: {r['codes']}; "
         f"unexplained failures {r['unexplained_failures']}"
     )
     print(

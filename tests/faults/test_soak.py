@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights():
     r = run(24, seed=3, fault_rate=0.5, progress=False)
     assert sum(r["faults"].values()) == 24 and r["faults"].get("none", 0) < 24
+    assert set(r["transports"]) == {"inline", "shm", "collective"}  # faults drawn on each
     assert r["ok"] > 0 and r["failed"] > 0 and r["rolled_back"] > 0
     assert (
         r["double_finalizes"],
@@ -21,4 +22,6 @@ def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights()
         r["unsettled"],
         r["unexplained_failures"],
     ) == (0, 0, 0, 0, 0, 0)
-    assert len(r["failures"]) == r["failed"] and all(f["code"] and f["message"] for f in r["failures"])
+    assert len(r["failures"]) == r["failed"] and all(
+        f["code"] and f["message"] and f["explained"] for f in r["failures"]
+    )

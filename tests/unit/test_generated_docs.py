@@ -51,3 +51,18 @@ def test_the_docs_command_reports_drift(tmp_path, monkeypatch):
     assert docs.main(["--check"]) == 1
     assert docs.main([]) == 0  # regenerates
     assert docs.main(["--check"]) == 0 and "| begin | IDLE, READY |" in arch.read_text()
+
+
+def test_reliability_doc_cites_only_tests_that_exist():
+    """docs/RELIABILITY.md is generated from test runs: every test file and test function it
+    names must still exist, or the page describes tests that no longer run."""
+    import re
+
+    root = DOC.parents[1]
+    text = (DOC.parent / "RELIABILITY.md").read_text()
+    sources = "\n".join(p.read_text() for p in (root / "tests").rglob("*.py"))
+    for path in set(re.findall(r"\b(tests/[\w/]+\.py)\b", text)):
+        assert (root / path).is_file(), path
+    for name in set(re.findall(r"\b(test_\w+)\b", text)):
+        is_file = any((root / "tests").rglob(f"{name}.py"))
+        assert is_file or f"def {name}(" in sources, name
