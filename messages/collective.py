@@ -94,6 +94,7 @@ class Group:
     def __init__(self, spec: GroupSpec, store: Store | None = None) -> None:
         self.spec = spec
         self.broken = False
+        self._work: Any = None  # the last broadcast started
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if spec.backend == "nccl"
@@ -152,7 +153,9 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
-            return (self.pg.broadcast([tensor], opts), time.monotonic() + self.spec.timeout)
+            work = self.pg.broadcast([tensor], opts)
+            self._work = work
+            return (work, time.monotonic() + self.spec.timeout)
         except Exception as exc:
             self.close()
             raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
@@ -195,8 +198,11 @@ class Group:
             log.debug("group_shutdown_error", group=self.spec.id, error=_short(exc))
         # A process group's destructor joins its worker thread, which may be inside a
         # broadcast a dead or stalled peer never completes (until the group's timeout):
-        # the last reference goes to the reaper thread, never to the caller's.
-        _bury(self.pg)
+        # then the last reference goes to the reaper thread, never to the caller's.
+        work, self._work = self._work, None
+        pending = work is not None and not work.is_completed()
+        if pending:
+            _bury(self.pg)
         self.pg = None
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
 
