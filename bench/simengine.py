@@ -35,7 +35,8 @@ import zmq
 from messages import codec, schema
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError
-from messages.schema import MAX_ALSO, REPORT_INTERVAL
+from messages.progress import Progress
+from messages.schema import REPORT_INTERVAL
 
 ORCHESTRATOR_TYPES = ("load", "finalize", "abort", "ok", "error")
 
@@ -52,20 +53,12 @@ class SimEngine:
     loads: int = 0
     next_id: int = 0
     dead_until: float | None = None  # killed; registers again as a new process at this time
-    sync_id: str = ""
-    through: dict[int, int] = field(default_factory=dict)  # sender -> seq applied through
-    reported: dict[int, int] = field(default_factory=dict)
+    progress: Progress | None = None  # the running sync's, as a real engine keeps it
     last_report: float = 0.0
-    count: int = 0  # buckets since the last report
     reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
 
-    ahead: dict[int, set[int]] = field(default_factory=dict)  # sender -> applied past a gap
-    fresh: dict[int, list[int]] = field(default_factory=dict)  # ... and not yet reported
-
     def unreported(self) -> bool:
-        return any(v for v in self.fresh.values()) or any(
-            k > self.reported.get(snd, -1) for snd, k in self.through.items()
-        )
+        return self.progress is not None and self.progress.unreported()
 
     def fault_seq(self, kind: str) -> int | None:
         if self.fault.startswith(kind + ":"):
@@ -165,7 +158,7 @@ class Fleet:
                     self._report(e, now)
                 if e.dead_until is not None and now >= e.dead_until:
                     e.dead_until = None
-                    e.version, e.digest, e.finalized = None, None, set()
+                    e.version, e.digest, e.finalized, e.progress = None, None, set(), None
                     e.fault, e.reregister_sent = "", False  # a restarted process is healthy
                     self._open(e)
                 if now >= next_hb[i]:
@@ -216,34 +209,17 @@ class Fleet:
         if payload and checksum(payload[0].buffer) != msg.checksum:
             self._failed(e, msg, ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq} arrived corrupted")
             return
-        if msg.sync_id != e.sync_id:
-            e.sync_id, e.through, e.reported, e.ahead, e.fresh = msg.sync_id, {}, {}, {}, {}
-        k = e.through.get(msg.sender, -1)
-        if msg.seq > k and msg.seq not in e.ahead.get(msg.sender, ()):
-            e.count += 1
-        if msg.seq == k + 1:
-            e.through[msg.sender] = msg.seq
-            ahead = e.ahead.setdefault(msg.sender, set())
-            while e.through[msg.sender] + 1 in ahead:
-                ahead.discard(e.through[msg.sender] + 1)
-                e.through[msg.sender] += 1
-        elif msg.seq > k + 1:  # ahead of a gap: reported in `also`
-            e.ahead.setdefault(msg.sender, set()).add(msg.seq)
-            e.fresh.setdefault(msg.sender, []).append(msg.seq)
-        else:  # a resend: say the mark again
-            e.reported.pop(msg.sender, None)
+        if e.progress is None or e.progress.sync_id != msg.sync_id:
+            e.progress = Progress(msg.sync_id)
+        if (msg.sender, msg.seq) in e.progress.applied:  # a resend: say again that it is applied
+            self._send(e, e.progress.again(msg.sender, msg.seq))
+            return
+        e.progress.apply(msg.sender, msg.seq)
 
     def _report(self, e: SimEngine, now: float) -> None:
-        for sender in sorted(set(e.through) | set(e.fresh)):
-            k = e.through.get(sender, -1)
-            also = tuple(sorted(q for q in e.fresh.pop(sender, ()) if q > k))[:MAX_ALSO]
-            if k > e.reported.get(sender, -1) or also:
-                e.reported[sender] = k
-                self._send(
-                    e, schema.Loaded(sync_id=e.sync_id, seq=k, sender=sender, also=also, count=e.count)
-                )
-                e.count = 0
-        e.last_report = now
+        for loaded in e.progress.reports() if e.progress is not None else ():
+            e.last_report = now
+            self._send(e, loaded)
 
     def _failed(self, e: SimEngine, msg: schema.Load, code: ErrorCode, text: str) -> None:
         self._send(

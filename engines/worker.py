@@ -37,7 +37,8 @@ from messages import codec, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
 from messages.link import Link
-from messages.schema import MAX_ALSO, REPORT_INTERVAL
+from messages.progress import Progress
+from messages.schema import REPORT_INTERVAL
 from messages.shm import shm_available
 
 log = structlog.get_logger()
@@ -47,35 +48,14 @@ ORCHESTRATOR_TYPES = ("load", "finalize", "abort", "ok", "error")
 
 @dataclass(slots=True)
 class SyncTrack:
-    """What the main thread knows of one sync (for the guards)."""
+    """What the main thread knows of one sync (for the guards), and its progress."""
 
     sync_id: str
     version: int
+    progress: Progress
     queued: set[tuple[int, int]] = field(default_factory=set)
-    applied: set[tuple[int, int]] = field(default_factory=set)
-    through: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it applied
-    reported: dict[int, int] = field(default_factory=dict)  # sender -> the last `through` sent
     finalize_requested: bool = False
     failed: bool = False
-
-    fresh: dict[int, list[int]] = field(default_factory=dict)  # sender -> applied past a gap, unsent
-    count: int = 0  # buckets applied since the last report, and their seconds (metrics)
-    seconds: float = 0.0
-
-    def applied_one(self, sender: int, seq: int) -> None:
-        self.applied.add((sender, seq))
-        k = self.through.get(sender, -1)
-        if seq == k + 1:
-            while (sender, k + 1) in self.applied:
-                k += 1
-            self.through[sender] = k
-        elif seq > k + 1:
-            self.fresh.setdefault(sender, []).append(seq)
-
-    def unreported(self) -> bool:
-        return any(v for v in self.fresh.values()) or any(
-            k > self.reported.get(snd, -1) for snd, k in self.through.items()
-        )
 
 
 class Worker:
@@ -272,8 +252,7 @@ class Worker:
             if isinstance(item, schema.Loaded):  # reported by `_report`, coalesced
                 t = self.syncs.get(item.sync_id)
                 if t is not None:
-                    t.applied_one(item.sender, item.seq)
-                    t.count, t.seconds = t.count + 1, t.seconds + item.seconds
+                    t.progress.apply(item.sender, item.seq, item.seconds)
                 continue
             if isinstance(item, schema.Failed):
                 t = self.syncs.get(item.sync_id)
@@ -283,42 +262,25 @@ class Worker:
             self._send(item)
 
     def _unreported(self) -> bool:
-        return self.current is not None and self.current.unreported()
+        return self.current is not None and self.current.progress.unreported()
 
-    def _report(self, force: bool = False) -> None:
+    def _report(self) -> None:
         """Send how far each sender's buckets are applied, if that moved and the last
-        report is REPORT_INTERVAL old (or `force`)."""
+        report is REPORT_INTERVAL old."""
         t = self.current
         if t is None or t.failed:
             return
         now = time.monotonic()
-        if not force and now - self._last_report < REPORT_INTERVAL:
+        if now - self._last_report < REPORT_INTERVAL:
             return
-        for sender in sorted(set(t.through) | set(t.fresh)):
-            k = t.through.get(sender, -1)
-            pending = sorted(q for q in t.fresh.pop(sender, ()) if q > k)
-            ahead = pending[:MAX_ALSO]
-            if pending[MAX_ALSO:]:  # the rest goes in the next report
-                t.fresh[sender] = pending[MAX_ALSO:]
-            if k > t.reported.get(sender, -1) or ahead:
-                t.reported[sender] = k
-                self._last_report = now
-                self._send(
-                    schema.Loaded(
-                        sync_id=t.sync_id,
-                        seq=k,
-                        sender=sender,
-                        also=tuple(ahead),
-                        count=t.count,
-                        seconds=t.seconds,
-                    )
-                )
-                t.count, t.seconds = 0, 0.0
+        for loaded in t.progress.reports():
+            self._last_report = now
+            self._send(loaded)
 
     def _track(self, msg: schema.Load | schema.Finalize, applier: Applier) -> SyncTrack:
         t = self.syncs.get(msg.sync_id)
         if t is None:
-            t = SyncTrack(msg.sync_id, msg.version)
+            t = SyncTrack(msg.sync_id, msg.version, Progress(msg.sync_id))
             self.syncs = {msg.sync_id: t}  # only the running sync matters
             self.current = t
             self.version, self.digest = None, None  # weights are about to change
@@ -335,10 +297,8 @@ class Worker:
         if isinstance(msg, schema.Load):
             t = self._track(msg, applier)
             key = (msg.sender, msg.seq)
-            if key in t.applied:  # a resend: say again that it is applied
-                through = t.through.get(msg.sender, -1)
-                also = (msg.seq,) if msg.seq > through else ()
-                self._send(schema.Loaded(sync_id=msg.sync_id, seq=through, sender=msg.sender, also=also))
+            if key in t.progress.applied:  # a resend: say again that it is applied
+                self._send(t.progress.again(msg.sender, msg.seq))
                 return
             if key in t.queued or t.failed:
                 return

@@ -272,10 +272,6 @@ class Effects:
         if p is None:
             raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {c.key}")
         m = p.msg
-        if m.size is not None and c.group is not None:
-            self._forward_collective(c, m)
-            return
-        shm_engines = set(c.shm_engines)
         load = schema.Load(
             sync_id=m.sync_id,
             version=c.version,
@@ -284,6 +280,10 @@ class Effects:
             checksum=m.checksum,
             sender=m.sender,
         )
+        if m.size is not None and c.group is not None:
+            self._forward_collective(c, msgspec.structs.replace(load, size=m.size))
+            return
+        shm_engines = set(c.shm_engines)
         inline = codec.encode_header(load)
         by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
         for eid in c.engine_ids:
@@ -300,7 +300,7 @@ class Effects:
             shm_engines=len(shm_engines),
         )
 
-    def _forward_collective(self, c: cmd.ForwardBucket, m: schema.Bucket) -> None:
+    def _forward_collective(self, c: cmd.ForwardBucket, load: schema.Load) -> None:
         """Each engine hears of the bucket (its metadata and its own rank); the bytes come
         to it from the trainer by broadcast, never through this process."""
         g = c.group
@@ -308,15 +308,6 @@ class Effects:
             return
         if self._refs_of != g.id:  # each engine's GroupRef, made once per group
             self._refs_of, self._refs = g.id, {}
-        load = schema.Load(
-            sync_id=m.sync_id,
-            version=c.version,
-            seq=m.seq,
-            tensors=m.tensors,
-            checksum=m.checksum,
-            sender=m.sender,
-            size=m.size,
-        )
         for eid in c.engine_ids:
             ref = self._refs.get(eid)
             if ref is None:
@@ -333,9 +324,9 @@ class Effects:
             self.transport.send_engine(eid, [header])
         log.debug(
             "bucket_announced",
-            sync_id=m.sync_id,
-            seq=m.seq,
-            nbytes=m.size,
+            sync_id=load.sync_id,
+            seq=load.seq,
+            nbytes=load.size,
             engines=len(c.engine_ids),
             group=g.id,
         )
