@@ -139,7 +139,7 @@ class SimFleet:
         deadline = time.monotonic() + timeout
         while True:
             st = self.cluster.status(timeout=5.0)
-            live = [e for e in st["engines"] if e["state"] not in ("LOST", "FAILED")]
+            live = [e for e in st["engines"] if e["state"] != "LOST"]
             if len(live) >= n:
                 return st
             if time.monotonic() > deadline:
