@@ -22,14 +22,22 @@ from typing import Any
 
 import structlog
 
-from engines.base import Engine, LoadsBuckets, LoadsShm, ReceivesCollective, ReportsPhases, TakesDigestParts
+from engines.base import (
+    DigestsBeforeFinalize,
+    Engine,
+    LoadsBuckets,
+    LoadsShm,
+    ReceivesCollective,
+    ReportsPhases,
+    TakesDigestParts,
+)
 from engines.prefetch import Prefetcher
 from engines.verify import Verifier
-from messages import schema
+from messages import schema, stream
 from messages.buckets import unpack
 from messages.checksums import checksum
 from messages.collective import CollectiveError
-from messages.errors import ErrorCode, WeightSyncError
+from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 log = structlog.get_logger()
 
@@ -56,6 +64,10 @@ class Applier(threading.Thread):
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
+        self._spec = {p.name for p in engine.describe().spec}
+        # sync_id -> set when that sync's collective stream must stop (the main thread's abort)
+        self._cancels: dict[str, threading.Event] = {}
+        self._stream_cancel = threading.Event()
 
     def accept(self, msg: schema.Load, payload: Any) -> None:
         """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
@@ -148,6 +160,101 @@ class Applier(threading.Thread):
         self._add("load", seconds)
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender, seconds=seconds))
 
+    def cancel_stream(self, sync_id: str) -> None:
+        """Called by the main thread (an abort): the stream of `sync_id` stops receiving,
+        or never starts when its job has not run yet."""
+        self._cancels.setdefault(sync_id, threading.Event()).set()
+
+    def _do_stream(self, msg: schema.OpenStream) -> None:
+        """Receive, verify and apply every bucket of a collective stream, then answer once
+        with `prepared` (buckets, bytes, the chain of their checksums, the digest)."""
+        if msg.sync_id in self.failed:
+            return
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.collective_bind, depth=2, failpoints=self.failpoints)
+            self.prefetcher.start()
+        out: queue.Queue[Any] = queue.Queue()
+        for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
+            self._cancels.pop(sid, None)
+        self._stream_cancel = self._cancels.setdefault(msg.sync_id, threading.Event())
+        if self._stream_cancel.is_set():
+            return  # aborted before its stream began
+        self.prefetcher.submit_stream(msg, out, self._stream_cancel)
+        chain, names = stream.Chain(), set[str]()
+        t_start = time.perf_counter()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                kind, h, raw, view = out.get()
+                self._add("receive_wait", time.perf_counter() - t0)
+                if kind == "error":
+                    if self._stream_cancel.is_set():
+                        return  # aborted by the daemon: it knows, nothing to report
+                    self._stream_failed(h, chain.buckets)
+                if kind == "end":
+                    break
+                try:
+                    self._stream_bucket(h, raw, view, chain, names)
+                finally:
+                    self.prefetcher.release()
+        except BaseException:
+            self._stream_cancel.set()  # the receiver stops; the group closes behind it
+            raise
+        if h.seq != chain.buckets or h.checksum != chain.value:
+            raise WeightSyncError(
+                f"received {chain.buckets} buckets chaining to {chain.value:#018x}; the "
+                f"trainer sent {h.seq} chaining to {h.checksum:#018x}",
+                code=ErrorCode.CHECKSUM_MISMATCH,
+            )
+        if not h.partial:
+            missing = sorted(n for n in self._spec if n not in names)
+            if missing:
+                raise WeightSyncError(
+                    f"{len(missing)} tensor(s) of this model not sent: "
+                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                    f"(send them, or push with --partial)",
+                    code=ErrorCode.INCOMPLETE_SYNC,
+                )
+        digest = self.engine.prepare_digest() if isinstance(self.engine, DigestsBeforeFinalize) else None
+        self._emit(
+            schema.Prepared(
+                sync_id=msg.sync_id,
+                buckets=chain.buckets,
+                nbytes=chain.nbytes,
+                chain=chain.value,
+                digest=digest,
+                seconds=time.perf_counter() - t_start,
+            )
+        )
+
+    def _stream_failed(self, exc: BaseException, received: int) -> None:
+        if isinstance(exc, CollectiveError):
+            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
+            raise WeightSyncError(f"stream, after {received} buckets: {exc}", code=code)
+        if isinstance(exc, MessageError):
+            raise WeightSyncError(f"stream, after {received} buckets: {exc.reason}", code=exc.code)
+        raise exc
+
+    def _stream_bucket(self, h: Any, raw: bytes, view: Any, chain: stream.Chain, names: set[str]) -> None:
+        if h.seq != chain.buckets:
+            raise WeightSyncError(
+                f"stream bucket seq {h.seq} arrived where {chain.buckets} was due", code=ErrorCode.BAD_MESSAGE
+            )
+        try:
+            metas = stream.decode_metas(h, raw)
+        except MessageError as exc:
+            raise WeightSyncError(exc.reason, code=exc.code) from None
+        t0 = time.perf_counter()
+        buf = (view if view.device.type == "cpu" else view.cpu()).numpy()
+        if checksum(buf) != h.checksum:
+            raise WeightSyncError(f"bucket seq {h.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
+        t1 = time.perf_counter()
+        self._add("checksum", t1 - t0)
+        self._apply_metas(metas, buf)
+        self._add("load", time.perf_counter() - t1)
+        chain.add(h.checksum, h.data_len)
+        names.update(t.name for t in metas)
+
     def _load_verified(self, msg: schema.Load, fut: Any) -> None:
         """An inline or shm bucket, once the verifier has matched its checksum."""
         t0 = time.perf_counter()
@@ -170,11 +277,14 @@ class Applier(threading.Thread):
         self._apply(msg, buf)
 
     def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
+        self._apply_metas(msg.tensors, buf, parts)
+
+    def _apply_metas(self, metas: Any, buf: Any, parts: Any = None) -> None:
         """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views."""
         if isinstance(self.engine, LoadsBuckets):
-            self.engine.load_bucket(msg.tensors, buf, parts=parts)
+            self.engine.load_bucket(metas, buf, parts=parts)
             return
-        tensors = list(unpack(msg.tensors, buf))
+        tensors = list(unpack(metas, buf))
         self.engine.load(tensors)
         del tensors  # drop the views before acknowledging (the frame can be freed)
 

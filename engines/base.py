@@ -124,3 +124,12 @@ class TakesDigestParts(Protocol):
 class ReportsPhases(Protocol):
     @property
     def last_phases(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class DigestsBeforeFinalize(Protocol):
+    """Can tell the digest of the weights it holds before its post-load step (the same
+    digest `finalize` returns), so the daemon compares digests in phase one of the
+    commit, before any engine finalizes."""
+
+    def prepare_digest(self) -> str: ...

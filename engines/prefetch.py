@@ -18,7 +18,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from messages.collective import Member
+import torch
+
+from messages import stream
+from messages.collective import CollectiveError, Member
 
 
 class Prefetcher(threading.Thread):
@@ -39,6 +42,12 @@ class Prefetcher(threading.Thread):
         """The applier is done with the oldest received bucket: its buffer may be reused."""
         self._slots.release()
 
+    def submit_stream(self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event) -> None:
+        """Receive a whole collective stream (`stream` message): each framed bucket goes to
+        `out` as ("bucket", header, metas bytes, payload view) once a buffer is free, then
+        ("end", header); a failure goes as ("error", exception) and ends it."""
+        self._jobs.put(("stream", (msg, out, cancelled), None))
+
     def close_group(self) -> None:
         self._jobs.put(("close", None, None))
 
@@ -48,6 +57,9 @@ class Prefetcher(threading.Thread):
     def run(self) -> None:
         while (job := self._jobs.get()) is not None:
             kind, msg, fut = job
+            if kind == "stream":
+                self._stream(*msg)
+                continue
             if kind == "close" or fut is None:
                 self.member.close()
                 continue
@@ -60,3 +72,31 @@ class Prefetcher(threading.Thread):
             except BaseException as exc:  # handed to the applier, which reports it typed
                 fut.set_exception(exc)
         self.member.close()
+
+    def _stream(self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event) -> None:
+        """The receive loop of one collective stream, on this (the group's) thread."""
+        ref = msg.group.to_wire()
+
+        def give_up() -> str | None:
+            return "the sync ended here" if cancelled.is_set() else None
+
+        try:
+            g = self.member.ensure(ref, give_up)
+            head = torch.empty(stream.HEADER_BYTES, dtype=torch.uint8, device=g.device)
+            while True:
+                g.wait(g.start(head), give_up=give_up)
+                h = stream.decode_header(bytes(head.cpu().numpy()))
+                if h.kind == stream.END:
+                    out.put(("end", h, None, None))
+                    return
+                if self.failpoints.get("kill_in_broadcast", -1) == h.seq:  # fault injection
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while not self._slots.acquire(timeout=0.05):  # a buffer the applier released
+                    if cancelled.is_set():
+                        raise CollectiveError("the sync ended here")
+                view = self.member.buffer(h.data_len + h.meta_len, g.device)
+                g.wait(g.start(view), give_up=give_up)
+                out.put(("bucket", h, bytes(view[h.data_len :].cpu().numpy()), view[: h.data_len]))
+        except BaseException as exc:  # handed to the applier, which reports it typed
+            self.member.close()  # the stream is broken: the trainer's broadcast fails at once
+            out.put(("error", exc, None, None))

@@ -105,6 +105,7 @@ class TorchEngine:
         self.finalize_count = 0  # post-load steps run by syncs (the startup one is not counted)
         self.version: int | None = None
         self._digest: str | None = self._checkpoint_digest()
+        self._prepared: str | None = None  # the digest taken at prepare, for finalize
         self._pack()  # the model as loaded from disk is served, so it is post-processed once
 
     # -- Engine protocol ----------------------------------------------------------------
@@ -121,17 +122,28 @@ class TorchEngine:
             self._unpack()
         self.version = None
         self._digest = None
+        self._prepared = None
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.packed:
             raise make_error(ErrorCode.INVALID_STATE, "load while weights are packed; begin first")
         validate_bucket(self.spec, tensors)
+        self._prepared = None
         with torch.no_grad():
             for name, src in tensors:
                 self.params[name].copy_(src)
 
+    def prepare_digest(self) -> str:
+        """The digest `finalize` will return (phase one of the commit); kept for it."""
+        if self.packed:
+            raise make_error(ErrorCode.INVALID_STATE, "prepare while weights are packed; begin first")
+        self._prepared = self._checkpoint_digest()
+        return self._prepared
+
     def finalize(self, sync_id: str = "") -> str:
-        digest = self._checkpoint_digest()  # before the checkpoint layout is released
+        # before the checkpoint layout is released (taken at prepare when nothing changed since)
+        digest = self._prepared or self._checkpoint_digest()
+        self._prepared = None
         self._pack()
         self.finalize_count += 1
         self._digest = digest
@@ -153,6 +165,7 @@ class TorchEngine:
         """Drop the sync: weights may be mixed, so nothing is served until the next one."""
         self.version = None
         self._digest = None
+        self._prepared = None
 
     def close(self) -> None:
         self.params.clear()

@@ -32,7 +32,7 @@ import structlog
 import zmq
 
 from engines.applier import Applier
-from engines.base import Engine
+from engines.base import Engine, ReceivesCollective
 from messages import codec, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
@@ -43,7 +43,7 @@ from messages.shm import shm_available
 
 log = structlog.get_logger()
 
-ORCHESTRATOR_TYPES = ("load", "finalize", "abort", "ok", "error")
+ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "abort", "ok", "error")
 
 
 @dataclass(slots=True)
@@ -128,6 +128,8 @@ class Worker:
             cast_ok=self.info.cast_ok,
             collective_ranks=self.info.collective_ranks if self.collective else 0,
             collective_backends=self._backends(),
+            # the framed stream is received by this process (vLLM's workers receive per bucket)
+            collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
         )
 
     def _backends(self) -> tuple[Backend, ...]:
@@ -277,7 +279,7 @@ class Worker:
             self._last_report = now
             self._send(loaded)
 
-    def _track(self, msg: schema.Load | schema.Finalize, applier: Applier) -> SyncTrack:
+    def _track(self, msg: schema.Load | schema.OpenStream | schema.Finalize, applier: Applier) -> SyncTrack:
         t = self.syncs.get(msg.sync_id)
         if t is None:
             t = SyncTrack(msg.sync_id, msg.version, Progress(msg.sync_id))
@@ -304,6 +306,11 @@ class Worker:
                 return
             t.queued.add(key)
             applier.accept(msg, decoded.payload[0] if decoded.payload else None)
+        elif isinstance(msg, schema.OpenStream):
+            if msg.sync_id in self.syncs:  # a repeated open: the stream runs already
+                return
+            self._track(msg, applier)
+            applier.submit("stream", msg)
         elif isinstance(msg, schema.Finalize):
             if msg.sync_id in self.finalized_syncs:
                 self.duplicates_refused += 1
@@ -328,6 +335,7 @@ class Worker:
             applier.submit("finalize", msg)
         elif isinstance(msg, schema.Abort):
             if msg.sync_id in self.syncs:
+                applier.cancel_stream(msg.sync_id)  # a stream in progress stops receiving now
                 applier.submit("abort", msg)
         elif isinstance(msg, schema.Ok):
             if msg.body.get("known") is False:

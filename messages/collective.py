@@ -38,6 +38,7 @@ Store = Any
 Backend = Literal["gloo", "nccl"]
 
 PREFIX = "weightsync"
+ROOT_KEY = "root"  # set by rank 0 as it joins a group
 
 
 class CollectiveError(RuntimeError):
@@ -91,7 +92,9 @@ class GroupSpec:
 class Group:
     """One member's handle on one process group; `broadcast` is the only data call."""
 
-    def __init__(self, spec: GroupSpec, store: Store | None = None) -> None:
+    def __init__(
+        self, spec: GroupSpec, store: Store | None = None, give_up: Callable[[], str | None] | None = None
+    ) -> None:
         self.spec = spec
         self.broken = False
         self._work: Any = None  # the last broadcast started
@@ -109,7 +112,13 @@ class Group:
                 else dist.TCPStore(spec.host, spec.port, is_master=False, timeout=td)
             )
             prefixed = dist.PrefixStore(f"{PREFIX}/{spec.id}/", base)
+            if spec.rank == 0:
+                prefixed.set(ROOT_KEY, "1")  # members that wait for the root may join now
+            elif give_up is not None:
+                _await_root(spec, prefixed, give_up)
             self.pg = self._make_pg(prefixed, td)
+        except CollectiveError:
+            raise
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
             raise CollectiveError(
                 f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
@@ -227,6 +236,22 @@ def _bury(pg: Any) -> None:
     _graves.put(pg)
 
 
+def _await_root(spec: GroupSpec, store: Store, give_up: Callable[[], str | None]) -> None:
+    """Wait, interruptibly, until rank 0 (the trainer) starts joining: the backend's own
+    rendezvous cannot be left early, and a sync given up before its trainer broadcast
+    anything must not hold its members there until the group's deadline."""
+    deadline = time.monotonic() + spec.timeout
+    while not store.check([ROOT_KEY]):
+        reason = give_up()
+        if reason is not None:
+            raise CollectiveError(f"group {spec.id}: {reason} (before the trainer joined)")
+        if time.monotonic() > deadline:
+            raise CollectiveError(
+                f"group {spec.id}: the trainer did not join within {spec.timeout}s", timed_out=True
+            )
+        time.sleep(0.02)
+
+
 def _timed_out(exc: BaseException) -> bool:
     """torch.distributed reports a passed deadline only in its message."""
     text = str(exc).lower()
@@ -251,7 +276,7 @@ class Member:
         self._next = 0
         self._dead: set[str] = set()  # groups closed or broken here: never joined again
 
-    def ensure(self, ref: dict[str, Any]) -> Group:
+    def ensure(self, ref: dict[str, Any], give_up: Callable[[], str | None] | None = None) -> Group:
         g = self.group
         if g is not None and g.spec.id == ref["id"] and not g.broken:
             return g
@@ -271,7 +296,7 @@ class Member:
             timeout=ref["timeout"],
             bind=self.bind,
         )
-        self.group = Group(spec)
+        self.group = Group(spec, give_up=give_up)
         return self.group
 
     def receive(self, ref: dict[str, Any], size: int) -> torch.Tensor:
@@ -284,13 +309,17 @@ class Member:
         return at once (the backend receives on its own threads); `wait` for it. Posts
         must follow the order the root broadcasts in."""
         g = self.ensure(ref)
+        view = self.buffer(size, g.device)
+        return view, (g, g.start(view))
+
+    def buffer(self, size: int, device: torch.device) -> torch.Tensor:
+        """The next of the reusable buffers, `size` bytes long (grown when too small)."""
         i = self._next
         self._next = (i + 1) % len(self._bufs)
         buf = self._bufs[i]
-        if buf is None or buf.numel() < size or buf.device != g.device:
-            buf = self._bufs[i] = torch.empty(max(size, 1), dtype=torch.uint8, device=g.device)
-        view = buf[:size]
-        return view, (g, g.start(view))
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = self._bufs[i] = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        return buf[:size]
 
     @staticmethod
     def wait(posted: tuple[torch.Tensor, Any]) -> torch.Tensor:

@@ -27,9 +27,9 @@ SECTIONS = [
     ("Replies", (schema.Ok, schema.Error)),
     (
         "Engine -> orchestrator",
-        (schema.Register, schema.Heartbeat, schema.Loaded, schema.Finalized, schema.Failed),
+        (schema.Register, schema.Heartbeat, schema.Loaded, schema.Prepared, schema.Finalized, schema.Failed),
     ),
-    ("Orchestrator -> engine", (schema.Load, schema.Finalize, schema.Abort)),
+    ("Orchestrator -> engine", (schema.Load, schema.OpenStream, schema.Finalize, schema.Abort)),
     (
         "Nested",
         (

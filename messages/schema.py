@@ -18,7 +18,7 @@ from msgspec import Meta
 
 from messages.dtypes import Dtype
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
@@ -158,6 +158,9 @@ class CollectiveOffer(_Wire, frozen=True):
     port: Port
     session: Id
     backends: Annotated[tuple[Backend, ...], Meta(min_length=1, max_length=2)] = ("gloo",)
+    # v3: the trainer frames its broadcasts (messages/stream.py), so engines that can take
+    # the stream receive the whole sync without a message from the daemon per bucket
+    stream: bool = False
 
 
 class GroupRef(_Wire, frozen=True):
@@ -225,6 +228,8 @@ class Finish(Message, frozen=True, tag="finish"):
     # True: the trainer sends a subset of the engines' tensors on purpose; otherwise a
     # finish that leaves an engine tensor unsent is INCOMPLETE_SYNC, before any finalize.
     partial: bool = False
+    # v3, a collective stream: the chain over the buckets' checksums (messages/stream.py)
+    chain: Checksum | None = None
 
 
 class Abort(Message, frozen=True, tag="abort"):
@@ -278,6 +283,7 @@ class Register(Message, frozen=True, tag="register"):
     # Members this engine brings to a collective group (its TP workers); 0: none.
     collective_ranks: Annotated[int, Meta(ge=0, le=MAX_GROUP - 1)] = 0
     collective_backends: Annotated[tuple[Backend, ...], Meta(max_length=2)] = ()
+    collective_stream: bool = False  # v3: takes a framed collective stream (messages/stream.py)
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
@@ -310,6 +316,21 @@ class Finalized(Message, frozen=True, tag="finalized"):
     phases: Annotated[dict[PhaseName, Seconds], Meta(max_length=MAX_PHASES)] = {}
 
 
+class Prepared(Message, frozen=True, tag="prepared"):
+    """v3, engine -> orchestrator once per collective stream: every bucket arrived, was
+    verified and applied (phase one of the commit). `chain` is the checksum over the
+    buckets' checksums in order, `digest` that of the weights now held (before the
+    post-load step), when the engine can tell it before finalize."""
+
+    sync_id: Id
+    buckets: Count
+    nbytes: Size
+    chain: Checksum
+    id: RequestId = 0
+    digest: Digest | None = None
+    seconds: Seconds = 0.0
+
+
 class Failed(Message, frozen=True, tag="failed"):
     sync_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]  # "" when no sync applies
     code: Annotated[str, Meta(max_length=64)]
@@ -337,6 +358,16 @@ class Load(Message, frozen=True, tag="load"):
     size: Size | None = None
 
 
+class OpenStream(Message, frozen=True, tag="stream"):
+    """v3, orchestrator -> engine once per sync on the collective stream: join `group` and
+    receive the trainer's framed buckets until its END header, then answer `prepared`."""
+
+    sync_id: Id
+    version: Version
+    group: GroupRef
+    id: RequestId = 0
+
+
 class Finalize(Message, frozen=True, tag="finalize"):
     sync_id: Id
     version: Version
@@ -359,7 +390,9 @@ for _cls in (
     Loaded,
     Finalized,
     Failed,
+    Prepared,
     Load,
+    OpenStream,
     Finalize,
 ):
     _cls.TYPE = str(_cls.__struct_config__.tag)  # the header's `type`, for code that reads TYPE

@@ -71,7 +71,17 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
                 f"killed); sync abandoned",
                 trainer_lost=True,
             )
-        if now - s.last_activity > lim.sync_timeout:
+        if s.stream and s.finished_at is not None and now - s.finished_at > lim.bucket_timeout:
+            slow = sorted(set(s.participants) - set(s.prepared))
+            return m.error(
+                ErrorCode.TIMEOUT,
+                f"engine(s) {slow} not prepared within {lim.bucket_timeout}s of the trainer's "
+                f"finish; nothing was finalized",
+                engine_ids=slow,
+            )
+        # On the collective stream the trainer says nothing to the daemon until its finish:
+        # a stalled stream is bounded by the group's deadline in every engine instead.
+        if not (s.stream and s.finished_at is None) and now - s.last_activity > lim.sync_timeout:
             return m.error(ErrorCode.TIMEOUT, f"no trainer message for {lim.sync_timeout}s")
     if (
         m.state == S.FINALIZING

@@ -25,6 +25,7 @@ class SyncOpened:
     kind: str  # "sync" | "rollback"
     transport: str  # "inline" | "shm" | "mixed" | "collective"
     spool: bool  # its buckets are written to the spool as they are forwarded
+    stream: bool = False  # the collective stream: the trainer hears of a failure unasked
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,17 @@ class ForwardBucket:
     shm_engines: tuple[str, ...] = ()  # read the bucket from the trainer's shared memory
     group: GroupPlan | None = None  # collective: each engine hears of it and receives by broadcast
     spool: bool = False  # write the bucket to the spool before any engine is told
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStreams:
+    """Tell each engine to join `group` and receive the trainer's collective stream of
+    sync `sync_id` (one message per engine per sync; no message per bucket)."""
+
+    sync_id: str
+    version: int
+    engine_ids: tuple[str, ...]
+    group: GroupPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +148,7 @@ class CatchUpDone:
 Command = (
     SyncOpened
     | ForwardBucket
+    | OpenStreams
     | AckBucket
     | SendFinalize
     | SendAbort

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Register
+from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Prepared, Register
 from orchestrator.core.records import Spooled
 
 
@@ -92,6 +92,13 @@ class EngineFinalized(OfMessage):
     TRIGGER: ClassVar[str] = "finalized"
     engine_id: str
     msg: Finalized
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePrepared(OfMessage):
+    TRIGGER: ClassVar[str] = "prepared"
+    engine_id: str
+    msg: Prepared
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         cast_ok=msg.cast_ok,
         collective_ranks=msg.collective_ranks,
         collective_backends=tuple(msg.collective_backends),
+        collective_stream=msg.collective_stream,
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.

@@ -24,6 +24,7 @@ HANDLERS: dict[type[ev.Event], Callable[[Model, Any], None]] = {
     ev.FinishSync: sync.finish,
     ev.AbortSync: sync.abort,
     ev.Loaded: sync.loaded,
+    ev.EnginePrepared: sync.prepared,
     ev.EngineFinalized: sync.finalized,
     ev.EngineFailed: sync.failed,
     ev.EngineRegistered: fleet.register,

@@ -112,6 +112,7 @@ class Model:
         return (
             s is not None
             and self.state == S.LOADING_BUCKETS
+            and not s.stream  # its engines began receiving when the sync opened
             and not s.buckets
             and not s.finalize_sent
             and not self.dirty
@@ -274,7 +275,7 @@ class Model:
                 if not rolled_back:
                     x.version, x.digest = None, None
         touched = tuple(x for x in s.participants if self.engines[x].state != E.LOST)
-        if s.buckets or s.finalize_sent:
+        if s.buckets or s.finalize_sent or s.stream:  # a stream's engines may be receiving
             self.outbox.append(SendAbort(touched, s.sync_id))
         if s.kind == "sync":
             if self.limits.spool:
@@ -301,8 +302,8 @@ class Model:
                     "status": status,
                     "code": err.code.value,
                     "reason": err.message,
-                    "buckets": len(s.buckets),
-                    "bytes": s.nbytes,
+                    "buckets": s.bucket_count,
+                    "bytes": s.byte_count,
                     "at": self.now,
                 },
             )
@@ -360,8 +361,8 @@ class Model:
                     "version": s.version,
                     "status": "READY",
                     "digest": digest,
-                    "buckets": len(s.buckets),
-                    "bytes": s.nbytes,
+                    "buckets": s.bucket_count,
+                    "bytes": s.byte_count,
                     "at": self.now,
                 },
             )

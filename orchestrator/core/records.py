@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.errors import WeightSyncError
-from messages.schema import Backend, Finalized, ParamSpec, Probe
+from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
 from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
 
@@ -29,6 +29,7 @@ class EngineRecord:
     probes: tuple[tuple[int, ...], ...] = ()
     collective_ranks: int = 0  # members it brings to a collective group (0: cannot join)
     collective_backends: tuple[str, ...] = ()
+    collective_stream: bool = False  # takes the framed collective stream (protocol v3)
 
     def move(self, trigger: str) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
@@ -118,14 +119,34 @@ class SyncRecord:
     error: WeightSyncError | None = None  # why it failed (set as it closes)
     names: set[str] = field(default_factory=set)  # tensor names sent so far (completeness)
     trainer_lost_at: float | None = None  # the trainer's connection closed (grace running)
+    # The collective stream (protocol v3): engines receive every bucket from the trainer
+    # and answer once with `prepared`; the daemon sees no bucket of it (unless it spools).
+    stream: bool = False
+    prepared: dict[str, Prepared] = field(default_factory=dict)
+    chain: int | None = None  # the trainer's, from its finish
+    finished_at: float | None = None  # when the last sender finished (the prepare deadline runs)
+
+    @property
+    def bucket_count(self) -> int:
+        """Buckets this sync moved: the daemon's own count, or on the collective stream
+        (which the daemon does not see) what the engines prepared."""
+        if self.stream and self.prepared:
+            return max(p.buckets for p in self.prepared.values())
+        return len(self.buckets)
+
+    @property
+    def byte_count(self) -> int:
+        if self.stream and self.prepared:
+            return max(p.nbytes for p in self.prepared.values())
+        return self.nbytes
 
     def view(self) -> dict[str, Any]:
         return {
             "sync_id": self.sync_id,
             "version": self.version,
             "kind": self.kind,
-            "buckets": len(self.buckets),
-            "bytes": self.nbytes,
+            "buckets": self.bucket_count,
+            "bytes": self.byte_count,
             "acked": sum(1 for b in self.buckets.values() if b.done),
             "engines": list(self.participants),
             "transport": self.transport,
@@ -133,6 +154,7 @@ class SyncRecord:
             "started_at": self.started_at,
             "collective": self.group.view() if self.group else None,
             "trainer_connected": self.trainer_lost_at is None,
+            **({"stream": True, "prepared": len(self.prepared)} if self.stream else {}),
         }
 
 

@@ -22,6 +22,7 @@ from orchestrator.core.commands import (
     CatchUpAck,
     ForwardBucket,
     Journal,
+    OpenStreams,
     SendFinalize,
     SpoolBegin,
     SyncOpened,
@@ -32,6 +33,7 @@ from orchestrator.core.events import (
     BucketIn,
     EngineFailed,
     EngineFinalized,
+    EnginePrepared,
     FinishSync,
     Loaded,
 )
@@ -92,9 +94,12 @@ def begin(m: Model, event: BeginSync) -> None:
     if group is not None:
         m.group_planned(group)
         s.group, s.transport = group, "collective"
+        s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
         s.shm_engines, s.transport = syncs.plan_transport(msg, s.participants, m.engines, m.limits.host)
-    m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.transport, m.limits.spool))
+    m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.transport, m.limits.spool, s.stream))
+    if s.stream and s.group is not None:  # engines hear of this sync once, not per bucket
+        m.outbox.append(OpenStreams(s.sync_id, s.version, s.participants, s.group))
     if m.limits.spool:
         m.outbox.append(SpoolBegin(msg.sync_id, msg.version))
     m.outbox.append(
@@ -158,6 +163,15 @@ def bucket(m: Model, event: BucketIn) -> None:
     s.buckets[key] = BucketRecord(event.nbytes, m.now)
     s.nbytes += event.nbytes
     s.names.update(t.name for t in msg.tensors)
+    if s.stream:  # a spool copy: the engines have the bytes from the stream
+        s.buckets[key].done = True
+        acked = s.acked_through.get(msg.sender, -1)
+        while (r := s.buckets.get((msg.sender, acked + 1))) is not None and r.done:
+            acked += 1
+        s.acked_through[msg.sender] = acked
+        m.outbox.append(ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True))
+        m.outbox.append(AckBucket(s.sync_id, key, acked))
+        return
     alive = tuple(x for x in s.participants if m.engines[x].state != E.LOST)
     m.outbox.append(
         ForwardBucket(
@@ -194,6 +208,12 @@ def _check_route(m: Model, s: SyncRecord, event: BucketIn) -> None:
         )
     if event.shm_error is not None:
         raise m.error(ErrorCode.BAD_MESSAGE, f"bucket seq {msg.seq}: {event.shm_error}")
+    if s.stream and not m.limits.spool:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "this sync's buckets travel on the collective stream, framed by the trainer: "
+            "the daemon takes no bucket of it (it does not spool)",
+        )
     if msg.size is not None and m.limits.spool and s.kind == "sync" and not event.has_payload:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
@@ -296,6 +316,9 @@ def finish(m: Model, event: FinishSync) -> None:
     if len(finished) < s.senders:  # another sender still streams: wait for its finish
         _record_finish(m, s, event)
         return
+    if s.stream:
+        _finish_stream(m, s, event)
+        return
     reason = syncs.incomplete_reason(s, finished)
     if reason is not None:
         raise m.error(ErrorCode.INCOMPLETE_SYNC, reason)
@@ -312,7 +335,12 @@ def finish(m: Model, event: FinishSync) -> None:
             missing_count=len(names),
         )
     _record_finish(m, s, event)
-    m.move("finish", S.FINALIZING, s)
+    _commit(m, s, "finish")
+
+
+def _commit(m: Model, s: SyncRecord, trigger: str) -> None:
+    """Phase two: every participant is prepared; each is told to finalize, once."""
+    m.move(trigger, S.FINALIZING, s)
     s.finalize_started = m.now
     for eid in s.participants:
         if eid in s.finalize_sent:  # the guard behind the invariant: once per engine
@@ -320,6 +348,74 @@ def finish(m: Model, event: FinishSync) -> None:
         s.finalize_sent.add(eid)
         m.engines[eid].move("start_finalize")
         m.outbox.append(SendFinalize(eid, s.sync_id, s.version, s.probes))
+
+
+def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
+    """The trainer finished a collective stream: the engines' `prepared` say whether
+    they hold it all (each compared with the trainer's count and chain); commit when the
+    last has prepared. A finish that cannot be compared is refused, changing nothing."""
+    msg = event.msg
+    if msg.chain is None:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            "this sync travels on the collective stream: finish must carry the chain over "
+            "the buckets' checksums",
+        )
+    if s.expected_buckets is not None and msg.buckets != s.expected_buckets:
+        raise m.error(
+            ErrorCode.INCOMPLETE_SYNC,
+            f"{msg.buckets} buckets announced, begin expected {s.expected_buckets}",
+        )
+    if m.limits.spool:  # the spool copies must all be in (the spool replays them)
+        reason = syncs.incomplete_reason(s, {msg.sender: msg.buckets})
+        if reason is not None:
+            raise m.error(ErrorCode.INCOMPLETE_SYNC, f"spool copies: {reason}")
+    _record_finish(m, s, event)
+    s.chain, s.finished_at = msg.chain, m.now
+    _commit_if_prepared(m, s, "finish")
+
+
+def prepared(m: Model, event: EnginePrepared) -> None:
+    """Phase one of the commit on the collective stream: an engine holds every bucket."""
+    eid, msg = event.engine_id, event.msg
+    s = m.participant(eid, msg.sync_id)
+    if s is None or not s.stream or m.state != S.LOADING_BUCKETS or eid in s.prepared:
+        return  # late, stray or repeated: changes nothing
+    m.engines[eid].last_seen = m.now
+    s.prepared[eid] = msg
+    s.last_activity = m.now
+    _commit_if_prepared(m, s, "prepared")
+
+
+def _commit_if_prepared(m: Model, s: SyncRecord, trigger: str) -> None:
+    """Compare each `prepared` with the trainer's finish and with the others', failing the
+    sync on the first that differs (nothing finalized); commit when all have prepared."""
+    if s.chain is None:
+        return  # the trainer has not finished: prepared answers wait for its finish
+    want_buckets = sum(s.finished.values())
+    digests = {p.digest for p in s.prepared.values() if p.digest is not None}
+    want_digest = s.expected_digest or (next(iter(digests)) if len(digests) == 1 else None)
+    for eid, p in sorted(s.prepared.items()):
+        why = None
+        if p.buckets != want_buckets:
+            why = f"prepared {p.buckets} buckets, the trainer sent {want_buckets}"
+        elif p.chain != s.chain:
+            why = (
+                f"prepared buckets whose checksums chain to {p.chain:#018x}, the trainer's to {s.chain:#018x}"
+            )
+        elif len(digests) > 1 and s.expected_digest is None:
+            why = f"prepared digest {p.digest}, other engines {sorted(digests - {p.digest})}"
+        elif p.digest is not None and want_digest is not None and p.digest != want_digest:
+            why = f"holds digest {p.digest}, expected {want_digest}"
+        if why is not None:
+            m.close_failed(
+                trigger,
+                m.error(ErrorCode.ENGINE_FAILED, f"engine {eid} {why}; nothing was finalized", engine_id=eid),
+            )
+            return
+    alive = [x for x in s.participants if m.engines[x].state != E.LOST]
+    if all(x in s.prepared for x in alive) and len(alive) == len(s.participants):
+        _commit(m, s, trigger)
 
 
 def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:

@@ -109,14 +109,26 @@ def plan_group(
     return plan
 
 
+def can_stream(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord]) -> bool:
+    """The collective stream (protocol v3): one trainer that frames its broadcasts, and
+    every participant able to take them. Otherwise each bucket is announced per engine."""
+    offer = msg.collective
+    return (
+        offer is not None
+        and offer.stream
+        and msg.senders == 1
+        and all(engines[e].collective_stream for e in participants)
+    )
+
+
 def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
     return {
         "sync_id": s.sync_id,
         "version": s.version,
         "status": status,
         "kind": s.kind,
-        "buckets": len(s.buckets),
-        "bytes": s.nbytes,
+        "buckets": s.bucket_count,
+        "bytes": s.byte_count,
         "seconds": round(now - s.started_at, 6),
         "engine_ids": list(s.participants),
         "transport": s.transport,

@@ -49,6 +49,28 @@ ROWS: tuple[Row, ...] = (
         "to each participant",
     ),
     Row(
+        "finish",
+        (S.LOADING_BUCKETS,),
+        S.IDLE,
+        "collective stream, every participant prepared: one prepared something else than "
+        "the trainer finished with (bucket count, chain, digest); nothing finalized, dirty",
+    ),
+    Row(
+        "prepared",
+        (S.LOADING_BUCKETS,),
+        S.FINALIZING,
+        "collective stream, after the trainer's finish: the last participant prepared "
+        "exactly what the trainer finished with (bucket count, chain over the bucket "
+        "checksums, digest): finalize is sent once to each participant (the commit)",
+    ),
+    Row(
+        "prepared",
+        (S.LOADING_BUCKETS,),
+        S.IDLE,
+        "collective stream: a participant prepared something else than the trainer "
+        "finished with, or than the others prepared; nothing finalized, dirty",
+    ),
+    Row(
         "finalized",
         (S.FINALIZING,),
         S.READY,
@@ -128,7 +150,8 @@ ROWS: tuple[Row, ...] = (
         S.IDLE,
         "a participant lost (disconnected, or silent past --engine-timeout), a bucket not "
         "applied in --bucket-timeout, the trainer gone past its grace or silent past "
-        "--sync-timeout, finalize not reported in --finalize-timeout: dirty",
+        "--sync-timeout, a participant not prepared --bucket-timeout after the trainer's "
+        "finish (collective stream), finalize not reported in --finalize-timeout: dirty",
     ),
     Row(
         "tick",
@@ -158,6 +181,7 @@ TRIGGERS = (
     "register",
     "heartbeat",
     "loaded",
+    "prepared",
     "finalized",
     "failed",
     "tick",
@@ -167,7 +191,7 @@ TRIGGERS = (
     "shutdown",
     "spool_changed",
 )
-TRAINER_TRIGGERS = ("begin", "bucket", "finish", "finalized", "failed", "abort")
+TRAINER_TRIGGERS = ("begin", "bucket", "finish", "prepared", "finalized", "failed", "abort")
 
 
 def _goes_to(dest: State) -> Any:

@@ -33,7 +33,7 @@ from orchestrator.daemon.transport import Stats, Transport, Waiter
 log = structlog.get_logger()
 
 TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
-ENGINE_TYPES = ("register", "heartbeat", "loaded", "finalized", "failed")
+ENGINE_TYPES = ("register", "heartbeat", "loaded", "prepared", "finalized", "failed")
 DAEMON_VERSION = __version__
 
 
@@ -267,6 +267,19 @@ class Dispatcher:
                 self.metrics.apply_seconds.labels(engine_id).inc(msg.seconds)
                 self.metrics.buckets_applied.labels(engine_id).inc(msg.count)
             await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also))
+        elif isinstance(msg, schema.Prepared):
+            log.info(
+                "engine_prepared",
+                engine_id=engine_id,
+                sync_id=msg.sync_id,
+                buckets=msg.buckets,
+                nbytes=msg.nbytes,
+                seconds=msg.seconds,
+            )
+            if msg.buckets:
+                self.metrics.apply_seconds.labels(engine_id).inc(msg.seconds)
+                self.metrics.buckets_applied.labels(engine_id).inc(msg.buckets)
+            await self.feed(ev.EnginePrepared(engine_id, msg))
         elif isinstance(msg, schema.Finalized):
             log.info(
                 "engine_finalized",

@@ -24,7 +24,7 @@ from messages.errors import ErrorCode, MessageError, make_error
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
-from orchestrator.core.records import Spooled
+from orchestrator.core.records import GroupPlan, Spooled
 from orchestrator.daemon.inflight import Inflight
 from orchestrator.daemon.journal import Journal
 from orchestrator.daemon.metrics import Metrics
@@ -228,6 +228,8 @@ class Effects:
             self._forward(c)
         elif isinstance(c, cmd.SyncOpened):
             self.inflight.routes[c.sync_id] = c
+        elif isinstance(c, cmd.OpenStreams):
+            self._open_streams(c)
         elif isinstance(c, cmd.SendFinalize):
             header = codec.encode_header(
                 schema.Finalize(sync_id=c.sync_id, version=c.version, probes=c.probes)
@@ -300,26 +302,38 @@ class Effects:
             shm_engines=len(shm_engines),
         )
 
+    def _ref(self, g: GroupPlan, eid: str) -> schema.GroupRef:
+        """Engine `eid`'s GroupRef in `g` (made once per group and engine)."""
+        if self._refs_of != g.id:
+            self._refs_of, self._refs = g.id, {}
+        ref = self._refs.get(eid)
+        if ref is None:
+            ref = self._refs[eid] = schema.GroupRef(
+                id=g.id,
+                host=g.host,
+                port=g.port,
+                rank=g.rank_of(eid),
+                world_size=g.world_size,
+                backend=g.backend,
+                timeout=g.timeout,
+            )
+        return ref
+
+    def _open_streams(self, c: cmd.OpenStreams) -> None:
+        """Each engine hears of the sync once; the trainer's framed broadcasts do the rest."""
+        for eid in c.engine_ids:
+            msg = schema.OpenStream(sync_id=c.sync_id, version=c.version, group=self._ref(c.group, eid))
+            self.transport.send_engine(eid, [codec.encode_header(msg)])
+        log.info("stream_opened", sync_id=c.sync_id, engines=len(c.engine_ids), group=c.group.id)
+
     def _forward_collective(self, c: cmd.ForwardBucket, load: schema.Load) -> None:
         """Each engine hears of the bucket (its metadata and its own rank); the bytes come
         to it from the trainer by broadcast, never through this process."""
         g = c.group
         if g is None:
             return
-        if self._refs_of != g.id:  # each engine's GroupRef, made once per group
-            self._refs_of, self._refs = g.id, {}
         for eid in c.engine_ids:
-            ref = self._refs.get(eid)
-            if ref is None:
-                ref = self._refs[eid] = schema.GroupRef(
-                    id=g.id,
-                    host=g.host,
-                    port=g.port,
-                    rank=g.rank_of(eid),
-                    world_size=g.world_size,
-                    backend=g.backend,
-                    timeout=g.timeout,
-                )
+            ref = self._ref(g, eid)
             header = codec.encode_header(msgspec.structs.replace(load, group=ref))
             self.transport.send_engine(eid, [header])
         log.debug(
@@ -343,10 +357,16 @@ class Effects:
             log.info("shm_segments_swept", segments=len(swept))
         if self.publish is not None:
             self.publish()
+        route = self.inflight.routes.get(c.sync_id)
+        owners = set(self.inflight.owners.get(c.sync_id, ()))
         buckets, finishes = self.inflight.close(c.sync_id)
         if c.error is not None:
             for w in buckets:
                 self.transport.reply_error(w, c.error)
+            if route is not None and route.stream:  # a trainer mid-stream asked nothing: tell it
+                answered = {w.ident for w in buckets + finishes}
+                for ident in sorted(owners - answered):
+                    self.transport.reply_error(Waiter(ident, 0), c.error)
         for w in finishes:
             if c.error is not None:
                 self.transport.reply_error(w, c.error)

@@ -160,10 +160,17 @@ class TrainerClient:
         digest: str | None = None,
         timeout: float | None = None,
         partial: bool = False,
+        chain: int | None = None,
     ) -> dict[str, Any]:
         return self.conn.request(
             lambda i: schema.Finish(
-                sync_id=sync_id, buckets=buckets, id=i, sender=self.sender, digest=digest, partial=partial
+                sync_id=sync_id,
+                buckets=buckets,
+                id=i,
+                sender=self.sender,
+                digest=digest,
+                partial=partial,
+                chain=chain,
             ),
             self.finish_timeout if timeout is None else timeout,
         )
@@ -238,17 +245,22 @@ class TrainerClient:
             digester = Digester()
             t_stream = time.perf_counter()
             try:
-                streamed = self.stream.run(
-                    sync_id,
-                    named_tensors,
-                    bucket_bytes,
-                    window,
-                    progress,
-                    ring,
-                    digester,
-                    coll,
-                    max_pending=started.get("max_pending"),
-                )
+                if coll is not None and started.get("stream"):
+                    streamed = self.stream.framed(
+                        sync_id, named_tensors, bucket_bytes, progress, coll, digester, partial
+                    )
+                else:
+                    streamed = self.stream.run(
+                        sync_id,
+                        named_tensors,
+                        bucket_bytes,
+                        window,
+                        progress,
+                        ring,
+                        digester,
+                        coll,
+                        max_pending=started.get("max_pending"),
+                    )
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
                 t_finish = time.perf_counter()
@@ -257,6 +269,7 @@ class TrainerClient:
                     streamed.buckets,
                     digest=None if partial else digester.hexdigest(),
                     partial=partial,
+                    chain=streamed.chain,
                 )
                 trainer_phases = {
                     "begin": t_stream - t0,
@@ -354,7 +367,13 @@ class TrainerClient:
 
     def _collective_for(self, started: dict[str, Any], asked: str) -> TrainerGroup | None:
         if started.get("transport") == "collective" and self.group is not None:
-            self.group.plan({**started["collective"], "spool_copy": started.get("spool_copy", False)})
+            self.group.plan(
+                {
+                    **started["collective"],
+                    "spool_copy": started.get("spool_copy", False),
+                    "stream": bool(started.get("stream")),
+                }
+            )
             return self.group
         if asked == "collective":
             log.warning(

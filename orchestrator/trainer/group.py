@@ -56,7 +56,11 @@ class TrainerGroup:
             self._store = host_store(self.host, self.timeout)
             log.info("collective_store_started", host=self.host, port=self._store.port, session=self.session)
         return schema.CollectiveOffer(
-            host=self.host, port=self._store.port, session=self.session, backends=available_backends()
+            host=self.host,
+            port=self._store.port,
+            session=self.session,
+            backends=available_backends(),
+            stream=True,
         )
 
     def plan(self, view: dict[str, Any]) -> None:

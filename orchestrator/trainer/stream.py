@@ -26,6 +26,7 @@ from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, make_error
 from messages.link import Reconnected
+from messages.stream import Chain, bucket_header, encode_metas, end_header
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.rings import InlineRing, ShmRing
@@ -36,6 +37,7 @@ log = structlog.get_logger()
 # buckets): the trainer's ring, and the daemon's frames in flight, are window x bucket.
 AUTO_INFLIGHT_BYTES = 128 << 20
 MAX_WINDOW = 8
+META_RESERVE = 64 << 10  # room after a framed bucket's bytes for its tensor metadata
 
 
 def window_limit(window: int | None, bucket_bytes: int) -> int:
@@ -73,13 +75,23 @@ class WindowSizer:
 
 @dataclass(slots=True)
 class Streamed:
-    """What `_stream` did: buckets, bytes, resends, the trainer's phases, the window reached."""
+    """What `_stream` did: buckets, bytes, resends, the trainer's phases, the window reached
+    (and, on the collective stream, the chain over the buckets' checksums)."""
 
     buckets: int
     nbytes: int
     retries: int
     phases: dict[str, float]
     window: int
+    chain: int | None = None
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A framed stream's broadcast: a header or a payload of bucket `seq`."""
+
+    seq: int
+    data: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -114,7 +126,7 @@ class Stream:
             shm=shm,
         )
 
-    def broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | None) -> None:
+    def broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | _Frame | None) -> None:
         """Wait for the broadcast in flight, then start `bucket`'s (None: only wait). The
         next bucket is packed while this one travels. Replies that arrive meanwhile are kept
         for the stream. An error from the daemon for this sync ends the broadcast at once; a
@@ -149,6 +161,93 @@ class Stream:
             raise make_error(
                 code, f"bucket seq {seq}: {exc}", sync_id=sync_id, state="LOADING_BUCKETS"
             ) from None
+
+    def framed(
+        self,
+        sync_id: str,
+        named: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        progress: Any,
+        coll: TrainerGroup,
+        digester: Digester | None = None,
+        partial: bool = False,
+    ) -> Streamed:
+        """The collective stream (protocol v3): each bucket is framed (a fixed header, then
+        its bytes followed by its tensor metadata) and broadcast to the engines; the
+        daemon hears nothing until `finish`, which carries the chain. A bucket's slot is
+        reused once its broadcast completed (its bytes left this process), so two slots
+        suffice. An error the daemon pushes for this sync stops the stream at once."""
+        ring = InlineRing(2)
+        slots: dict[int, torch.Tensor] = {}
+        spool = bool((coll.planned or {}).get("spool_copy"))
+        copies: set[int] = set()  # request ids of spool copies not yet acknowledged
+        acked = -1
+
+        def spooled(through: int) -> None:
+            """Wait until the daemon spooled every bucket up to `through` (its copy is
+            sent from the slot, zero-copy: the slot is reused only after that)."""
+            nonlocal acked
+            while acked < through:
+                reply = self.conn.recv(self.conn.timeout)
+                if reply is None or isinstance(reply, Reconnected):
+                    raise make_error(
+                        ErrorCode.TIMEOUT,
+                        f"spool copy of bucket seq {acked + 1} not acknowledged within {self.conn.timeout}s",
+                        sync_id=sync_id,
+                        state="LOADING_BUCKETS",
+                    )
+                rid = getattr(reply, "id", None)
+                if isinstance(reply, schema.Error) and (rid in copies or reply.sync_id == sync_id):
+                    raise error_from_reply(reply)
+                if isinstance(reply, schema.Ok) and rid in copies:
+                    copies.discard(rid)
+                    done = reply.body.get("through", -1)
+                    acked = max(acked, done if isinstance(done, int) else -1)
+
+        def alloc(seq: int, n: int) -> torch.Tensor:
+            if spool:
+                spooled(seq - 2)
+            full = ring.slot(seq, n + META_RESERVE)
+            slots[seq % 2] = full
+            return full[:n]
+
+        chain = Chain()
+        phases = {"pack": 0.0, "send": 0.0}
+        t_loop = time.perf_counter()
+        for b in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
+            t0 = time.perf_counter()
+            metas = encode_metas(b.tensors)
+            full = slots[b.seq % 2]
+            if b.nbytes + len(metas) <= full.numel():
+                payload = full[: b.nbytes + len(metas)]
+                payload[b.nbytes :].copy_(torch.frombuffer(bytearray(metas), dtype=torch.uint8))
+            else:  # metadata past the reserve (thousands of tensors in a bucket): one copy
+                payload = torch.cat([b.data, torch.frombuffer(bytearray(metas), dtype=torch.uint8)])
+            head = torch.frombuffer(
+                bytearray(bucket_header(b.seq, metas, b.nbytes, b.checksum).encode()), dtype=torch.uint8
+            )
+            # each waits for the broadcast before it (the previous bucket's bytes are out)
+            self.broadcast(sync_id, coll, _Frame(b.seq, head))
+            self.broadcast(sync_id, coll, _Frame(b.seq, payload))
+            chain.add(b.checksum, b.nbytes)
+            if spool:  # the daemon keeps the version to roll back to and catch engines up
+                rid = self.conn.new_id()
+                copies.add(rid)
+                msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid), size=b.nbytes)
+                self.conn.send(msg, [b.frame()])
+            phases["send"] += time.perf_counter() - t0
+            if progress is not None:
+                progress(b.nbytes)
+        t0 = time.perf_counter()
+        end = end_header(chain.buckets, chain.nbytes, chain.value, partial=partial)
+        end_frame = torch.frombuffer(bytearray(end.encode()), dtype=torch.uint8)
+        self.broadcast(sync_id, coll, _Frame(chain.buckets, end_frame))
+        self.broadcast(sync_id, coll, None)
+        if spool:
+            spooled(chain.buckets - 1)
+        phases["send"] += time.perf_counter() - t0
+        phases["pack"] = time.perf_counter() - t_loop - phases["send"]
+        return Streamed(chain.buckets, chain.nbytes, 0, phases, 2, chain.value)
 
     def run(
         self,

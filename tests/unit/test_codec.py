@@ -69,6 +69,17 @@ SAMPLES: list[tuple[schema.Message, list]] = [
     (schema.Failed(sync_id="s", code="SHAPE_MISMATCH", message="m", id=12, seq=3, duplicate=True), []),
     (schema.Load(sync_id="s", version=1, seq=0, tensors=(META,), checksum=1), [b"\0" * 24]),
     (schema.Finalize(sync_id="s", version=1, probes=(schema.Probe((1,), 2),)), []),
+    (
+        schema.OpenStream(
+            sync_id="s",
+            version=1,
+            group=schema.GroupRef(
+                id="g1", host="127.0.0.1", port=1234, rank=1, world_size=3, backend="gloo", timeout=30.0
+            ),
+        ),
+        [],
+    ),
+    (schema.Prepared(sync_id="s", buckets=3, nbytes=96, chain=2**64 - 1, digest="a" * 32, seconds=0.5), []),
 ]
 
 

@@ -11,7 +11,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from messages.errors import ErrorCode, WeightSyncError
-from messages.schema import Begin, Bucket, Failed, Finalized, Finish, ParamSpec, Probe, Register, TensorMeta
+from messages.schema import (
+    Begin,
+    Bucket,
+    Failed,
+    Finalized,
+    Finish,
+    ParamSpec,
+    Prepared,
+    Probe,
+    Register,
+    TensorMeta,
+)
 from orchestrator.core import ACTIVE, Limits, State
 from orchestrator.core import Core as Orchestrator
 from orchestrator.core import commands as fsm
@@ -111,6 +122,8 @@ def fire(o: Orchestrator, trigger: str):
                 2.0,
             )
         return res
+    if trigger == "prepared":  # these syncs are not collective streams: nothing to prepare
+        return o.handle(ev.EnginePrepared("e0", Prepared(sync_id=sid, buckets=1, nbytes=1, chain=0)), 2.0)
     if trigger == "abort":
         return o.handle(ev.AbortSync(sid, "test"), 2.0)
     if trigger == "failed":
@@ -123,24 +136,28 @@ TABLE = {
     (S.IDLE, "begin"): S.LOADING_BUCKETS,
     (S.IDLE, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "finish"): ErrorCode.INVALID_STATE,
+    (S.IDLE, "prepared"): None,
     (S.IDLE, "finalized"): None,
     (S.IDLE, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "failed"): None,
     (S.LOADING_BUCKETS, "begin"): ErrorCode.INVALID_STATE,
     (S.LOADING_BUCKETS, "bucket"): S.LOADING_BUCKETS,
     (S.LOADING_BUCKETS, "finish"): S.FINALIZING,
+    (S.LOADING_BUCKETS, "prepared"): None,
     (S.LOADING_BUCKETS, "finalized"): None,
     (S.LOADING_BUCKETS, "abort"): S.IDLE,
     (S.LOADING_BUCKETS, "failed"): S.IDLE,
     (S.FINALIZING, "begin"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "bucket"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "finish"): ErrorCode.INVALID_STATE,
+    (S.FINALIZING, "prepared"): None,
     (S.FINALIZING, "finalized"): S.READY,
     (S.FINALIZING, "abort"): S.IDLE,
     (S.FINALIZING, "failed"): S.IDLE,
     (S.READY, "begin"): S.LOADING_BUCKETS,
     (S.READY, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "finish"): ErrorCode.INVALID_STATE,
+    (S.READY, "prepared"): None,
     (S.READY, "finalized"): None,
     (S.READY, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "failed"): None,

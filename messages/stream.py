@@ -1,0 +1,130 @@
+"""The collective stream's in-band framing: what travels on the group ahead of each bucket,
+so that engines receive a whole sync from the trainer without the daemon in the loop.
+
+Theory of operation (docs/PROTOCOL.md, "the collective stream"): the daemon opens the
+stream once per engine (`stream`); then the trainer broadcasts, per bucket, a fixed-size
+header and a payload (the bucket's tensor metadata, msgpack, then its bytes), and at the
+end a header of kind END that carries the bucket count, the byte count and the chain (a
+checksum over the buckets' checksums, in order). Each engine verifies every bucket
+itself and answers the daemon once, with `prepared`; the daemon commits (finalize once
+per engine) only when every engine prepared exactly what the trainer finished with.
+
+Rules: pure and torch-free (the daemon and the simulated engines use it). A header is
+refused with a typed BAD_MESSAGE when its magic, kind or sizes are wrong; the payload is
+refused with CHECKSUM_MISMATCH when either checksum differs. Nothing here touches a
+socket or a group.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgspec
+import xxhash
+
+from messages.errors import ErrorCode, MessageError
+from messages.schema import MAX_TENSORS_PER_BUCKET, TensorMeta
+
+MAGIC = b"WSS1"
+BUCKET, END = 1, 2
+PARTIAL = 1  # END's flags: the trainer pushes a subset of the tensors on purpose
+_HEADER = struct.Struct("<4sBxxxQQQQQ")  # magic, kind, seq, meta_len, data_len, checksum, meta_checksum
+HEADER_BYTES = _HEADER.size
+MAX_META_BYTES = 16 << 20  # the metadata of one bucket (MAX_TENSORS_PER_BUCKET entries fit)
+MAX_DATA_BYTES = 1 << 40
+
+_metas = msgspec.msgpack.Decoder(tuple[TensorMeta, ...])
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """One frame's header. For BUCKET: `seq`, the payload's `meta_len` + `data_len` bytes
+    and their checksums. For END: `seq` is the bucket count, `data_len` the bytes sent,
+    `checksum` the chain and `meta_len` the flags (PARTIAL)."""
+
+    kind: int
+    seq: int
+    meta_len: int
+    data_len: int
+    checksum: int
+    meta_checksum: int = 0
+
+    @property
+    def payload_len(self) -> int:
+        return self.meta_len + self.data_len if self.kind == BUCKET else 0
+
+    @property
+    def partial(self) -> bool:
+        return self.kind == END and bool(self.meta_len & PARTIAL)
+
+    def encode(self) -> bytes:
+        return _HEADER.pack(
+            MAGIC, self.kind, self.seq, self.meta_len, self.data_len, self.checksum, self.meta_checksum
+        )
+
+
+def bucket_header(seq: int, metas: bytes, data_len: int, checksum: int) -> Header:
+    return Header(BUCKET, seq, len(metas), data_len, checksum, xxhash.xxh3_64_intdigest(metas))
+
+
+def end_header(buckets: int, nbytes: int, chain: int, *, partial: bool = False) -> Header:
+    return Header(END, buckets, PARTIAL if partial else 0, nbytes, chain)
+
+
+def decode_header(buf: bytes | memoryview) -> Header:
+    if len(buf) != HEADER_BYTES:
+        raise MessageError(ErrorCode.BAD_MESSAGE, f"stream header of {len(buf)} bytes, want {HEADER_BYTES}")
+    magic, kind, seq, meta_len, data_len, ck, meta_ck = _HEADER.unpack(buf)
+    if magic != MAGIC or kind not in (BUCKET, END):
+        raise MessageError(ErrorCode.BAD_MESSAGE, f"not a stream header (magic {magic!r}, kind {kind})")
+    if kind == BUCKET and (meta_len > MAX_META_BYTES or data_len > MAX_DATA_BYTES):
+        raise MessageError(
+            ErrorCode.BAD_MESSAGE, f"stream bucket {seq}: {meta_len}+{data_len} bytes exceed the limits"
+        )
+    return Header(kind, seq, meta_len, data_len, ck, meta_ck)
+
+
+def encode_metas(metas: tuple[TensorMeta, ...]) -> bytes:
+    return _encoder.encode(metas)
+
+
+def decode_metas(h: Header, raw: bytes | memoryview) -> tuple[TensorMeta, ...]:
+    """The bucket's tensor metadata, after its checksum and bounds are checked."""
+    if xxhash.xxh3_64_intdigest(raw) != h.meta_checksum:
+        raise MessageError(ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {h.seq}: metadata arrived corrupted")
+    try:
+        metas = _metas.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MessageError(ErrorCode.BAD_MESSAGE, f"bucket seq {h.seq}: metadata: {exc}") from None
+    if len(metas) > MAX_TENSORS_PER_BUCKET:
+        raise MessageError(ErrorCode.TOO_LARGE, f"bucket seq {h.seq}: {len(metas)} tensors")
+    for t in metas:
+        if t.offset + t.nbytes > h.data_len:
+            raise MessageError(
+                ErrorCode.BAD_MESSAGE, f"bucket seq {h.seq}: tensor {t.name!r} lies outside the bucket"
+            )
+    return metas
+
+
+class Chain:
+    """The checksum over a stream's bucket checksums, in seq order: what every engine and
+    the trainer compute independently and the daemon compares (xxh3-64 of the u64 LE
+    checksums)."""
+
+    __slots__ = ("_h", "buckets", "nbytes")
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.buckets = 0
+        self.nbytes = 0
+
+    def add(self, checksum: int, nbytes: int) -> None:
+        self._h.update(checksum.to_bytes(8, "little"))
+        self.buckets += 1
+        self.nbytes += nbytes
+
+    @property
+    def value(self) -> int:
+        return self._h.intdigest()
