@@ -38,35 +38,57 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import zmq
 
 from bench.common import machine, peak_rss_mib, reset_peak
 from examples.launch import Cluster
-from messages import schema
+from messages import schema, stream
 from messages.buckets import digest
+from messages.collective import CollectiveError
 from orchestrator.trainer.group import TrainerGroup
 
 PER_PROCESS = 64  # simulated engines per simulator process
 
 
 class SimGroup(TrainerGroup):
-    """Rank 0 of a simulated data plane: the daemon plans a real group, nothing is sent."""
+    """Rank 0 of a simulated data plane: the daemon plans a real group; no weight byte is
+    sent. On the collective stream the frame headers are real: each is published (with
+    the sync's id) on `pub`, a ZeroMQ PUB socket the simulator processes subscribe to,
+    so the engines verify the chain and prepare from what the trainer really sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, pub: Any = None) -> None:
         super().__init__("tcp://127.0.0.1:1", host="127.0.0.1")
         self.broadcasts = 0
+        self.pub = pub
+        self._payload_next = False  # a BUCKET header is followed by its payload
 
     def offer(self) -> schema.CollectiveOffer:
-        return schema.CollectiveOffer(host=self.host, port=1, session=self.session, backends=("gloo",))
+        return schema.CollectiveOffer(
+            host=self.host, port=1, session=self.session, backends=("gloo",), stream=self.pub is not None
+        )
 
     def start(self, data: Any, seq: int) -> None:
         self.broadcasts += 1
         self.pending_seq = seq
+        planned = self.planned or {}
+        if not planned.get("stream") or self.pub is None:
+            return
+        if self._payload_next:  # the bucket's bytes: simulated, never sent
+            self._payload_next = False
+            return
+        head = bytes(data.numpy())
+        self._payload_next = stream.decode_header(head).kind == stream.BUCKET
+        self.pub.send_multipart([planned["sync_id"].encode(), head])
 
     def wait(self, give_up: Callable[[], str | None]) -> None:
         self.pending_seq = None
+        reason = give_up()  # as a real broadcast does while it waits: the daemon's error stops it
+        if reason is not None:
+            raise CollectiveError(f"broadcast abandoned: {reason}")
 
     def fail(self) -> None:
         self.pending_seq = None
+        self._payload_next = False
 
     def close(self) -> None:
         self.pending_seq = None
@@ -98,9 +120,15 @@ class SimFleet:
         self.heartbeat = heartbeat
         self.sims: list[subprocess.Popen[bytes]] = []
         self.ids = [f"sim-{i}" for i in range(engines)]
+        self.data_plane = f"ipc://{self.workdir}/data-plane.sock"  # the streams' headers
+        self.pub: Any = None
 
     def start(self, timeout: float = 60.0) -> float:
         """Start the daemon and the engines; the seconds the engines took to register."""
+        self.pub = zmq.Context.instance().socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop a header
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(self.data_plane)
         self.cluster.start_daemon()
         self.cluster.wait_engines(0, timeout=30.0)
         t0 = time.monotonic()
@@ -125,6 +153,8 @@ class SimFleet:
                 str(self.digests),
                 "--heartbeat",
                 str(self.heartbeat),
+                "--data-plane",
+                self.data_plane,
                 *faults,
             ],
             stdout=log,
@@ -155,7 +185,7 @@ class SimFleet:
 
     def client(self, **kw: Any) -> Any:
         c = self.cluster.client(**kw)
-        c.group = SimGroup()
+        c.group = SimGroup(self.pub)
         return c
 
     def write_digest(self, version: int, weights: Sequence[tuple[str, Any]]) -> str:
@@ -173,6 +203,9 @@ class SimFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.cluster.stop()
+        if self.pub is not None:
+            self.pub.close(linger=0)
+            self.pub = None
 
     def __enter__(self) -> SimFleet:
         try:

@@ -10,12 +10,15 @@ does (cumulative `loaded`, at most one per REPORT_INTERVAL), finalizes
 once per sync (a second `finalize` is refused as a real engine does), answers canary
 probes with their expected tokens and reports the digest the trainer wrote for that
 version to `--digests/<version>` (a collective bucket's bytes never reach a simulated
-engine: the data plane is simulated, the control plane is real).
+engine: the data plane is simulated, the control plane is real). With `--data-plane`,
+the engines take the collective stream: they subscribe to the frame headers the
+trainer publishes there, chain their checksums as a real engine does, and answer
+`prepared` at the END header.
 
 Faults, for the fleet tests: `fail_at:SEQ` (report a failed load of bucket SEQ),
 `exit_at:SEQ` (close the socket and stop answering at bucket SEQ, as a killed process),
-`wrong_digest` (finalize with a digest the trainer never sent), `no_finalize` (never
-answer finalize), `restart_after:SECONDS` (exit like a killed process, then register
+`wrong_digest` (prepare and finalize with a digest the trainer never sent),
+`no_prepare` (never answer a collective stream), `no_finalize` (never answer finalize), `restart_after:SECONDS` (exit like a killed process, then register
 again as a new process after SECONDS).
 """
 
@@ -32,13 +35,24 @@ from typing import Any
 
 import zmq
 
-from messages import codec, schema
+from messages import codec, schema, stream
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError
 from messages.progress import Progress
 from messages.schema import REPORT_INTERVAL
+from messages.stream import Chain
 
-ORCHESTRATOR_TYPES = ("load", "finalize", "abort", "ok", "error")
+ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "abort", "ok", "error")
+KEPT_STREAMS = 16  # streams whose headers a simulator keeps (a late `stream` finds them)
+
+
+@dataclass
+class StreamSeen:
+    """The headers of one sync's collective stream, as the trainer published them."""
+
+    chain: Chain = field(default_factory=Chain)
+    end: stream.Header | None = None
+    bad: str = ""  # why the stream is not what its END says (an engine then fails)
 
 
 @dataclass
@@ -56,6 +70,7 @@ class SimEngine:
     progress: Progress | None = None  # the running sync's, as a real engine keeps it
     last_report: float = 0.0
     reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
+    stream: schema.OpenStream | None = None  # the collective stream it takes part in, until it answers
 
     def unreported(self) -> bool:
         return self.progress is not None and self.progress.unreported()
@@ -77,6 +92,7 @@ class Fleet:
         heartbeat: float = 1.0,
         faults: dict[str, str] | None = None,
         ctx: zmq.Context[Any] | None = None,
+        data_plane: str = "",
     ) -> None:
         self.connect = connect
         self.digests = digests
@@ -87,6 +103,14 @@ class Fleet:
         self.poller = zmq.Poller()
         self.stopped = False
         self.host = pysocket.gethostname()
+        self.streams: dict[str, StreamSeen] = {}  # sync_id -> headers seen (the last few)
+        self.sub: Any = None
+        if data_plane:
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.setsockopt(zmq.RCVHWM, 0)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.sub.connect(data_plane)
+            self.poller.register(self.sub, zmq.POLLIN)
 
     # -- sockets ------------------------------------------------------------------------
     def _open(self, e: SimEngine) -> None:
@@ -122,6 +146,7 @@ class Fleet:
             host=self.host,
             collective_ranks=1,
             collective_backends=("gloo",),
+            collective_stream=self.sub is not None,
         )
 
     @staticmethod
@@ -145,6 +170,9 @@ class Fleet:
             if any(e.unreported() for e in self.engines):
                 wait = min(wait, REPORT_INTERVAL)
             for sock, _ in self.poller.poll(max(0, int(min(wait, 0.2) * 1000))):
+                if sock is self.sub:
+                    self._headers()
+                    continue
                 e = self.by_sock.get(sock)
                 while e is not None and e.sock is sock:
                     try:
@@ -171,6 +199,88 @@ class Fleet:
     def close(self) -> None:
         for e in self.engines:
             self._close(e)
+        if self.sub is not None:
+            self.sub.close(linger=0)
+
+    # -- the collective stream (its headers are real, its bytes simulated) -----------------
+    def _headers(self) -> None:
+        ended: set[str] = set()
+        while True:
+            try:
+                sync_b, head = self.sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            sync_id = sync_b.decode()
+            seen = self.streams.get(sync_id)
+            if seen is None:
+                seen = self.streams[sync_id] = StreamSeen()
+                while len(self.streams) > KEPT_STREAMS:
+                    self.streams.pop(next(iter(self.streams)))
+            h = stream.decode_header(head)
+            if h.kind == stream.END:
+                seen.end = h
+                ended.add(sync_id)
+                continue
+            if h.seq != seen.chain.buckets and not seen.bad:
+                seen.bad = f"stream bucket seq {h.seq} arrived where {seen.chain.buckets} was due"
+            seen.chain.add(h.checksum, h.data_len)
+            for e in self.faulty:  # only engines with a fault react to single buckets
+                if e.stream is not None and e.stream.sync_id == sync_id:
+                    self._advance(e)
+        for e in self.engines:
+            if e.stream is not None and e.stream.sync_id in ended:
+                self._advance(e)
+
+    @property
+    def faulty(self) -> list[SimEngine]:
+        return [e for e in self.engines if e.fault]
+
+    def _advance(self, e: SimEngine) -> None:
+        """Take engine `e` as far as the headers seen allow: a fault, or `prepared`."""
+        msg = e.stream
+        seen = self.streams.get(msg.sync_id) if msg is not None else None
+        if msg is None or seen is None:
+            return
+        received = seen.chain.buckets
+        if e.fault.startswith("restart_after:") and received > 0:
+            e.stream = None
+            self._close(e)
+            e.dead_until = time.monotonic() + float(e.fault.split(":", 1)[1])
+            return
+        at = e.fault_seq("exit_at")
+        if at is not None and received > at:
+            e.stream = None
+            self._close(e)
+            return
+        at = e.fault_seq("fail_at")
+        if at is not None and received > at:
+            e.stream = None
+            self._send(
+                e,
+                schema.Failed(sync_id=msg.sync_id, code="ENGINE_FAILED", message="simulated failure", seq=at),
+            )
+            return
+        end = seen.end
+        if end is None or e.fault == "no_prepare":
+            return
+        e.stream = None
+        if seen.bad or end.seq != received or end.checksum != seen.chain.value:
+            why = seen.bad or f"received {received} buckets, the trainer sent {end.seq}"
+            self._send(e, schema.Failed(sync_id=msg.sync_id, code="CHECKSUM_MISMATCH", message=why))
+            return
+        digest = self._digest_of(msg.version)
+        if e.fault == "wrong_digest":
+            digest = format(int(digest, 16) ^ 1, f"0{len(digest)}x")  # one bit off
+        self._send(
+            e,
+            schema.Prepared(
+                sync_id=msg.sync_id,
+                buckets=received,
+                nbytes=seen.chain.nbytes,
+                chain=seen.chain.value,
+                digest=digest,
+            ),
+        )
 
     def _on_message(self, e: SimEngine, frames: list[Any]) -> None:
         try:
@@ -180,10 +290,15 @@ class Fleet:
         msg = decoded.msg
         if isinstance(msg, schema.Load):
             self._load(e, msg, decoded.payload)
+        elif isinstance(msg, schema.OpenStream):
+            e.version, e.digest, e.stream = None, None, msg
+            self._advance(e)
         elif isinstance(msg, schema.Finalize):
             self._finalize(e, msg)
         elif isinstance(msg, schema.Abort):
             e.version, e.digest = None, None
+            if e.stream is not None and e.stream.sync_id == msg.sync_id:
+                e.stream = None
         elif isinstance(msg, schema.Ok) and msg.body.get("known") is False:
             if not e.reregister_sent:  # heartbeats sent before the daemon knew us
                 e.reregister_sent = True
@@ -272,9 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--digests", required=True, type=Path, help="directory of <version> digest files")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     ap.add_argument("--fault", action="append", default=[], help="ENGINE_ID=KIND[:ARG]")
+    ap.add_argument("--data-plane", default="", help="the trainer's PUB address of stream headers")
     args = ap.parse_args(argv)
     faults = dict(f.split("=", 1) for f in args.fault)
-    fleet = Fleet(args.connect, args.ids.split(","), args.digests, args.heartbeat, faults)
+    fleet = Fleet(
+        args.connect, args.ids.split(","), args.digests, args.heartbeat, faults, data_plane=args.data_plane
+    )
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop())
     signal.signal(signal.SIGINT, lambda *_: fleet.stop())
     try:

@@ -132,6 +132,7 @@ def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
         "seconds": round(now - s.started_at, 6),
         "engine_ids": list(s.participants),
         "transport": s.transport,
+        **({"stream": True} if s.stream else {}),
         **(
             {"group": s.group.id, "world_size": s.group.world_size, "backend": s.group.backend}
             if s.group

@@ -372,6 +372,7 @@ class TrainerClient:
                     **started["collective"],
                     "spool_copy": started.get("spool_copy", False),
                     "stream": bool(started.get("stream")),
+                    "sync_id": started["sync_id"],
                 }
             )
             return self.group

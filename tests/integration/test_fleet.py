@@ -39,24 +39,52 @@ def test_a_fleet_of_64_commits_once_per_engine(tmp_path, transport):
         assert st["heartbeats_received"] > 0
 
 
+def test_the_collective_stream_costs_the_daemon_messages_per_engine_not_per_bucket(tmp_path):
+    """On the collective stream the daemon exchanges a few messages per engine per sync
+    (stream, prepared, finalize, finalized), whatever the bucket count."""
+    with SimFleet(tmp_path, N) as fleet, fleet.client(timeout=60.0) as client:
+        used = []
+        for v, buckets in ((1, 20), (2, 400)):
+            weights = tiny_weights(buckets, v)
+            fleet.write_digest(v, weights)
+            before = client.status()["daemon"]
+            r = client.push(weights, v, bucket_bytes=64, transport="collective")
+            after = client.status()["daemon"]
+            assert r.state == "READY" and r.buckets == buckets and r.detail["stream"] is True
+            heartbeats = after["heartbeats_received"] - before["heartbeats_received"]
+            msgs = after["messages_received"] + after["messages_sent"]
+            msgs -= before["messages_received"] + before["messages_sent"]
+            used.append(msgs - heartbeats - 2)  # the status reply before and request after
+        assert used[0] <= 4 * N + 16 and used[1] == used[0], used
+
+
 @pytest.mark.parametrize(
-    "fault,code", [("fail_at:120", ErrorCode.ENGINE_FAILED), ("wrong_digest", ErrorCode.ENGINE_FAILED)]
+    "transport,fault,code",
+    [
+        ("inline", "fail_at:120", ErrorCode.ENGINE_FAILED),
+        ("inline", "wrong_digest", ErrorCode.ENGINE_FAILED),
+        ("collective", "fail_at:120", ErrorCode.ENGINE_FAILED),
+        ("collective", "exit_at:120", ErrorCode.ENGINE_FAILED),
+        ("collective", "wrong_digest", ErrorCode.ENGINE_FAILED),
+        ("collective", "no_prepare", ErrorCode.TIMEOUT),
+    ],
 )
-def test_one_failing_engine_fails_the_sync_named_and_nothing_is_served(tmp_path, fault, code):
+def test_one_failing_engine_fails_the_sync_named_and_nothing_is_served(tmp_path, transport, fault, code):
     bad = "sim-37"
     with (
-        SimFleet(tmp_path, N, faults={bad: fault}, daemon_args=["--bucket-timeout", "20"]) as fleet,
+        SimFleet(tmp_path, N, faults={bad: fault}, daemon_args=["--bucket-timeout", "3"]) as fleet,
         fleet.client(timeout=60.0) as client,
     ):
         before = counts(fleet)
         with pytest.raises(WeightSyncError) as info:
-            push(fleet, client, 1, "inline")
+            push(fleet, client, 1, transport)
         err = info.value
         assert err.code == code and bad in err.message, err
         st = fleet.cluster.status()
         assert st["state"] == "IDLE" and st["last_ready_version"] is None
-        if fault.startswith("fail_at"):  # the failure came before finish: no engine finalized
-            assert counts(fleet) == before
+        # on the collective stream a wrong digest is caught at prepare, before the commit
+        if fault.startswith("fail_at") or transport == "collective":
+            assert counts(fleet) == before, "an engine finalized"
 
 
 def test_an_engine_that_never_finalizes_times_out_named(tmp_path):
