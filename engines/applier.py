@@ -185,8 +185,14 @@ class Applier(threading.Thread):
         try:
             while True:
                 t0 = time.perf_counter()
-                kind, h, raw, view = out.get()
-                self._add("receive_wait", time.perf_counter() - t0)
+                try:
+                    kind, h, raw, view = out.get(timeout=0.5)
+                except queue.Empty:
+                    if self._stream_cancel.is_set():
+                        return  # superseded or aborted while the receiver was elsewhere
+                    continue
+                finally:
+                    self._add("receive_wait", time.perf_counter() - t0)
                 if kind == "error":
                     if self._stream_cancel.is_set():
                         return  # aborted by the daemon: it knows, nothing to report

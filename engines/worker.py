@@ -282,6 +282,8 @@ class Worker:
     def _track(self, msg: schema.Load | schema.OpenStream | schema.Finalize, applier: Applier) -> SyncTrack:
         t = self.syncs.get(msg.sync_id)
         if t is None:
+            if self.current is not None:  # one sync at a time: a new one supersedes (a
+                applier.cancel_stream(self.current.sync_id)  # restarted daemon never aborts it)
             t = SyncTrack(msg.sync_id, msg.version, Progress(msg.sync_id))
             self.syncs = {msg.sync_id: t}  # only the running sync matters
             self.current = t
@@ -343,6 +345,8 @@ class Worker:
                     return
                 self._reregister_sent = True
                 log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
+                if self.current is not None:  # a restarted daemon: that sync is over
+                    applier.cancel_stream(self.current.sync_id)
                 self._send(self._register_msg())
             elif "daemon_state" in msg.body:
                 self.registered = True
