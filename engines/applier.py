@@ -40,6 +40,7 @@ from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 log = structlog.get_logger()
+STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
 
 
 class Applier(threading.Thread):
@@ -84,7 +85,7 @@ class Applier(threading.Thread):
         if isinstance(self.engine, ReceivesCollective):
             return None
         if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self.collective_bind, depth=2, failpoints=self.failpoints)
+            self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
         return self.prefetcher.submit(msg)
 
@@ -171,7 +172,7 @@ class Applier(threading.Thread):
         if msg.sync_id in self.failed:
             return
         if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self.collective_bind, depth=2, failpoints=self.failpoints)
+            self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
         out: queue.Queue[Any] = queue.Queue()
         for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
@@ -179,7 +180,8 @@ class Applier(threading.Thread):
         self._stream_cancel = self._cancels.setdefault(msg.sync_id, threading.Event())
         if self._stream_cancel.is_set():
             return  # aborted before its stream began
-        self.prefetcher.submit_stream(msg, out, self._stream_cancel)
+        free = threading.Semaphore(STREAM_DEPTH)  # this stream's buffers (the receiver's)
+        self.prefetcher.submit_stream(msg, out, self._stream_cancel, free)
         chain, names = stream.Chain(), set[str]()
         t_start = time.perf_counter()
         try:
@@ -202,7 +204,7 @@ class Applier(threading.Thread):
                 try:
                     self._stream_bucket(h, raw, view, chain, names)
                 finally:
-                    self.prefetcher.release()
+                    free.release()
         except BaseException:
             self._stream_cancel.set()  # the receiver stops; the group closes behind it
             raise

@@ -42,11 +42,15 @@ class Prefetcher(threading.Thread):
         """The applier is done with the oldest received bucket: its buffer may be reused."""
         self._slots.release()
 
-    def submit_stream(self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event) -> None:
+    def submit_stream(
+        self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event, free: threading.Semaphore
+    ) -> None:
         """Receive a whole collective stream (`stream` message): each framed bucket goes to
-        `out` as ("bucket", header, metas bytes, payload view) once a buffer is free, then
-        ("end", header); a failure goes as ("error", exception) and ends it."""
-        self._jobs.put(("stream", (msg, out, cancelled), None))
+        `out` as ("bucket", header, metas bytes, payload view) once `free` (this stream's
+        own count of free buffers, released by the applier) allows, then ("end", header);
+        a failure goes as ("error", exception) and ends it. A stream given up with buckets
+        still queued leaks only its own count, never the next stream's."""
+        self._jobs.put(("stream", (msg, out, cancelled, free), None))
 
     def close_group(self) -> None:
         self._jobs.put(("close", None, None))
@@ -73,7 +77,9 @@ class Prefetcher(threading.Thread):
                 fut.set_exception(exc)
         self.member.close()
 
-    def _stream(self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event) -> None:
+    def _stream(
+        self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event, free: threading.Semaphore
+    ) -> None:
         """The receive loop of one collective stream, on this (the group's) thread."""
         ref = msg.group.to_wire()
 
@@ -91,7 +97,7 @@ class Prefetcher(threading.Thread):
                     return
                 if self.failpoints.get("kill_in_broadcast", -1) == h.seq:  # fault injection
                     os.kill(os.getpid(), signal.SIGKILL)
-                while not self._slots.acquire(timeout=0.05):  # a buffer the applier released
+                while not free.acquire(timeout=0.05):  # a buffer the applier released
                     if cancelled.is_set():
                         raise CollectiveError("the sync ended here")
                 view = self.member.buffer(h.data_len + h.meta_len, g.device)

@@ -304,9 +304,6 @@ def loaded(m: Model, event: Loaded) -> None:
 # -- finish: prepared everywhere, then the commit (finalize once per participant) ------------
 def finish(m: Model, event: FinishSync) -> None:
     msg = event.msg
-    ended = m.ended.get(msg.sync_id)
-    if m.sync is None and ended is not None and ended[0] is not None:
-        m.require_sync(msg.sync_id, "finish")  # raises the failure that ended it, with its code
     if m.state != S.LOADING_BUCKETS and (m.sync is None or m.sync.sync_id == msg.sync_id):
         raise m.error(
             ErrorCode.INVALID_STATE,

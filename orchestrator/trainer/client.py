@@ -28,7 +28,7 @@ from messages.buckets import Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
-from orchestrator.trainer.connection import Connection
+from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
 from orchestrator.trainer.rings import ShmRings
@@ -279,6 +279,11 @@ class TrainerClient:
             except WeightSyncError as err:
                 if coll is not None:
                     coll.fail()
+                ended = started.get("stream") and err.code is ErrorCode.INVALID_STATE
+                pushed = self.conn.pushed_error(sync_id, wait=2.0) if ended else None
+                if pushed is not None:
+                    # the stream ended before the finish: raise what ended it (it names the engine)
+                    raise error_from_reply(pushed) from None
                 if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING", None):
                     self._abort_quietly(sync_id, err)
                 raise

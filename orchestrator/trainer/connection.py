@@ -69,6 +69,7 @@ class Connection:
             raise ValueError(f"invalid address {addr!r}: {exc}") from None
         self._next_id = 0
         self._early: deque[schema.Message] = deque()  # replies read while a broadcast ran
+        self._pushed: deque[schema.Error] = deque(maxlen=16)  # errors sent unasked (id 0)
 
     def close(self) -> None:
         self.link.close()
@@ -132,6 +133,22 @@ class Connection:
             if stop_on(reply):
                 return reply
 
+    def pushed_error(self, sync_id: str, wait: float = 0.0) -> schema.Error | None:
+        """An error the daemon sent unasked (id 0) about `sync_id`, waiting up to `wait`
+        seconds for it: how a sync on the collective stream, which has no request in
+        flight, hears of its failure (the push follows the failure's journal write, so a
+        refusal answered at once can overtake it)."""
+        deadline = time.monotonic() + wait
+        while True:
+            self.take_replies(lambda _r: False)
+            for r in (*self._pushed, *self._early):
+                if isinstance(r, schema.Error) and r.id == 0 and r.sync_id == sync_id:
+                    return r
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.sock.poll(int(min(left, 0.05) * 1000) + 1)
+
     def request(
         self,
         make: Callable[[int], schema.Message],
@@ -153,6 +170,8 @@ class Connection:
                 if reply is None or isinstance(reply, Reconnected):
                     break
                 if getattr(reply, "id", None) not in ids:
+                    if isinstance(reply, schema.Error) and reply.id == 0:
+                        self._pushed.append(reply)  # unasked: kept for `pushed_error`
                     continue  # a late reply to an earlier request
                 if isinstance(reply, schema.Error):
                     raise error_from_reply(reply)
