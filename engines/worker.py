@@ -44,6 +44,7 @@ from messages.shm import shm_available
 log = structlog.get_logger()
 
 ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "abort", "ok", "error")
+REFUSED_GRACE = 2.0  # seconds of refused CURVE handshakes before an engine gives up
 
 
 @dataclass(slots=True)
@@ -73,12 +74,14 @@ class Worker:
         failpoints: dict[str, float] | None = None,
         collective: bool = True,
         collective_bind: str = "",
+        key_label: str = "",
     ) -> None:
         self.engine = engine
         self.collective = collective and "collective" in engine.describe().transports
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
         self.keys = keys  # messages.keys.ClientKeys for a CURVE daemon
+        self.key_label = key_label  # which key that is, for the refusal message
         self.allow_shm = allow_shm
         self.close_engine = close_engine
         self.connect = connect
@@ -156,6 +159,7 @@ class Worker:
         poller.register(rfd, zmq.POLLIN)
         poller.register(link.monitor, zmq.POLLIN)
         told: str | None = None
+        refused_since: float | None = None
         self._send(self._register_msg())
         log.info(
             "engine_started",
@@ -175,6 +179,18 @@ class Worker:
                 if link.failure is not None and link.failure != told:
                     told = link.failure  # a CURVE refusal is final until the keys change
                     log.error("handshake_refused", connect=self.connect, reason=link.failure)
+                if link.failure is None or self.registered:
+                    refused_since = None
+                elif refused_since is None:
+                    refused_since = time.monotonic()
+                elif time.monotonic() - refused_since >= REFUSED_GRACE:
+                    # the daemon is up and said no: waiting would never end (exit 3)
+                    self.refused = (
+                        f"the daemon at {self.connect} refused the security handshake of key "
+                        f"{self.key_label or '(this engine key)'}: {link.failure}"
+                    )
+                    log.error("engine_refused", engine_id=self.engine_id, reason=self.refused)
+                    break
                 if not self.registered and time.monotonic() >= next_wait_note:
                     # ZeroMQ connects silently: say what this engine is waiting for.
                     log.warning(

@@ -72,8 +72,64 @@ def load(path: Path) -> dict[str, Any]:
         raise ConfigFileError(f"config file {path}: {exc}") from None
 
 
-def default_map(cfg: dict[str, Any], group: Command) -> dict[str, Any]:
-    """Click's nested default_map from the file; unknown keys are an error (exit 2)."""
+def _convert(cmd: Command, p: Any, value: Any, where: str, from_env: bool = False) -> None:
+    """Refuse a value the option itself refuses (its type, its range), saying where the
+    value came from: click's own conversion, as a run would do it."""
+    if isinstance(value, dict) or (isinstance(value, list) and not p.multiple):
+        raise ConfigFileError(f"{where}: a table or list is not a value for --{key_of(p).replace('_', '-')}")
+    if from_env and p.multiple:
+        value = p.split_envvar_value(value)
+    elif p.multiple and not isinstance(value, list):
+        value = [value]
+    try:
+        p.process_value(cmd.context_class(cmd, info_name=cmd.name), value)
+    except Exception as exc:  # click's BadParameter (typer carries its own click)
+        message = getattr(exc, "message", None) or str(exc)
+        raise ConfigFileError(f"{where}: {message}") from None
+
+
+def _check_tables(cfg: dict[str, Any], group: Command, where: str) -> None:
+    """Every table names a command or a group of commands (`[serve]`, `[keys.generate]`)."""
+    paths = {path[: i + 1] for path, _ in commands(group) for i in range(len(path))}
+
+    def walk(node: dict[str, Any], prefix: tuple[str, ...]) -> None:
+        for k, v in node.items():
+            if not isinstance(v, dict):
+                continue
+            path = (*prefix, k)
+            if path not in paths:
+                known = sorted(
+                    {p[len(prefix)] for p in paths if len(p) > len(prefix) and p[: len(prefix)] == prefix}
+                )
+                raise ConfigFileError(
+                    f"{where}: [{'.'.join(path)}] is not a command (tables: {', '.join(known)})"
+                )
+            walk(v, path)
+
+    walk(cfg, ())
+
+
+def check_env(group: Command, only: tuple[str, ...] = ()) -> None:
+    """Every WEIGHTSYNC_* variable set for an option of the commands `only` (all when
+    empty) holds a value that option takes: one line naming the variable (exit 2)."""
+    from orchestrator.daemon.config import env_value
+
+    for path, cmd in commands(group):
+        if only and " ".join(path) not in only and path[0] not in only:
+            continue
+        for p in options(cmd):
+            name = p.envvar if isinstance(p.envvar, str) else None
+            if not name or not name.startswith(ENV_PREFIX):
+                continue
+            value = env_value(name[len(ENV_PREFIX) :])
+            if value is not None and value != "":
+                _convert(cmd, p, value, f"{name}={value!r} ({' '.join(path)})", from_env=True)
+
+
+def default_map(cfg: dict[str, Any], group: Command, source: str = "config") -> dict[str, Any]:
+    """Click's nested default_map from the file; unknown tables, unknown keys and values
+    an option's type refuses are an error (exit 2) naming the file."""
+    _check_tables(cfg, group, source)
     out: dict[str, Any] = {}
     common = {k: v for k, v in cfg.items() if not isinstance(v, dict)}
     used: set[str] = set()
@@ -86,16 +142,20 @@ def default_map(cfg: dict[str, Any], group: Command) -> dict[str, Any]:
         if isinstance(section, dict) and section is not cfg:
             sections.add(".".join(path))
         values = {}
+        params = {p.name: p for p in options(cmd)}
         for k, v in common.items():
             if k.replace("-", "_") in by_key:
-                values[by_key[k.replace("-", "_")]] = v
+                name = by_key[k.replace("-", "_")]
+                _convert(cmd, params[name], v, f"{source}: {k} = {v!r}")
+                values[name] = v
                 used.add(k)
         for k, v in section.items() if isinstance(section, dict) and section is not cfg else ():
             if isinstance(v, dict):
                 continue
             name = by_key.get(k.replace("-", "_"))
             if name is None:
-                raise ConfigFileError(f"config [{'.'.join(path)}]: {cmd.name} has no option {k!r}")
+                raise ConfigFileError(f"{source} [{'.'.join(path)}]: {cmd.name} has no option {k!r}")
+            _convert(cmd, params[name], v, f"{source} [{'.'.join(path)}] {k} = {v!r}")
             values[name] = v
         node = out
         for part in path[:-1]:
@@ -103,13 +163,14 @@ def default_map(cfg: dict[str, Any], group: Command) -> dict[str, Any]:
         node[path[-1]] = values
     unknown = set(common) - used
     if unknown:
-        raise ConfigFileError(f"config: no command has the option(s) {sorted(unknown)}")
+        raise ConfigFileError(f"{source}: no command has the option(s) {sorted(unknown)}")
     return out
 
 
 def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
     """Every option of every command (or of `only`), its effective value and its source."""
     group = root.command
+    check_env(group, tuple(n for n in only) if only else ())
     rows = []
     for path, cmd in commands(group):
         name = " ".join(path)

@@ -64,11 +64,13 @@ def root(
     ),
 ) -> None:
     """Weight sync between RL trainers and inference engines."""
-    if config is not None:
-        try:
-            ctx.default_map = cliconfig.default_map(cliconfig.load(config), ctx.command)
-        except cliconfig.ConfigFileError as exc:
-            _usage(str(exc))
+    try:
+        if ctx.invoked_subcommand not in (None, "config"):  # `config show` checks what it shows
+            cliconfig.check_env(ctx.command, (ctx.invoked_subcommand,))
+        if config is not None:
+            ctx.default_map = cliconfig.default_map(cliconfig.load(config), ctx.command, f"config {config}")
+    except cliconfig.ConfigFileError as exc:
+        _usage(str(exc))
 
 
 config_app = typer.Typer(help="Settings: what each option is and where it came from.", no_args_is_help=True)
@@ -82,7 +84,10 @@ def config_show(
     as_json: bool = typer.Option(False, "--json", help="a JSON list on stdout"),
 ) -> None:
     """Print every option's effective value and its source (flag, env, config file, default)."""
-    cliconfig.show(ctx.find_root(), tuple(command or ()), as_json)
+    try:
+        cliconfig.show(ctx.find_root(), tuple(command or ()), as_json)
+    except cliconfig.ConfigFileError as exc:
+        _usage(str(exc))
 
 
 @app.command()
@@ -261,6 +266,7 @@ def engine(
         failpoints=failpoints,
         collective=collective,
         collective_bind=collective_host,
+        key_label=f"{key_name!r} in {keys}" if keys is not None else "",
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())

@@ -98,8 +98,10 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
 
 
 def _rollback_due(m: Model, lost: list[str]) -> bool:
+    """Survivors are rolled back whatever `min_engines` says: it gates new syncs, not
+    recovery (an engine that comes back later catches up from the spool)."""
     live = [x for x in m.engines.values() if x.state != E.LOST and x.engine_id not in lost]
-    return m.want_rollback and m.dirty and m.can_roll_back() and len(live) >= max(1, m.limits.min_engines)
+    return m.want_rollback and m.dirty and m.can_roll_back() and len(live) >= 1
 
 
 def _open_rollback(m: Model) -> None:

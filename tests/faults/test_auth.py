@@ -93,7 +93,11 @@ def test_unlisted_engine_cannot_register(secured, tmp_path):
         while "handshake_refused" not in p.log_path.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "handshake_refused" in p.log_path.read_text()  # the handshake said no
-        assert p.popen.poll() is None  # it runs, it just never gets in
+        t0 = time.monotonic()
+        code = p.popen.wait(15)  # it gives up within seconds: the daemon is up and said no
+        assert code == 3 and time.monotonic() - t0 < 10.0
+        log = p.log_path.read_text()
+        assert "refused the security handshake of key 'rogue'" in log and str(tmp_path / "rogue") in log
         ids = [e["engine_id"] for e in secured.status()["engines"]]
         assert "rogue-engine" not in ids and ids == ["engine-0"]
     finally:

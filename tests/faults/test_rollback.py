@@ -121,3 +121,42 @@ def test_next_push_waits_for_a_running_rollback_instead_of_failing(tmp_path, tin
             r3 = client.push(w3.items(), 3)  # waits for the rollback, then syncs
             assert r3.state == "READY" and {e["digest"] for e in r3.engines} == {digest(w3.items())}
             assert client.status()["history"][-4]["trigger"] == "finalized"  # the rollback's READY
+
+
+def test_survivors_are_rolled_back_even_below_min_engines(tmp_path, tiny_model_dir, tiny_state):
+    """min_engines gates new syncs, not recovery: with --min-engines 2 and one engine
+    killed mid-push, the survivor is rolled back to the served version at once, and the
+    dead engine catches up when it returns."""
+    args = [*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
+    with running_daemon(tmp_path, tiny_model_dir, min_engines=2, daemon_args=args) as c:
+        with c.client(timeout=30.0) as client:
+            w1 = dict(perturbed(tiny_state, 1))
+            r1 = client.push(w1.items(), 1, bucket_bytes=128 * 1024)
+            sid = client.begin(2)["sync_id"]
+            buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
+            client.send_bucket(sid, buckets[0])  # the engines now hold a mix of v1 and v2
+            victim = next(p for p in c.procs if p.name == "engine-1")
+            victim.popen.send_signal(signal.SIGKILL)
+            victim.popen.wait(10)
+            with pytest.raises(WeightSyncError) as ei:
+                for b in buckets[1:]:
+                    client.send_bucket(sid, b)
+            assert ei.value.code is ErrorCode.ENGINE_FAILED and "engine-1" in ei.value.message
+            st = wait_status(c, lambda s: s["state"] == "READY", timeout=15.0)
+            assert (st["version"], st["dirty"], st["digest"]) == (1, False, r1.digest)
+            view = engine_view(st)
+            assert (view["engine-0"]["state"], view["engine-0"]["version"]) == ("READY", 1)
+            assert view["engine-1"]["state"] == "LOST"
+            assert st["last_sync"]["status"] == "ROLLED_BACK"
+            with pytest.raises(WeightSyncError) as ei:  # new syncs still need two engines
+                client.begin(3)
+            assert ei.value.code is ErrorCode.NO_ENGINES
+            c.start_engine("engine-1")
+            st = wait_status(
+                c,
+                lambda s: (
+                    all(e["state"] == "READY" and e["version"] == 1 for e in s["engines"])
+                    and len(s["engines"]) == 2
+                ),
+            )
+            assert {e["digest"] for e in st["engines"]} == {digest(w1.items())}

@@ -46,6 +46,11 @@ ALL = [
 ]
 
 
+def sharing(p):
+    """Every option of every command read from the same variable as `p`."""
+    return [o for _, o in ALL if o.envvar == p.envvar]
+
+
 def sample(p, tmp_path):
     """A valid value for option `p`: as env text, as TOML value, as `config show` reports it."""
     ann = p.type_descriptor.annotation
@@ -53,8 +58,8 @@ def sample(p, tmp_path):
     base = args[0] if typing.get_origin(ann) in (typing.Union, types.UnionType) and args else ann
     if p.is_flag or base is bool:
         return "true", True, True
-    if base is int:
-        v = max(7, getattr(p.type_descriptor.parameter_info, "min", None) or 0)
+    if base is int:  # a WEIGHTSYNC_* variable reaches every command with that option
+        v = max([7] + [getattr(o.type_descriptor.parameter_info, "min", None) or 0 for o in sharing(p)])
         return str(v), v, v
     if base is float:
         return "1.5", 1.5, 1.5
@@ -125,3 +130,25 @@ def test_an_unknown_config_key_is_a_one_line_usage_error(tmp_path):
     cfg.write_text("[push]\nwindoww = 3\n")
     code, out, err = run(["--config", str(cfg), "config", "show"])
     assert code == 2 and "windoww" in err
+
+
+def test_a_misspelled_table_is_a_one_line_usage_error_naming_it(tmp_path):
+    cfg = tmp_path / "typo.toml"
+    cfg.write_text("[serv]\nmin-engines = 2\n")
+    code, out, err = run(["--config", str(cfg), "config", "show"])
+    assert code == 2 and "[serv]" in err and str(cfg) in err and "serve" in err, err
+    assert "\n" not in err.strip()
+
+
+@pytest.mark.parametrize("text", ['[serve]\nmin-engines = "two"\n', 'min-engines = "two"\n'])
+def test_a_bad_value_in_the_file_is_refused_naming_the_file(tmp_path, text):
+    cfg = tmp_path / "value.toml"
+    cfg.write_text(text)
+    code, out, err = run(["--config", str(cfg), "config", "show"])
+    assert code == 2 and str(cfg) in err and "two" in err and "WEIGHTSYNC_" not in err, err
+
+
+@pytest.mark.parametrize("args", [["config", "show"], ["serve", "--state-db", "/nonexistent/x.db"]])
+def test_a_bad_value_in_the_environment_is_refused_naming_the_variable(tmp_path, args):
+    code, out, err = run(args, env={"WEIGHTSYNC_MIN_ENGINES": "two"})
+    assert code == 2 and "WEIGHTSYNC_MIN_ENGINES='two'" in err and "config" not in err.split(":")[0], err
