@@ -24,6 +24,7 @@ class PeerTracker:
         self._sock = sock
         self._fd_of: dict[bytes, int] = {}
         self._on_fd: dict[int, set[bytes]] = {}
+        self._gone: list[bytes] = []  # read from the monitor early (an fd was reused), not yet drained
 
     def seen(self, ident: bytes, frame: Any) -> None:
         """A message from `ident` arrived in `frame` (a zmq.Frame received copy=False)."""
@@ -34,6 +35,12 @@ class PeerTracker:
         old = self._fd_of.get(ident)
         if old == fd:
             return
+        holders = self._on_fd.get(fd)
+        if holders and ident not in holders:
+            # Another connection on a known fd: the old one closed and the kernel reused its
+            # fd, and its DISCONNECTED is queued on the monitor already (libzmq reports it
+            # before it closes the fd). Read it now, so it never takes the new holder along.
+            self._gone += self._read_events()
         if old is not None:
             self._on_fd.get(old, set()).discard(ident)
         self._fd_of[ident] = fd
@@ -43,8 +50,17 @@ class PeerTracker:
         """False once a disconnect of `ident`'s last connection was reported."""
         return ident in self._fd_of
 
+    @property
+    def pending(self) -> bool:
+        """Disconnects read early, waiting for `drain`."""
+        return bool(self._gone)
+
     def drain(self) -> list[bytes]:
         """Routing ids whose connection closed since the last call."""
+        gone, self._gone = self._gone, []
+        return gone + self._read_events()
+
+    def _read_events(self) -> list[bytes]:
         gone: list[bytes] = []
         while True:
             try:

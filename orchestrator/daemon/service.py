@@ -243,7 +243,7 @@ class Service:
                 await self._drain(t.engine, self.dispatch.on_engine, "engine")
             if trainer_wait in events:
                 await self._drain(t.trainer, self.dispatch.on_trainer, "trainer")
-            if any(m in events for m in monitors):
+            if any(m in events for m in monitors) or t.trainer_peers.pending or t.engine_peers.pending:
                 await self._guarded("connections", self._on_disconnects)
             now = time.monotonic()
             if now - last_tick >= self.settings.tick_interval:

@@ -115,3 +115,26 @@ def test_collective_push_keeps_curve_on_the_control_plane(secured, tiny_state):
         assert {e["digest"] for e in r.engines} == {digest(w.items())}
     err = refused(secured)  # no keys at all
     assert err.code is ErrorCode.UNAUTHORIZED
+
+
+def test_keys_generate_adds_an_identity_to_an_existing_directory(tmp_path):
+    """The README's way to add a trainer: the same command on the same directory. Exit 0,
+    the new identity allowlisted, every existing key left byte for byte."""
+    d = tmp_path / "keys"
+
+    def generate_cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", "keys", "generate", str(d), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert generate_cli().returncode == 0
+    before = {p.name: p.read_bytes() for p in d.rglob("*.key*")}
+    r = generate_cli("--trainer", "alice")
+    assert r.returncode == 0, r.stderr
+    assert (d / "alice.key_secret").is_file() and (d / "trainers" / "alice.key").is_file()
+    assert {p.name: p.read_bytes() for p in d.rglob("*.key*") if p.name in before} == before
+    assert stat.S_IMODE((d / "alice.key_secret").stat().st_mode) == 0o600
+    assert client_keys(d, "alice").public == (d / "trainers" / "alice.key").read_bytes().split(b'"')[1]

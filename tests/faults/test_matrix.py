@@ -92,15 +92,25 @@ def test_engine_sigkill_during_loading_rolls_back(tmp_path, tiny_model_dir, tiny
             for b in buckets[1:]:
                 client.send_bucket(sid, b)
         assert ei.value.code is ErrorCode.ENGINE_FAILED
-        c.start_engine("engine-1")  # min_engines=2: the rollback waits for the replacement
-        st = wait_status(c, lambda s: s["state"] == "READY")
+        # the survivor is rolled back at once (min_engines gates new syncs, not recovery) ...
+        st = wait_status(c, lambda s: s["state"] == "READY" and s["version"] == 1)
+        assert [e["engine_id"] for e in st["engines"] if e["state"] == "READY"] == ["engine-0"]
+        c.start_engine("engine-1")  # ... and the replacement catches up from the spool
+        st = wait_status(
+            c,
+            lambda s: (
+                s["state"] == "READY"
+                and sorted(e["engine_id"] for e in s["engines"] if e["state"] == "READY")
+                == ["engine-0", "engine-1"]
+            ),
+        )
         r = row(
             c,
             "engine SIGKILL in LOADING_BUCKETS",
             code=ei.value.code.value,
             want_digest=d1,
             t0=t0,
-            note="replacement engine started; rollback from spool",
+            note="survivor rolled back from the spool at once; the replacement caught up from it",
         )
         assert (st["version"], r["digests_ok"]) == (1, True)
         assert r["finalize_counts"] == {"engine-0": 2, "engine-1": 1}  # v1 + rollback; new process: rollback
@@ -133,15 +143,25 @@ def test_engine_sigkill_during_finalizing_rolls_back(tmp_path, tiny_model_dir, t
         t0 = time.monotonic()
         th.join(30)
         assert [e.code for e in errors] == [ErrorCode.ENGINE_FAILED]
+        # the survivor is rolled back at once (min_engines gates new syncs, not recovery) ...
+        st = wait_status(c, lambda s: s["state"] == "READY" and s["version"] == 1)
+        assert [e["engine_id"] for e in st["engines"] if e["state"] == "READY"] == ["engine-0"]
         c.start_engine("engine-1", ["--threads", "1", "--heartbeat-interval", "0.5"])
-        st = wait_status(c, lambda s: s["state"] == "READY")
+        st = wait_status(  # ... and the replacement catches up from the spool
+            c,
+            lambda s: (
+                s["state"] == "READY"
+                and sorted(e["engine_id"] for e in s["engines"] if e["state"] == "READY")
+                == ["engine-0", "engine-1"]
+            ),
+        )
         r = row(
             c,
             "engine SIGKILL in FINALIZING",
             code=errors[0].code.value,
             want_digest=d1,
             t0=t0,
-            note="killed inside a 2 s post-load step; replacement started",
+            note="killed inside a 2 s post-load step; survivor rolled back at once, replacement caught up",
         )
         assert (st["version"], r["digests_ok"]) == (1, True)
         # engine-0 finalized v1, v2 (the failed sync) and the rollback: once each
