@@ -68,7 +68,6 @@ class Applier(threading.Thread):
         self._spec = {p.name for p in engine.describe().spec}
         # sync_id -> set when that sync's collective stream must stop (the main thread's abort)
         self._cancels: dict[str, threading.Event] = {}
-        self._stream_cancel = threading.Event()
 
     def accept(self, msg: schema.Load, payload: Any) -> None:
         """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
@@ -177,11 +176,11 @@ class Applier(threading.Thread):
         out: queue.Queue[Any] = queue.Queue()
         for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
             self._cancels.pop(sid, None)
-        self._stream_cancel = self._cancels.setdefault(msg.sync_id, threading.Event())
-        if self._stream_cancel.is_set():
+        cancelled = self._cancels.setdefault(msg.sync_id, threading.Event())
+        if cancelled.is_set():
             return  # aborted before its stream began
         free = threading.Semaphore(STREAM_DEPTH)  # this stream's buffers (the receiver's)
-        self.prefetcher.submit_stream(msg, out, self._stream_cancel, free)
+        self.prefetcher.submit_stream(msg, out, cancelled, free)
         chain, names = stream.Chain(), set[str]()
         t_start = time.perf_counter()
         try:
@@ -190,13 +189,13 @@ class Applier(threading.Thread):
                 try:
                     kind, h, raw, view = out.get(timeout=0.5)
                 except queue.Empty:
-                    if self._stream_cancel.is_set():
+                    if cancelled.is_set():
                         return  # superseded or aborted while the receiver was elsewhere
                     continue
                 finally:
                     self._add("receive_wait", time.perf_counter() - t0)
                 if kind == "error":
-                    if self._stream_cancel.is_set():
+                    if cancelled.is_set():
                         return  # aborted by the daemon: it knows, nothing to report
                     self._stream_failed(h, chain.buckets)
                 if kind == "end":
@@ -206,7 +205,7 @@ class Applier(threading.Thread):
                 finally:
                     free.release()
         except BaseException:
-            self._stream_cancel.set()  # the receiver stops; the group closes behind it
+            cancelled.set()  # the receiver stops; the group closes behind it
             raise
         if h.seq != chain.buckets or h.checksum != chain.value:
             raise WeightSyncError(

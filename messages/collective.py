@@ -177,15 +177,14 @@ class Group:
             if give_up is None:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 return
-            while not work.is_completed():
-                reason = give_up()
-                if reason is not None:
-                    raise CollectiveError(f"broadcast abandoned: {reason}")
-                if time.monotonic() > deadline:
-                    raise CollectiveError(
-                        f"broadcast passed its {self.spec.timeout}s deadline", timed_out=True
-                    )
-                time.sleep(poll)
+            _until(
+                work.is_completed,
+                give_up,
+                deadline,
+                poll,
+                lambda reason: f"broadcast abandoned: {reason}",
+                f"broadcast passed its {self.spec.timeout}s deadline",
+            )
             work.wait()  # raises the member's failure, if that is how it completed
         except CollectiveError:
             self.close()
@@ -240,16 +239,33 @@ def _await_root(spec: GroupSpec, store: Store, give_up: Callable[[], str | None]
     """Wait, interruptibly, until rank 0 (the trainer) starts joining: the backend's own
     rendezvous cannot be left early, and a sync given up before its trainer broadcast
     anything must not hold its members there until the group's deadline."""
-    deadline = time.monotonic() + spec.timeout
-    while not store.check([ROOT_KEY]):
+    _until(
+        lambda: bool(store.check([ROOT_KEY])),
+        give_up,
+        time.monotonic() + spec.timeout,
+        0.02,
+        lambda reason: f"group {spec.id}: {reason} (before the trainer joined)",
+        f"group {spec.id}: the trainer did not join within {spec.timeout}s",
+    )
+
+
+def _until(
+    done: Callable[[], bool],
+    give_up: Callable[[], str | None],
+    deadline: float,
+    poll: float,
+    abandoned: Callable[[str], str],
+    late: str,
+) -> None:
+    """Poll `done` until it holds; CollectiveError(`abandoned(reason)`) as soon as
+    `give_up()` says why, CollectiveError(`late`, timed_out) past `deadline`."""
+    while not done():
         reason = give_up()
         if reason is not None:
-            raise CollectiveError(f"group {spec.id}: {reason} (before the trainer joined)")
+            raise CollectiveError(abandoned(reason))
         if time.monotonic() > deadline:
-            raise CollectiveError(
-                f"group {spec.id}: the trainer did not join within {spec.timeout}s", timed_out=True
-            )
-        time.sleep(0.02)
+            raise CollectiveError(late, timed_out=True)
+        time.sleep(poll)
 
 
 def _timed_out(exc: BaseException) -> bool:

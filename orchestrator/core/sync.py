@@ -165,12 +165,8 @@ def bucket(m: Model, event: BucketIn) -> None:
     s.names.update(t.name for t in msg.tensors)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
-        acked = s.acked_through.get(msg.sender, -1)
-        while (r := s.buckets.get((msg.sender, acked + 1))) is not None and r.done:
-            acked += 1
-        s.acked_through[msg.sender] = acked
         m.outbox.append(ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True))
-        m.outbox.append(AckBucket(s.sync_id, key, acked))
+        m.outbox.append(AckBucket(s.sync_id, key, _advance_acked(s, msg.sender)))
         return
     alive = tuple(x for x in s.participants if m.engines[x].state != E.LOST)
     m.outbox.append(
@@ -294,11 +290,16 @@ def loaded(m: Model, event: Loaded) -> None:
             alive = {x for x in s.participants if m.engines[x].state != E.LOST}
         if len(rec.acked_by) >= len(alive) and alive <= rec.acked_by:
             rec.done = True
-            acked = s.acked_through.get(sender, -1)
-            while (r := s.buckets.get((sender, acked + 1))) is not None and r.done:
-                acked += 1
-            s.acked_through[sender] = acked
-            m.outbox.append(AckBucket(s.sync_id, (sender, seq), acked))
+            m.outbox.append(AckBucket(s.sync_id, (sender, seq), _advance_acked(s, sender)))
+
+
+def _advance_acked(s: SyncRecord, sender: int) -> int:
+    """Move `sender`'s cumulative acknowledgement past every bucket done in a row."""
+    acked = s.acked_through.get(sender, -1)
+    while (r := s.buckets.get((sender, acked + 1))) is not None and r.done:
+        acked += 1
+    s.acked_through[sender] = acked
+    return acked
 
 
 # -- finish: prepared everywhere, then the commit (finalize once per participant) ------------
@@ -413,8 +414,7 @@ def _commit_if_prepared(m: Model, s: SyncRecord, trigger: str) -> None:
                 m.error(ErrorCode.ENGINE_FAILED, f"engine {eid} {why}; nothing was finalized", engine_id=eid),
             )
             return
-    alive = [x for x in s.participants if m.engines[x].state != E.LOST]
-    if all(x in s.prepared for x in alive) and len(alive) == len(s.participants):
+    if all(x in s.prepared and m.engines[x].state != E.LOST for x in s.participants):
         _commit(m, s, trigger)
 
 

@@ -263,9 +263,7 @@ class Dispatcher:
             return
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
-            if msg.count:
-                self.metrics.apply_seconds.labels(engine_id).inc(msg.seconds)
-                self.metrics.buckets_applied.labels(engine_id).inc(msg.count)
+            self._count_applied(engine_id, msg.count, msg.seconds)
             await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also))
         elif isinstance(msg, schema.Prepared):
             log.info(
@@ -276,9 +274,7 @@ class Dispatcher:
                 nbytes=msg.nbytes,
                 seconds=msg.seconds,
             )
-            if msg.buckets:
-                self.metrics.apply_seconds.labels(engine_id).inc(msg.seconds)
-                self.metrics.buckets_applied.labels(engine_id).inc(msg.buckets)
+            self._count_applied(engine_id, msg.buckets, msg.seconds)
             await self.feed(ev.EnginePrepared(engine_id, msg))
         elif isinstance(msg, schema.Finalized):
             log.info(
@@ -301,6 +297,12 @@ class Dispatcher:
                 duplicate=msg.duplicate,
             )
             await self.feed(ev.EngineFailed(engine_id, msg))
+
+    def _count_applied(self, engine_id: str, buckets: int, seconds: float) -> None:
+        """Buckets an engine reports applied (coalesced `loaded`, or a stream's `prepared`)."""
+        if buckets:
+            self.metrics.apply_seconds.labels(engine_id).inc(seconds)
+            self.metrics.buckets_applied.labels(engine_id).inc(buckets)
 
     async def register(self, ident: bytes, msg: schema.Register) -> None:
         event = ev.EngineRegistered(
