@@ -7,6 +7,7 @@ everything is stopped before returning.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,11 +37,8 @@ def run_demo(
     from messages.canary import make_probes
 
     console = Console(width=120)
-    tmp = None
-    if workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="weightsync-demo-")
-        workdir = Path(tmp.name)
-    workdir = Path(workdir)
+    own = workdir is None  # a temp dir of ours: emptied at the end but for its logs
+    workdir = Path(tempfile.mkdtemp(prefix="weightsync-demo-") if workdir is None else workdir)
     try:
         t0 = time.perf_counter()
         model_dir = build_tiny_llama(workdir / "model", size=size, seed=0)
@@ -108,5 +106,12 @@ def run_demo(
         console.print(f"stopped {len(cluster.procs)} processes; still running: {leftover or 'none'}")
         return all_ok and not leftover
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        if own:  # the model, journal and spool go; the logs the run named stay
+            for child in workdir.iterdir():
+                if child.name == "logs":
+                    continue
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:  # files and the daemon's ipc sockets
+                    child.unlink(missing_ok=True)
+            console.print(f"logs kept in {workdir / 'logs'}")

@@ -27,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import structlog
 import torch
 import torch.distributed as dist
 
-log = structlog.get_logger()
+from messages.liblog import get_logger
+
+log = get_logger("collective")
 
 # torch.distributed's store classes (TCPStore, PrefixStore) are not in its type stubs.
 Store = Any

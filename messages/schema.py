@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from messages.dtypes import Dtype
+from messages.errors import ErrorCode
 
 PROTOCOL_VERSION = 3
 """Major version of the wire protocol, checked on every message (independent of the package)."""
@@ -238,6 +239,10 @@ class Abort(Message, frozen=True, tag="abort"):
     sync_id: Id
     id: RequestId = 0
     reason: Text = ""
+    # Trainer -> orchestrator only: the error that made the trainer give up (the sync's
+    # failure code in status, metrics and journal; None: ABORTED), and who asked.
+    code: ErrorCode | None = None
+    by: Literal["trainer", "operator"] = "trainer"
 
 
 class Status(Message, frozen=True, tag="status"):

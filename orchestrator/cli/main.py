@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import sys
 import time
@@ -23,6 +24,7 @@ from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.cli import config as cliconfig
 from orchestrator.cli.tables import history_table, push_progress, status_table
 from orchestrator.cli.util import (
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STARTUP,
     EXIT_SYNC,
@@ -45,9 +47,13 @@ from orchestrator.daemon.config import (
     vllm_process_env,
 )
 
+# rich_markup_mode=None: plain click help and errors (help text keeps its [brackets], a
+# usage error is the one line main() prints, never a panel).
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
     help="Weight sync between RL trainers and inference engines. Every option can "
     "also come from WEIGHTSYNC_<OPTION> or a TOML --config file.",
 )
@@ -73,7 +79,9 @@ def root(
         _usage(str(exc))
 
 
-config_app = typer.Typer(help="Settings: what each option is and where it came from.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Settings: what each option is and where it came from.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(config_app, name="config")
 
 
@@ -160,15 +168,60 @@ def serve(
         service = Service(s)
         service.startup()
     except KeysError as exc:
+        if service is not None:
+            service.abandon()
         err_console.print(f"[red]configuration error:[/red] {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE) from None
     except (zmq.ZMQError, OSError, sqlite3.Error, StateInUse) as exc:
         if service is not None:
-            service.shutdown()
+            service.abandon()
         what = f"--state-db {s.state_db}: " if isinstance(exc, sqlite3.Error) else ""
         err_console.print(f"[red]startup failed:[/red] {escape(what + str(exc))}")
         raise typer.Exit(EXIT_STARTUP) from None
     asyncio.run(service.run())
+
+
+@app.command("vllm-server", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def vllm_server(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="model directory (or name vLLM can load offline)"),
+    host: str = typer.Option("127.0.0.1", help="address the OpenAI server listens on"),
+    port: int = typer.Option(8000, min=1, max=65535, help="its port"),
+    kv_cache_gib: Optional[int] = typer.Option(
+        None, min=1, help="CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE) [default: 1, or what is exported]"
+    ),
+    show: bool = typer.Option(False, "--print", help="print the environment and command, run nothing"),
+) -> None:
+    """Run vLLM's OpenAI server ready for weightsync: its weight-transfer routes on, our
+    worker extension and `weightsync` transfer backend loaded. Attach it with `weightsync
+    engine --backend vllm-server --url http://HOST:PORT`. Further arguments go to vLLM
+    (e.g. --dtype float32 --enforce-eager --max-model-len 2048)."""
+    import os
+    import shlex
+
+    from orchestrator.daemon.config import child_env
+
+    env = {**vllm_process_env(True, kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1"}
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-extension-cls",
+        "engines.vllm_extension.WeightSyncExtension",
+        "--weight-transfer-config",
+        json.dumps({"backend": "weightsync"}),
+        *ctx.args,
+    ]
+    if show:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())), shlex.join(argv))
+        return
+    os.execve(sys.executable, argv, child_env(env))  # the server is this process: signals reach it
 
 
 @app.command()
@@ -276,7 +329,7 @@ def engine(
         raise typer.Exit(EXIT_STARTUP)
 
 
-keys_app = typer.Typer(help="CURVE keys for `serve --keys`.", no_args_is_help=True)
+keys_app = typer.Typer(help="CURVE keys for `serve --keys`.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(keys_app, name="keys")
 
 
@@ -308,7 +361,8 @@ def status(
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Show the daemon's state, engines and recent transitions."""
-    console = Console()
+    # a terminal wraps to its width; a pipe or file gets whole rows (grep, logs)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
         try:
             while True:
@@ -326,13 +380,13 @@ def status(
         except WeightSyncError as err:
             _fail(err, "status", as_json)
         except KeyboardInterrupt:
-            raise typer.Exit(130) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 @app.command()
 def abort(
     sync_id: Optional[str] = typer.Option(None, help="the sync to end (default: the running one)"),
-    reason: str = typer.Option("aborted by an operator", help="recorded in the journal"),
+    reason: str = typer.Option("no reason given", help="recorded in status and the journal"),
     addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
     timeout: float = typer.Option(10.0, min=0.1, help="seconds to wait for the daemon"),
     as_json: bool = typer.Option(False, "--json"),
@@ -349,7 +403,7 @@ def abort(
                     print(json.dumps(out) if as_json else "no sync is running; nothing to abort")
                     return
                 sync_id = str(running["sync_id"])
-            body = c.abort(sync_id, reason=reason[:4000])
+            body = c.abort(sync_id, reason=reason[:4000], by="operator")
         except WeightSyncError as err:
             _fail(err, "abort", as_json)
             return
@@ -363,6 +417,19 @@ def abort(
 
 
 INT63 = 2**63 - 1
+
+
+def _read_probes(path: Path) -> list[Any]:
+    """A probes file, checked against the wire schema (the constraints the daemon applies)."""
+    import msgspec
+
+    from messages.schema import Probe
+
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=list[Probe])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        _usage(f"--probes {path}: {exc}")
+        return []
 
 
 @app.command()
@@ -391,6 +458,13 @@ def push(
         0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"
     ),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    probes: Optional[Path] = typer.Option(
+        None,
+        exists=True,
+        dir_okay=False,
+        help="canary probes, a JSON array of {prompt, max_tokens, expected} (docs/TRAINER.md): "
+        "every engine greedy-decodes each prompt after finalize and must answer `expected`",
+    ),
     as_json: bool = typer.Option(False, "--json"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
@@ -404,6 +478,7 @@ def push(
     if transport not in ("auto", "shm", "inline", "collective"):
         _usage(f"--transport must be auto, shm, inline or collective, got {transport!r}")
     shm.configure(_settings(shm_dir=shm_dir).shm_dir)
+    canaries = _read_probes(probes) if probes is not None else []
     try:
         named = iter_safetensors(checkpoint)
     except CheckpointError as exc:
@@ -424,10 +499,17 @@ def push(
                 partial=partial,
                 progress=progress,
                 engines_wait=engines_wait,
+                probes=canaries,
             )
         except WeightSyncError as err:
             _fail(err, "push", as_json)
             return
+        except KeyboardInterrupt:  # the client aborted the sync it began on the way out
+            err_console.print(
+                f"push interrupted: the sync of version {version} was aborted; "
+                f"`weightsync status` shows what the engines serve"
+            )
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except CheckpointError as exc:
             _usage(f"cannot read checkpoint: {exc} (the sync was aborted)")
             return
@@ -515,8 +597,36 @@ def command() -> Any:
     return cmd
 
 
-def main() -> None:
+def _usage_text(exc: Any, ctx: Any) -> str:
+    """click's message on one line; "(env var: ...)" only when the value came from there."""
+    text = " ".join(exc.format_message().split())
+    param = getattr(exc, "param", None)
+    if ctx is not None and param is not None and param.name:
+        source = ctx.get_parameter_source(param.name)
+        if source is not None and source.name != "ENVIRONMENT":
+            text = re.sub(r" \(env var: '[^']*'\)", "", text)
+    return text
+
+
+# Typer carries its own copy of click (typer._click): its exception classes, by their names.
+_CLICK: dict[str, Any] = {c.__name__: c for c in typer.BadParameter.__mro__[:-2]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run `weightsync`; a usage error is one line on stderr naming the command, exit 2."""
     try:
-        command()(prog_name="weightsync")
-    except KeyboardInterrupt:
-        sys.exit(130)
+        rv = command().main(args=argv, prog_name="weightsync", standalone_mode=False)
+    except _CLICK["UsageError"] as exc:
+        ctx: Any = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `weightsync`, `weightsync keys`: the help
+            print(exc.format_message())
+            sys.exit(EXIT_OK)
+        where = ctx.command_path if ctx is not None else "weightsync"
+        print(f"error: {where}: {_usage_text(exc, ctx)} (see '{where} --help')", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except _CLICK["ClickException"] as exc:
+        print(f"error: {' '.join(exc.format_message().split())}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(rv if isinstance(rv, int) else 0)

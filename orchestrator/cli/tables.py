@@ -31,25 +31,19 @@ def status_table(st: dict[str, Any]) -> Table:
     engines = st.get("engines", [])
     if len(engines) > SUMMARY_AFTER:
         return _fleet_table(title, engines)
+    cols = ["engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"]
+    ranks: dict[str, str] = {}
+    if group:  # each engine's ranks in the group (rank 0 is the trainer)
+        cols.append("ranks")
+        for eid, m in (group.get("members") or {}).items():
+            r, n = int(m["rank"]), int(m["ranks"])
+            ranks[eid] = str(r) if n == 1 else f"{r}-{r + n - 1}"
     t = Table(title=title, title_justify="left")
-    for col in ("engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"):
+    for col in cols:
         t.add_column(col)
     for e in engines:
-        t.add_row(
-            *[
-                str(e.get(c) if c != "digest" or not e.get(c) else e[c][:12])
-                for c in (
-                    "engine_id",
-                    "backend",
-                    "state",
-                    "version",
-                    "finalize_count",
-                    "digest",
-                    "host",
-                    "pid",
-                )
-            ]
-        )
+        row = {**e, "digest": (e.get("digest") or "")[:12] or None, "ranks": ranks.get(e["engine_id"], "-")}
+        t.add_row(*[str(row.get(c)) for c in cols])
     return t
 
 

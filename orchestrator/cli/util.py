@@ -18,7 +18,7 @@ from rich.markup import escape
 from messages.errors import WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
-EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
 
 

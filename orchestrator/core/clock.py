@@ -49,11 +49,13 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
     lim, now = m.limits, m.now
     gone = [x for x in lost if x in s.participants]
     if gone:  # whatever the state: a participant is gone
-        return m.error(
-            ErrorCode.ENGINE_FAILED,
-            f"engine(s) {gone} lost: disconnected, or no heartbeat for {lim.engine_timeout}s",
-            engine_ids=gone,
-        )
+        why = [
+            f"{x}: its connection closed"
+            if m.engines[x].closed
+            else f"{x}: no heartbeat for {now - m.engines[x].last_seen:.1f}s (--engine-timeout {lim.engine_timeout}s)"
+            for x in gone
+        ]
+        return m.error(ErrorCode.ENGINE_FAILED, f"engine(s) lost: {'; '.join(why)}", engine_ids=gone)
     if m.state == S.LOADING_BUCKETS:
         late = [k for k, b in s.buckets.items() if not b.done and now - b.forwarded_at > lim.bucket_timeout]
         if late:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from messages.errors import ErrorCode
 from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Prepared, Register
 from orchestrator.core.records import Spooled
 
@@ -62,6 +63,8 @@ class AbortSync(Event):
     TRIGGER: ClassVar[str] = "abort"
     sync_id: str
     reason: str = ""
+    code: ErrorCode | None = None  # why the trainer gave up (None: ABORTED)
+    by: str = "trainer"  # trainer | operator | daemon
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,16 +94,17 @@ def heartbeat(m: Model, event: Heartbeat) -> None:
     if not event.registered_here or x is None or x.state == E.LOST:
         m.reply = {"known": False}  # the engine registers again
         return
-    x.last_seen = m.now
+    x.last_seen, x.closed = m.now, False
     m.reply = {"known": True}
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:
     """Counted lost at the next tick, without waiting out its heartbeats: a collective
     group cannot go on without a member. A live process re-registers and catches up."""
-    s = m.sync
+    s, x = m.sync, m.engines.get(event.engine_id)
+    if x is not None:
+        x.closed = True  # said when it is counted lost
     if s is None or s.group is None or event.engine_id not in s.participants:
         return
-    x = m.engines.get(event.engine_id)
     if x is not None:
         x.last_seen = float("-inf")

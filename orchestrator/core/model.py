@@ -251,9 +251,10 @@ class Model:
             self.engines[eid].move("enlist")
         return s
 
-    def close_failed(self, trigger: str, err: WeightSyncError) -> None:
+    def close_failed(self, trigger: str, err: WeightSyncError, by: str = "daemon") -> None:
         """End the running sync as failed. READY again when it touched nothing of a READY
-        daemon, else IDLE with dirty set (and a rollback wanted when the spool can)."""
+        daemon, else IDLE with dirty set (and a rollback wanted when the spool can).
+        by: who ended it: the trainer or an operator (an abort), else the daemon."""
         s = self.sync
         if s is None:
             raise make_error(ErrorCode.INTERNAL, "close_failed without a running sync")
@@ -287,6 +288,7 @@ class Model:
             **syncs.summary(s, status, self.now),
             "code": err.code.value,
             "reason": err.message,
+            "by": by,
             "dirty": self.dirty,
             "at": self.now,
             "rollback": "pending" if self.want_rollback else ("failed" if s.kind == "rollback" else "none"),
@@ -302,6 +304,7 @@ class Model:
                     "status": status,
                     "code": err.code.value,
                     "reason": err.message,
+                    "by": by,
                     "buckets": s.bucket_count,
                     "bytes": s.byte_count,
                     "at": self.now,

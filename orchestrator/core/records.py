@@ -24,6 +24,7 @@ class EngineRecord:
     digest: str | None = None
     finalize_count: int = 0
     last_seen: float = 0.0
+    closed: bool = False  # its connection closed since its last heartbeat
     spec: dict[str, ParamSpec] = field(default_factory=dict)
     cast_ok: bool = False
     probes: tuple[tuple[int, ...], ...] = ()

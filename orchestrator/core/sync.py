@@ -493,8 +493,12 @@ def finalized(m: Model, event: EngineFinalized) -> None:
 # -- a sync given up: abort, an engine's failure --------------------------------------------
 def abort(m: Model, event: AbortSync) -> None:
     m.require_sync(event.sync_id, "abort")  # a running sync (a rollback too) can be aborted
+    code = event.code if event.code not in (None, ErrorCode.INTERNAL) else ErrorCode.ABORTED
+    who = {"operator": "an operator", "daemon": "the daemon"}.get(event.by, "the trainer")
     m.close_failed(
-        "abort", m.error(ErrorCode.ABORTED, f"sync aborted by trainer: {event.reason or 'no reason'}")
+        "abort",
+        m.error(code, f"sync aborted by {who}: {event.reason or 'no reason given'}", aborted_by=event.by),
+        by=event.by,
     )
 
 

@@ -122,7 +122,8 @@ class Dispatcher:
                 await self.finish(w, msg)
             elif isinstance(msg, schema.Abort):
                 await self.feed(
-                    ev.AbortSync(msg.sync_id, msg.reason), lambda r: self.transport.reply_ok(w, r.reply or {})
+                    ev.AbortSync(msg.sync_id, msg.reason, msg.code, msg.by),
+                    lambda r: self.transport.reply_ok(w, r.reply or {}),
                 )
         except WeightSyncError as err:
             log.info(

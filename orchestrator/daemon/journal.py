@@ -24,9 +24,11 @@ CREATE TABLE IF NOT EXISTS transitions (
 CREATE TABLE IF NOT EXISTS syncs (
     sync_id TEXT PRIMARY KEY, version INTEGER NOT NULL, status TEXT NOT NULL,
     digest TEXT, buckets INTEGER, bytes INTEGER, code TEXT, reason TEXT,
-    started REAL, ended REAL
+    started REAL, ended REAL, ended_by TEXT
 );
 """
+# Columns added since a journal's first version, created on open where missing.
+ADDED_COLUMNS = {"syncs": {"ended_by": "TEXT"}}
 
 ACTIVE = ("LOADING_BUCKETS", "FINALIZING")
 
@@ -50,6 +52,11 @@ class Journal:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        for table, columns in ADDED_COLUMNS.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -81,8 +88,8 @@ class Journal:
             )
         else:
             self.db.execute(
-                "UPDATE syncs SET status=?, digest=?, buckets=?, bytes=?, code=?, reason=?, ended=?"
-                " WHERE sync_id=?",
+                "UPDATE syncs SET status=?, digest=?, buckets=?, bytes=?, code=?, reason=?, ended=?,"
+                " ended_by=? WHERE sync_id=?",
                 (
                     status,
                     data.get("digest"),
@@ -91,6 +98,7 @@ class Journal:
                     data.get("code"),
                     data.get("reason"),
                     time.time(),
+                    data.get("by"),
                     data["sync_id"],
                 ),
             )
@@ -109,7 +117,8 @@ class Journal:
         elif last[0] in ACTIVE:
             state, dirty, interrupted = "IDLE", True, last[1]
             self.db.execute(
-                "UPDATE syncs SET status='INTERRUPTED', ended=? WHERE sync_id=?", (time.time(), interrupted)
+                "UPDATE syncs SET status='INTERRUPTED', ended=?, ended_by='daemon' WHERE sync_id=?",
+                (time.time(), interrupted),
             )
         elif last[0] == "READY":
             state, dirty = "READY", False

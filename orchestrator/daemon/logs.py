@@ -7,11 +7,17 @@ import sys
 
 import structlog
 
+from messages import liblog
+
 
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())  # no ANSI into a file
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -24,3 +30,11 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # The library's own lines (messages.liblog: trainer client, collective group) at the
+    # same level, on stderr.
+    lib = logging.getLogger(liblog.ROOT)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    lib.handlers = [handler]
+    lib.setLevel(getattr(logging, level.upper(), logging.INFO))
+    lib.propagate = False

@@ -167,7 +167,7 @@ class Recovery:
     async def _pump_rollback(self, f: Feed) -> None:
         due = self._due(f)
         if due is None:
-            await self.feed(ev.AbortSync(f.sync_id, "spool unreadable"))
+            await self.feed(ev.AbortSync(f.sync_id, "spool unreadable", by="daemon"))
             return
         for i, e, frame in due:
             msg = schema.Bucket(

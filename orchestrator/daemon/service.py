@@ -14,11 +14,13 @@ INTERNAL and the daemon serves on.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import socket as pysocket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -74,10 +76,37 @@ def _ended(journal: Journal) -> list[tuple[str, str | None, str]]:
     return out
 
 
+def _state_paths(s: Settings) -> list[Path]:
+    """Files and directories a daemon creates for its state (journal, locks, spool)."""
+    out = []
+    if s.state_db != ":memory:":
+        out += [Path(s.state_db + x) for x in ("", ".lock", "-wal", "-shm")]
+    if s.spool:
+        out += [Path(s.spool)]
+    return out
+
+
+def _wall_clock(obj: Any, offset: float) -> Any:
+    """A copy of a status object whose monotonic times (`at`, `*_at`) are Unix seconds;
+    the journal's history is already wall-clock."""
+    if isinstance(obj, dict):
+        return {
+            k: round(v + offset, 3)
+            if (k == "at" or k.endswith("_at")) and isinstance(v, float | int) and v < 1e9
+            else _wall_clock(v, offset)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_wall_clock(v, offset) for v in obj]
+    return obj
+
+
 class Service:
     def __init__(self, settings: Settings, ctx: zmq.Context[Any] | None = None) -> None:
         self.settings = settings
         self.ctx = ctx or zmq.Context.instance()
+        # What this daemon is about to create: removed again if it never starts (a port in use).
+        self.new_paths = [p for p in _state_paths(settings) if not p.exists()]
         self.locks: list[StateLock] = lock_state(settings.state_db, settings.spool)  # one daemon per state
         try:
             self.journal = Journal(settings.state_db)
@@ -305,6 +334,16 @@ class Service:
         except Exception:  # failing the sync failed too: the state stays, the loop goes on
             log.exception("internal_failure_unhandled", src=src)
 
+    def abandon(self) -> None:
+        """Startup failed: stop, and remove the state files this daemon created (an empty
+        journal and its locks), leaving whatever was there before untouched."""
+        self.shutdown()
+        for p in self.new_paths:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
     def shutdown(self) -> None:
         try:
             self.storage.close()  # what was submitted is written; then the journal is ours
@@ -330,12 +369,8 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         now_mono = time.monotonic()
-        snap = self.core.snapshot(now_mono)
-        wall_offset = time.time() - now_mono
-        # The core keeps monotonic time; users read wall-clock Unix seconds.
-        for h in [*snap["history"], *([snap["last_sync"]] if snap.get("last_sync") else [])]:
-            if isinstance(h.get("at"), (int, float)) and h["at"] < 1e9:
-                h["at"] = round(h["at"] + wall_offset, 3)
+        # The core keeps monotonic time; users read wall-clock Unix seconds everywhere.
+        snap = _wall_clock(self.core.snapshot(now_mono), time.time() - now_mono)
         snap["spool"] = self.spool.view() if self.spool else None
         snap["queues"] = self.inflight.view(self.effects.batches)
         bound = self.transport.bound

@@ -17,9 +17,8 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
-import structlog
 import torch
 import zmq
 
@@ -27,6 +26,7 @@ from messages import schema
 from messages.buckets import Digester, PackedBucket
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
+from messages.liblog import get_logger
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
@@ -34,7 +34,7 @@ from orchestrator.trainer.module import push_module
 from orchestrator.trainer.rings import ShmRings
 from orchestrator.trainer.stream import Stream, window_limit
 
-log = structlog.get_logger()
+log = get_logger("trainer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +176,21 @@ class TrainerClient:
         )
 
     def abort(
-        self, sync_id: str, reason: str = "", *, timeout: float | None = None, retries: int | None = None
+        self,
+        sync_id: str,
+        reason: str = "",
+        *,
+        timeout: float | None = None,
+        retries: int | None = None,
+        code: ErrorCode | None = None,
+        by: Literal["trainer", "operator"] = "trainer",
     ) -> dict[str, Any]:
+        """End a running sync. code: the error that made the caller give up (the sync's
+        failure code in status, metrics and journal; default ABORTED); by: who asks."""
         return self.conn.request(
-            lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason), timeout, retries=retries
+            lambda i: schema.Abort(sync_id=sync_id, id=i, reason=reason, code=code, by=by),
+            timeout,
+            retries=retries,
         )
 
     # -- the whole sync -----------------------------------------------------------------
@@ -419,9 +430,24 @@ class TrainerClient:
                 time.sleep(0.2)
 
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
+        """Abort the sync `cause` ended, naming the cause; a WeightSyncError raised next then
+        says where the daemon is after the abort, not before it."""
+        if isinstance(cause, WeightSyncError):
+            code, why = cause.code, f"{cause.code.value}: {cause.message}"
+        elif isinstance(cause, KeyboardInterrupt):
+            code, why = None, "interrupted (Ctrl-C or SIGTERM)"
+        else:
+            code, why = None, f"{type(cause).__name__}: {cause}".rstrip(": ")
         try:
-            self.abort(
-                sync_id, reason=f"trainer error: {cause}"[:500], timeout=min(self.timeout, 5.0), retries=0
+            body = self.abort(
+                sync_id,
+                reason=f"trainer error: {why}"[:500],
+                timeout=min(self.timeout, 5.0),
+                retries=0,
+                code=code if isinstance(cause, WeightSyncError) else None,
             )
         except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
             log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)
+            return
+        if isinstance(cause, WeightSyncError) and body.get("state"):
+            cause.state, cause.version = body["state"], body.get("version")

@@ -16,15 +16,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
 import zmq
 
 from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
+from messages.liblog import get_logger
 from messages.link import RECONNECTED, Link, Reconnected
 
-log = structlog.get_logger()
+log = get_logger("trainer")
 
 REPLY_TYPES = ("ok", "error")
 

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 import torch
 
 from messages import schema
@@ -26,8 +25,9 @@ from messages.collective import (
     host_store,
     local_host_for,
 )
+from messages.liblog import get_logger
 
-log = structlog.get_logger()
+log = get_logger("trainer")
 
 
 def _daemon_host(addr: str) -> str:

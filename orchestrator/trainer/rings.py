@@ -8,14 +8,14 @@ error when the ring is made or grown, never a SIGBUS while packing.
 
 from __future__ import annotations
 
-import structlog
 import torch
 
 from messages import schema
 from messages.errors import ErrorCode, make_error
+from messages.liblog import get_logger
 from messages.shm import Segment, ShmFull, frombuffer, shm_available, sweep_stale
 
-log = structlog.get_logger()
+log = get_logger("trainer")
 
 
 class InlineRing:

@@ -18,20 +18,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import structlog
 import torch
 
 from messages import schema
 from messages.buckets import Digester, PackedBucket, iter_buckets
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, make_error
+from messages.liblog import get_logger
 from messages.link import Reconnected
 from messages.stream import Chain, bucket_header, encode_metas, end_header
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.rings import InlineRing, ShmRing
 
-log = structlog.get_logger()
+log = get_logger("trainer")
 
 # The automatic window keeps at most this many bytes in flight (and never over MAX_WINDOW
 # buckets): the trainer's ring, and the daemon's frames in flight, are window x bucket.

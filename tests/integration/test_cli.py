@@ -139,4 +139,8 @@ def test_push_over_the_collective_from_the_command_line(cluster, tmp_path, tiny_
     assert out["transport"] == "collective" and out["digest"] == digest(weights.items())
     st = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)
     assert st["collective"]["world_size"] == 3
-    assert "collective group" in ws("status", "--addr", cluster.addr).stdout
+    text = ws("status", "--addr", cluster.addr).stdout
+    assert "collective group" in text and "ranks" in text, text
+    rows = {line.split()[1]: line.split()[-2] for line in text.splitlines() if "engine-" in line}
+    ranks = {eid: str(m["rank"]) for eid, m in st["collective"]["members"].items()}
+    assert rows == ranks and sorted(ranks.values()) == ["1", "2"], (rows, ranks, text)

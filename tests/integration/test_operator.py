@@ -199,7 +199,10 @@ def test_2_an_interrupted_push_releases_its_sync(cluster, tmp_path, tiny_model_d
     p.send_signal(signal.SIGINT)  # the client aborts what it began on the way out
     p.wait(30)
     last = wait_for(lambda: (s := cluster.status())["sync"] is None and s["last_sync"], timeout=10)
-    assert last["status"] == "ABORTED" and "trainer error" in last["reason"], last
+    assert last["status"] == "ABORTED" and last["by"] == "trainer", last
+    assert last["reason"] == "sync aborted by the trainer: trainer error: interrupted (Ctrl-C or SIGTERM)", (
+        last
+    )
 
 
 # -- 3 ------------------------------------------------------------------------------------

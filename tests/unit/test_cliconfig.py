@@ -64,6 +64,10 @@ def sample(p, tmp_path):
     if base is float:
         return "1.5", 1.5, 1.5
     if base is Path:
+        if getattr(p.type_descriptor.parameter_info, "dir_okay", True) is False:  # a file option
+            f = tmp_path / "file.json"
+            f.write_text("[]")
+            return str(f), str(f), str(f)
         return str(tmp_path), str(tmp_path), str(tmp_path)
     if p.multiple:
         return "alpha", ["alpha"], ["alpha"]

@@ -291,6 +291,40 @@ def test_lost_engine_fails_the_sync_dirty():
     assert done.error.code is ErrorCode.ENGINE_FAILED and "e1" in done.error.message
 
 
+def test_a_lost_engine_is_said_lost_by_its_closed_connection_or_by_its_silence():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    o.handle(ev.Heartbeat("e0"), 10.0)
+    o.handle(ev.EngineGone("e0"), 10.5)  # e0's connection closed; e1 just went silent
+    o.handle(ev.Heartbeat("e1"), 1.0)
+    res = o.handle(ev.Tick(), 10.0 + o.limits.engine_timeout + 1)
+    (done,) = cmds(res, fsm.CompleteSync)
+    msg = done.error.message
+    assert "e0: its connection closed" in msg, msg
+    silent = 10.0 + o.limits.engine_timeout + 1 - 1.0
+    assert f"e1: no heartbeat for {silent:.1f}s (--engine-timeout {o.limits.engine_timeout}s)" in msg, msg
+
+
+def test_an_abort_is_filed_under_the_trainers_code_and_who_asked():
+    o = new()
+    begin(o, 1)
+    bucket(o, 0)
+    res = o.handle(ev.AbortSync("s1", "bad shape", ErrorCode.SHAPE_MISMATCH, "trainer"), 2.0)
+    (done,) = cmds(res, fsm.CompleteSync)
+    assert done.error.code is ErrorCode.SHAPE_MISMATCH
+    assert o.last_sync["code"] == "SHAPE_MISMATCH" and o.last_sync["by"] == "trainer"
+    (journal,) = [j for j in cmds(res, fsm.Journal) if j.kind == "sync"]
+    assert journal.data["code"] == "SHAPE_MISMATCH" and journal.data["by"] == "trainer"
+    begin(o, 2)
+    o.handle(ev.AbortSync("s2", "stop", None, "operator"), 3.0)
+    assert o.last_sync["code"] == "ABORTED" and o.last_sync["by"] == "operator"
+    assert o.last_sync["reason"] == "sync aborted by an operator: stop"
+    begin(o, 3)
+    o.handle(ev.AbortSync("s3", "x", ErrorCode.INTERNAL), 4.0)  # a peer cannot file a daemon bug
+    assert o.last_sync["code"] == "ABORTED"
+
+
 def test_untouched_sync_rolls_back_to_ready():
     o = to_ready(version=1)
     begin(o, 2)

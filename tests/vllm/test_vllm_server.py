@@ -18,7 +18,7 @@ from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
-from orchestrator.daemon.config import child_env, vllm_process_env
+from orchestrator.daemon.config import child_env
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -46,15 +46,19 @@ def _post(url, body):
 def server(tmp_path_factory, tiny_model_dir):
     port = _free_port()
     log = Path(tmp_path_factory.mktemp("vllm-server")) / "server.log"
-    env = child_env({**vllm_process_env(True), "VLLM_SERVER_DEV_MODE": "1"})
+    # The documented command (docs/MULTINODE.md), as an operator runs it.
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
+                "orchestrator",
+                "vllm-server",
                 str(tiny_model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
                 "--dtype",
                 "float32",
                 "--enforce-eager",
@@ -62,18 +66,10 @@ def server(tmp_path_factory, tiny_model_dir):
                 "256",
                 "--seed",
                 "0",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-extension-cls",
-                "engines.vllm_extension.WeightSyncExtension",
-                "--weight-transfer-config",
-                json.dumps({"backend": "weightsync"}),
             ],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=child_env(),
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
