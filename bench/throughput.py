@@ -136,7 +136,12 @@ def sweep(
                                     "memcpy_gbps": m,
                                 }
                             )
-                        run = _point(transport, n, bucket_bytes, model_bytes, window, rows, results)
+                        # The trainer's memory, measured from scratch: the warm-up's shared-memory
+                        # ring is released first, so its reservation counts (untimed push).
+                        client.rings.drop()
+                        version += 1
+                        fresh = push_once(client, weights, version, bucket_bytes, window, transport, pid)
+                        run = _point(transport, n, bucket_bytes, model_bytes, window, rows, results, fresh[2])
                         runs.append(run)
                         log(
                             f"  {transport:6s} engines={n} bucket={bucket_bytes // MiB:4d} MiB  "
@@ -157,6 +162,7 @@ def _point(
     window: int,
     rows: list[dict[str, float]],
     results: list[Any],
+    trainer_rss_mib: float,
 ) -> Run:
     med = {k: statistics.median(r[k] for r in rows) for k in ("seconds", "gbps", "zmq_gbps", "memcpy_gbps")}
     last = results[-1][0]
@@ -171,7 +177,7 @@ def _point(
         med["gbps"] / med["zmq_gbps"],
         med["gbps"] / med["memcpy_gbps"],
         max(x[1] for x in results),
-        max(x[2] for x in results),
+        trainer_rss_mib,
         last.detail.get("transport", transport),
         last.buckets,
         zmq_gbps=med["zmq_gbps"],

@@ -101,7 +101,10 @@ class Prefetcher(threading.Thread):
                     if cancelled.is_set():
                         raise CollectiveError("the sync ended here")
                 view = self.member.buffer(h.data_len + h.meta_len, g.device)
-                g.wait(g.start(view), give_up=give_up)
+                work = g.start(view)
+                if self.failpoints.get("kill_in_receive", -1) == h.seq:  # fault injection:
+                    os.kill(os.getpid(), signal.SIGKILL)  # dies with the receive posted
+                g.wait(work, give_up=give_up)
                 out.put(("bucket", h, bytes(view[h.data_len :].cpu().numpy()), view[: h.data_len]))
         except BaseException as exc:  # handed to the applier, which reports it typed
             self.member.close()  # the stream is broken: the trainer's broadcast fails at once

@@ -38,3 +38,4 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     lib.handlers = [handler]
     lib.setLevel(getattr(logging, level.upper(), logging.INFO))
     lib.propagate = False
+    liblog.use(json, colors=not json and sys.stderr.isatty())

@@ -121,6 +121,45 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
             assert {e["digest"] for e in r3.engines} == {digest(w3.items())}
 
 
+@pytest.mark.parametrize("failpoint", ["kill_in_broadcast", "kill_in_receive"])
+def test_an_engines_death_on_the_collective_fails_the_push_at_once_whatever_the_timeouts(
+    tmp_path, tiny_model_dir, tiny_state, failpoint
+):
+    """With 30 s engine and bucket timeouts, an engine SIGKILLed (a) before it posts the
+    receive of a bucket (its header read) or (b) with that receive posted fails the push
+    with ENGINE_FAILED naming it within 3 s: its closed connection says so, not a timeout.
+    The survivors take the next push."""
+    import time
+
+    from messages.errors import ErrorCode, WeightSyncError
+
+    args = ["--engine-timeout", "30", "--bucket-timeout", "30", "--log-level", "info"]
+    with running_daemon(tmp_path, tiny_model_dir, engines=1, daemon_args=args, min_engines=1) as c:
+        victim = c.start_engine("engine-9", ["--failpoint", f"{failpoint}=3"])
+        c.wait_engines(2, timeout=60)
+        with c.client(timeout=30.0) as client:
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError) as ei:
+                client.push(
+                    dict(perturbed(tiny_state, 1)).items(),
+                    1,
+                    bucket_bytes=64 * 1024,
+                    transport="collective",
+                    rollback_wait=0,
+                )
+            took = time.monotonic() - t0
+            assert victim.popen.wait(10) == -9
+            err = ei.value
+            assert err.code is ErrorCode.ENGINE_FAILED, (err.code, err.message)
+            assert "engine-9" in err.message and "connection closed" in err.message, err.message
+            assert took < 3.0, took
+            w2 = dict(perturbed(tiny_state, 2))
+            r = client.push(w2.items(), 2, bucket_bytes=64 * 1024, transport="collective")
+            assert r.state == "READY" and r.detail["transport"] == "collective"
+            assert [e["engine_id"] for e in r.engines] == ["engine-0"]
+            assert {e["digest"] for e in r.engines} == {digest(w2.items())}
+
+
 def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_model_dir, tiny_state):
     """Nothing assumes one host: the daemon listens on 127.0.0.1, the trainer connects from
     127.0.0.2 and hosts the group's store there, the engines connect from 127.0.0.3 and

@@ -58,13 +58,19 @@ def ckpt(tmp_path, tiny_state, v):
     return d
 
 
+def next_version(cluster) -> int:
+    """The tests share one daemon and run in any order."""
+    return (cluster.status()["last_ready_version"] or 0) + 1
+
+
 def test_push_on_a_terminal_shows_progress(cluster, tmp_path, tiny_state):
+    v = next_version(cluster)
     code, screen, err = under_pty(
         [
             "push",
-            str(ckpt(tmp_path, tiny_state, 1)),
+            str(ckpt(tmp_path, tiny_state, v)),
             "--version",
-            "1",
+            str(v),
             "--addr",
             cluster.addr,
             "--bucket-bytes",
@@ -72,18 +78,19 @@ def test_push_on_a_terminal_shows_progress(cluster, tmp_path, tiny_state):
         ]
     )
     assert code == 0, err
-    assert "v1" in screen and "buckets applied by every engine" in screen, screen[-2000:]
+    assert f"v{v}" in screen and "buckets applied by every engine" in screen, screen[-2000:]
     assert re.search(r"\d+(\.\d+)? ?[kM]B", screen), screen[-2000:]  # bytes moved, as a size
-    assert "version 1 READY" in screen
+    assert f"version {v} READY" in screen
 
 
 def test_push_json_on_a_terminal_is_only_json(cluster, tmp_path, tiny_state):
+    v = next_version(cluster)
     code, screen, err = under_pty(
         [
             "push",
-            str(ckpt(tmp_path, tiny_state, 2)),
+            str(ckpt(tmp_path, tiny_state, v)),
             "--version",
-            "2",
+            str(v),
             "--addr",
             cluster.addr,
             "--bucket-bytes",
@@ -93,4 +100,4 @@ def test_push_json_on_a_terminal_is_only_json(cluster, tmp_path, tiny_state):
     )
     assert code == 0, err
     out = json.loads(screen.strip())
-    assert out["ok"] is True and out["state"] == "READY" and out["version"] == 2
+    assert out["ok"] is True and out["state"] == "READY" and out["version"] == v
