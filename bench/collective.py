@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from messages.keys import generate
+
 RECEIVER = r"""
 import json, sys, torch
 from messages.collective import Group, GroupSpec
@@ -39,16 +41,19 @@ class RawBroadcast:
     def __init__(self, n: int, sizes: list[int], repeats: int, timeout: float = 600.0) -> None:
         import uuid
 
-        from messages.collective import host_store
+        from messages.rendezvous import StoreClient, StoreServer
 
-        self.sizes, self.store = sizes, host_store("127.0.0.1", timeout)
+        self.server = StoreServer("127.0.0.1")
+        self.sizes = sizes
+        self.store = StoreClient("127.0.0.1", self.server.port, self.server.token, timeout=timeout)
         gid = "raw-" + uuid.uuid4().hex[:8]
         self.procs = []
         for r in range(1, n + 1):
             spec = {
                 "id": gid,
                 "host": "127.0.0.1",
-                "port": self.store.port,
+                "port": self.server.port,
+                "token": self.server.token,
                 "rank": r,
                 "world_size": n + 1,
                 "backend": "gloo",
@@ -63,7 +68,7 @@ class RawBroadcast:
         from messages.collective import Group, GroupSpec
 
         self.group = Group(
-            GroupSpec(gid, "127.0.0.1", self.store.port, 0, n + 1, "gloo", timeout, "127.0.0.1"),
+            GroupSpec(gid, "127.0.0.1", self.server.port, 0, n + 1, "gloo", timeout, "127.0.0.1"),
             store=self.store,
         )
 
@@ -77,6 +82,8 @@ class RawBroadcast:
         for p in self.procs:
             p.wait(60)
         self.group.close()
+        self.store.close()
+        self.server.close()
 
 
 def run(
@@ -97,17 +104,23 @@ def run(
     packed = [b.data.clone() for b in iter_buckets(weights, bucket_bytes)]
     sizes = [int(b.numel()) for b in packed]
     points: list[dict[str, Any]] = []
-    for n in engines:
+    mac_points: list[dict[str, Any]] = []
+    keys_dir = workdir / "coll-keys"
+    generate(keys_dir, ["trainer"], ["engine"])
+    for n, keyed in [(n, False) for n in engines] + [(engines[0], True)]:
+        # The last point repeats the first engine count with --keys: CURVE on the control
+        # plane and the store, a BLAKE3 MAC on every bucket (its cost, against raw).
         raw = RawBroadcast(n, sizes, repeats + 1)
         raw.once(packed)  # warm-up: connections, first-touch of buffers
         with (
             Cluster(
-                workdir / f"coll-e{n}",
+                workdir / f"coll-e{n}{'-keys' if keyed else ''}",
                 spec_dir,
                 engines=n,
                 backend="sink",
                 daemon_args=["--log-level", "warning"],
-                engine_args=["--log-level", "warning"],
+                engine_args=["--log-level", "warning"] + (["--key-name", "engine"] if keyed else []),
+                keys=keys_dir if keyed else None,
             ) as cluster,
             cluster.client(timeout=120.0) as client,
         ):
@@ -128,6 +141,7 @@ def run(
             st = client.status()
             point = {
                 "engines": n,
+                "keys": keyed,
                 "raw_seconds": raw_s,
                 "weightsync_seconds": ws_s,
                 "raw_median_s": statistics.median(raw_s),
@@ -139,9 +153,12 @@ def run(
         raw.close()
         point["ratio_vs_raw"] = point["raw_median_s"] / point["weightsync_median_s"]
         point["gbps"] = model_bytes / point["weightsync_median_s"] / 1e9
-        points.append(point)
+        if keyed:
+            mac_points.append(point)
+        else:
+            points.append(point)
         log(
-            f"  collective engines={n}: weightsync {point['weightsync_median_s']:.3f}s "
+            f"  collective engines={n}{' --keys' if keyed else ''}: weightsync {point['weightsync_median_s']:.3f}s "
             f"({point['gbps']:.2f} GB/s), raw broadcast {point['raw_median_s']:.3f}s, "
             f"x{point['ratio_vs_raw']:.2f} of raw; daemon {point['daemon_peak_rss_mib']:.0f} MiB, "
             f"received {point['daemon_bytes_received']} bytes"
@@ -150,13 +167,47 @@ def run(
     scaling = (
         {p["engines"]: p["weightsync_median_s"] / one["weightsync_median_s"] for p in points} if one else {}
     )
+    keyed = mac_points[0] if mac_points else None
+    plain = next((p for p in points if keyed and p["engines"] == keyed["engines"]), None)
     return {
         "bucket_bytes": bucket_bytes,
         "model_bytes": model_bytes,
         "repeats": repeats,
         "points": points,
         "wall_vs_one_engine": scaling,
+        # --keys (CURVE + a BLAKE3 MAC per bucket) vs no keys, each against raw broadcast
+        # measured interleaved in its own run; and the MAC's own speed on these buckets
+        "keys": {
+            "point": keyed,
+            "ratio_vs_raw_plain": plain["ratio_vs_raw"] if plain else None,
+            "ratio_vs_raw_keys": keyed["ratio_vs_raw"] if keyed else None,
+            "hash_gbps": _hash_speeds(packed),
+        },
     }
+
+
+def _hash_speeds(packed: list[Any]) -> dict[str, float]:
+    """GB/s of the bucket checksum (xxh3) and of the keyed MAC (BLAKE3) over these buckets."""
+    import xxhash
+
+    from messages.stream import Header, bucket_mac
+
+    key, h = b"k" * 32, Header(1, 0, 0, 0, 0)
+    views = [b.numpy() for b in packed]
+    total = sum(v.nbytes for v in views)
+    out = {}
+    for name, fn in (
+        ("xxh3", lambda v: xxhash.xxh3_64_intdigest(v)),
+        ("blake3_mac", lambda v: bucket_mac(key, h, v, b"")),
+    ):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for v in views:
+                fn(v)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = round(total / best / 1e9, 2)
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -170,6 +221,14 @@ def table(result: dict[str, Any]) -> str:
             f"{p['engines']:>8} {p['weightsync_median_s']:>13.3f} {p['raw_median_s']:>8.3f} "
             f"{p['ratio_vs_raw']:>6.2f} {result['wall_vs_one_engine'].get(p['engines'], 0):>11.2f} "
             f"{p['daemon_peak_rss_mib']:>11.0f} {p['daemon_bytes_received']:>12}"
+        )
+    k = result.get("keys") or {}
+    if k.get("point"):
+        p = k["point"]
+        lines.append(
+            f"--keys, {p['engines']} engine(s): {p['weightsync_median_s']:.3f}s, x{p['ratio_vs_raw']:.2f} "
+            f"of raw (x{k['ratio_vs_raw_plain']:.2f} without keys); MAC {k['hash_gbps']['blake3_mac']} GB/s, "
+            f"xxh3 {k['hash_gbps']['xxh3']} GB/s on these buckets"
         )
     lines.append("targets: x raw >= 0.90; 4 engines <= 1.20 x one engine; daemon rx = 0 bytes")
     return "\n".join(lines)

@@ -180,6 +180,8 @@ class Applier(threading.Thread):
         if cancelled.is_set():
             return  # aborted before its stream began
         free = threading.Semaphore(STREAM_DEPTH)  # this stream's buffers (the receiver's)
+        # With keys (the store speaks CURVE) every bucket must carry this sync's MAC.
+        key = stream.mac_key(msg.group.token, msg.sync_id) if msg.group.store_key else None
         self.prefetcher.submit_stream(msg, out, cancelled, free)
         chain, names = stream.Chain(), set[str]()
         t_start = time.perf_counter()
@@ -201,7 +203,7 @@ class Applier(threading.Thread):
                 if kind == "end":
                     break
                 try:
-                    self._stream_bucket(h, raw, view, chain, names)
+                    self._stream_bucket(h, raw, view, chain, names, key)
                 finally:
                     free.release()
         except BaseException:
@@ -242,17 +244,22 @@ class Applier(threading.Thread):
             raise WeightSyncError(f"stream, after {received} buckets: {exc.reason}", code=exc.code)
         raise exc
 
-    def _stream_bucket(self, h: Any, raw: bytes, view: Any, chain: stream.Chain, names: set[str]) -> None:
+    def _stream_bucket(
+        self, h: Any, raw: bytes, view: Any, chain: stream.Chain, names: set[str], key: bytes | None = None
+    ) -> None:
+        """raw: the payload past the bucket's bytes (metadata, then the MAC if any)."""
         if h.seq != chain.buckets:
             raise WeightSyncError(
                 f"stream bucket seq {h.seq} arrived where {chain.buckets} was due", code=ErrorCode.BAD_MESSAGE
             )
-        try:
-            metas = stream.decode_metas(h, raw)
-        except MessageError as exc:
-            raise WeightSyncError(exc.reason, code=exc.code) from None
+        meta_raw, tag = raw[: h.meta_len], raw[h.meta_len :]
         t0 = time.perf_counter()
         buf = (view if view.device.type == "cpu" else view.cpu()).numpy()
+        try:
+            stream.check_mac(key, h, buf, meta_raw, tag)  # before anything is decoded or applied
+            metas = stream.decode_metas(h, meta_raw)
+        except MessageError as exc:
+            raise WeightSyncError(exc.reason, code=exc.code) from None
         if checksum(buf) != h.checksum:
             raise WeightSyncError(f"bucket seq {h.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         t1 = time.perf_counter()

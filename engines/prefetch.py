@@ -100,7 +100,7 @@ class Prefetcher(threading.Thread):
                 while not free.acquire(timeout=0.05):  # a buffer the applier released
                     if cancelled.is_set():
                         raise CollectiveError("the sync ended here")
-                view = self.member.buffer(h.data_len + h.meta_len, g.device)
+                view = self.member.buffer(h.payload_len, g.device)  # bytes, metadata, MAC
                 work = g.start(view)
                 if self.failpoints.get("kill_in_receive", -1) == h.seq:  # fault injection:
                     os.kill(os.getpid(), signal.SIGKILL)  # dies with the receive posted

@@ -2,9 +2,10 @@
 (never as) the default group, so it lives next to vLLM's own groups in the same process.
 
 Rules:
-- Rank 0 is the trainer. It hosts the group's `TCPStore` for as long as its client lives;
-  every group gets its own key prefix in that store (`weightsync/<group id>/`), so a
-  rebuilt group never meets the keys of the last one.
+- Rank 0 is the trainer. It hosts the group's rendezvous store (`messages.rendezvous`:
+  bound to the trainer's collective host only, token-gated, CURVE with keys) for as long
+  as its client lives; every group gets its own key prefix in that store
+  (`weightsync/<group id>/`), so a rebuilt group never meets the keys of the last one.
 - The process group object is created directly (`ProcessGroupGloo` / `ProcessGroupNCCL`
   on a `PrefixStore`), never through `init_process_group`, and each member binds its gloo
   device to the address it was given (no guessing of interfaces on multi-homed hosts).
@@ -24,13 +25,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from messages.liblog import get_logger
+from messages.rendezvous import StoreClient
 
 log = get_logger("collective")
 
@@ -69,13 +71,6 @@ def available_backends() -> tuple[Backend, ...]:
     return tuple(out)
 
 
-def host_store(host: str, timeout: float) -> Store:
-    """The trainer's store (rank 0): bound on `host`, an ephemeral port (read `.port`)."""
-    return dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
     """Everything a member needs to join: which group, where its store is, who it is."""
@@ -88,6 +83,8 @@ class GroupSpec:
     backend: str  # "gloo" | "nccl"
     timeout: float
     bind: str = ""  # this member's own address for gloo ("" = the route to the store)
+    token: str = field(default="", repr=False)  # admits this member to the store
+    store_key: str = ""  # the store's CURVE public key ("" without keys)
 
 
 class Group:
@@ -106,12 +103,15 @@ class Group:
         )
         td = datetime.timedelta(seconds=spec.timeout)
         t0 = time.perf_counter()
-        try:
-            base = (
-                store
-                if store is not None
-                else dist.TCPStore(spec.host, spec.port, is_master=False, timeout=td)
+        own = store is None
+        base = (
+            store
+            if store is not None
+            else StoreClient(
+                spec.host, spec.port, spec.token, spec.store_key, timeout=spec.timeout, source=spec.bind
             )
+        )
+        try:
             prefixed = dist.PrefixStore(f"{PREFIX}/{spec.id}/", base)
             if spec.rank == 0:
                 prefixed.set(ROOT_KEY, "1")  # members that wait for the root may join now
@@ -119,14 +119,19 @@ class Group:
                 _await_root(spec, prefixed, give_up)
             self.pg = self._make_pg(prefixed, td)
         except CollectiveError:
+            if own:
+                base.close()
             raise
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
+            if own:
+                base.close()
             raise CollectiveError(
                 f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
                 f"join ({type(exc).__name__}: {_short(exc)})",
                 timed_out=_timed_out(exc),
             ) from None
         self._store = base  # keep the client connection for the group's lifetime
+        self._own_store = own
         log.info(
             "group_joined",
             group=spec.id,
@@ -213,6 +218,8 @@ class Group:
         if pending:
             _bury(self.pg)
         self.pg = None
+        if self._own_store:
+            self._store.close()
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
 
 
@@ -312,6 +319,8 @@ class Member:
             backend=ref["backend"],
             timeout=ref["timeout"],
             bind=self.bind,
+            token=ref.get("token", ""),
+            store_key=ref.get("store_key", ""),
         )
         self.group = Group(spec, give_up=give_up)
         return self.group

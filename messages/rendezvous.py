@@ -189,11 +189,22 @@ class StoreClient(dist.Store):
     """A member's side: a torch.distributed Store whose keys live on the trainer's server."""
 
     def __init__(
-        self, host: str, port: int, token: str, server_key: str = "", timeout: float = 300.0
+        self,
+        host: str,
+        port: int,
+        token: str,
+        server_key: str = "",
+        timeout: float = 300.0,
+        source: str = "",
     ) -> None:
+        """source: the local address to connect from ("": the route's)."""
         super().__init__()
         bracket = f"[{host}]" if ":" in host else host
         self.endpoint = f"tcp://{bracket}:{port}"
+        self._connect = self.endpoint
+        if source:
+            src = f"[{source}]" if ":" in source else source
+            self._connect = f"tcp://{src}:0;{bracket}:{port}"
         self.token = token
         self.server_key = server_key
         self._timeout = timeout
@@ -215,7 +226,7 @@ class StoreClient(dist.Store):
             sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_key.encode())
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        sock.connect(self.endpoint)
+        sock.connect(self._connect)
         self._local.sock = sock
         with self._lock:
             self._sockets.append(sock)

@@ -104,6 +104,12 @@ SegmentName = Annotated[
 Transport = Literal["inline", "shm", "collective", "auto"]
 Backend = Literal["gloo", "nccl"]
 Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
+StoreToken = Annotated[
+    str, Meta(max_length=64, pattern=r"^[0-9a-f]*\Z", description="<= 64 hex digits (the store's secret)")
+]
+CurveKey = Annotated[
+    str, Meta(max_length=40, pattern=r"^[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]*\Z", description="Z85, 40 chars")
+]
 MAX_GROUP = 4096
 MAX_ALSO = 4096  # buckets one `loaded` may report beyond its cumulative seq
 Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}")]
@@ -152,12 +158,16 @@ class ShmRef(_Wire, frozen=True):
 
 
 class CollectiveOffer(_Wire, frozen=True):
-    """Trainer -> orchestrator in `begin`: the trainer (rank 0) hosts the group's TCPStore
-    at host:port for as long as its client lives (`session`), and can speak `backends`."""
+    """Trainer -> orchestrator in `begin`: the trainer (rank 0) hosts the group's
+    rendezvous store (messages/rendezvous.py) at host:port for as long as its client lives
+    (`session`), and can speak `backends`. `token` admits a member to the store; with keys,
+    `store_key` is the store's CURVE public key and buckets carry a MAC keyed from `token`."""
 
     host: Host
     port: Port
     session: Id
+    token: StoreToken = ""
+    store_key: CurveKey = ""
     backends: Annotated[tuple[Backend, ...], Meta(min_length=1, max_length=2)] = ("gloo",)
     # v3: the trainer frames its broadcasts (messages/stream.py), so engines that can take
     # the stream receive the whole sync without a message from the daemon per bucket
@@ -176,6 +186,8 @@ class GroupRef(_Wire, frozen=True):
     world_size: Annotated[int, Meta(ge=2, le=MAX_GROUP, description=f"2..{MAX_GROUP}")]
     backend: Backend
     timeout: Seconds
+    token: StoreToken = ""  # the store's admission secret (from the trainer's offer)
+    store_key: CurveKey = ""  # the store's CURVE public key ("" without keys)
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -9,17 +9,26 @@ checksum over the buckets' checksums, in order). Each engine verifies every buck
 itself and answers the daemon once, with `prepared`; the daemon commits (finalize once
 per engine) only when every engine prepared exactly what the trainer finished with.
 
+With keys (the group's store speaks CURVE), each bucket also carries a MAC: BLAKE3 keyed
+with a per-sync key derived from the group's store token (which the daemon hands to the
+members over CURVE), over the header and the payload, 16 bytes after the metadata; the
+header's MAC flag says it is there. xxh3 catches accidents; the MAC catches a host that
+writes into the group's connections (gloo's own are not authenticated).
+
 Rules: pure and torch-free (the daemon and the simulated engines use it). A header is
 refused with a typed BAD_MESSAGE when its magic, kind or sizes are wrong; the payload is
-refused with CHECKSUM_MISMATCH when either checksum differs. Nothing here touches a
-socket or a group.
+refused with CHECKSUM_MISMATCH when either checksum differs, and with UNAUTHORIZED when
+a MAC is due and missing or wrong. Nothing here touches a socket or a group.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any
 
+import blake3
 import msgspec
 import xxhash
 
@@ -29,7 +38,10 @@ from messages.schema import MAX_TENSORS_PER_BUCKET, TensorMeta
 MAGIC = b"WSS1"
 BUCKET, END = 1, 2
 PARTIAL = 1  # END's flags: the trainer pushes a subset of the tensors on purpose
-_HEADER = struct.Struct("<4sBxxxQQQQQ")  # magic, kind, seq, meta_len, data_len, checksum, meta_checksum
+MAC = 1  # a BUCKET's flags: a MAC_BYTES tag follows the metadata in the payload
+MAC_BYTES = 16
+# magic, kind, flags, seq, meta_len, data_len, checksum, meta_checksum
+_HEADER = struct.Struct("<4sBBxxQQQQQ")
 HEADER_BYTES = _HEADER.size
 MAX_META_BYTES = 16 << 20  # the metadata of one bucket (MAX_TENSORS_PER_BUCKET entries fit)
 MAX_DATA_BYTES = 1 << 40
@@ -50,10 +62,15 @@ class Header:
     data_len: int
     checksum: int
     meta_checksum: int = 0
+    flags: int = 0
+
+    @property
+    def tag_len(self) -> int:
+        return MAC_BYTES if self.kind == BUCKET and self.flags & MAC else 0
 
     @property
     def payload_len(self) -> int:
-        return self.meta_len + self.data_len if self.kind == BUCKET else 0
+        return self.meta_len + self.data_len + self.tag_len if self.kind == BUCKET else 0
 
     @property
     def partial(self) -> bool:
@@ -61,12 +78,46 @@ class Header:
 
     def encode(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, self.kind, self.seq, self.meta_len, self.data_len, self.checksum, self.meta_checksum
+            MAGIC,
+            self.kind,
+            self.flags,
+            self.seq,
+            self.meta_len,
+            self.data_len,
+            self.checksum,
+            self.meta_checksum,
         )
 
 
-def bucket_header(seq: int, metas: bytes, data_len: int, checksum: int) -> Header:
-    return Header(BUCKET, seq, len(metas), data_len, checksum, xxhash.xxh3_64_intdigest(metas))
+def bucket_header(seq: int, metas: bytes, data_len: int, checksum: int, *, mac: bool = False) -> Header:
+    return Header(
+        BUCKET, seq, len(metas), data_len, checksum, xxhash.xxh3_64_intdigest(metas), MAC if mac else 0
+    )
+
+
+def mac_key(token: str, sync_id: str) -> bytes:
+    """This sync's MAC key: BLAKE3 keyed with the group's store token (32 bytes, hex)."""
+    return blake3.blake3(b"weightsync stream mac\0" + sync_id.encode(), key=bytes.fromhex(token)).digest()
+
+
+def bucket_mac(key: bytes, h: Header, data: Any, metas: Any) -> bytes:
+    """The tag over a bucket's header, bytes and metadata (buffers, no copy)."""
+    m = blake3.blake3(key=key)
+    m.update(h.encode())
+    m.update(data)
+    m.update(metas)
+    return m.digest(MAC_BYTES)
+
+
+def check_mac(key: bytes | None, h: Header, data: Any, metas: Any, tag: Any) -> None:
+    """Raise UNAUTHORIZED unless the bucket carries the right tag (`key` None: no MAC due;
+    a tag that is there is then not checked: nothing to check it with)."""
+    if key is None:
+        return
+    if not h.flags & MAC:
+        raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {h.seq}: no MAC, and this group needs one")
+    if not hmac.compare_digest(bucket_mac(key, h, data, metas), bytes(tag)):
+        raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {h.seq}: wrong MAC (forged or corrupted)")
 
 
 def end_header(buckets: int, nbytes: int, chain: int, *, partial: bool = False) -> Header:
@@ -76,14 +127,14 @@ def end_header(buckets: int, nbytes: int, chain: int, *, partial: bool = False) 
 def decode_header(buf: bytes | memoryview) -> Header:
     if len(buf) != HEADER_BYTES:
         raise MessageError(ErrorCode.BAD_MESSAGE, f"stream header of {len(buf)} bytes, want {HEADER_BYTES}")
-    magic, kind, seq, meta_len, data_len, ck, meta_ck = _HEADER.unpack(buf)
+    magic, kind, flags, seq, meta_len, data_len, ck, meta_ck = _HEADER.unpack(buf)
     if magic != MAGIC or kind not in (BUCKET, END):
         raise MessageError(ErrorCode.BAD_MESSAGE, f"not a stream header (magic {magic!r}, kind {kind})")
     if kind == BUCKET and (meta_len > MAX_META_BYTES or data_len > MAX_DATA_BYTES):
         raise MessageError(
             ErrorCode.BAD_MESSAGE, f"stream bucket {seq}: {meta_len}+{data_len} bytes exceed the limits"
         )
-    return Header(kind, seq, meta_len, data_len, ck, meta_ck)
+    return Header(kind, seq, meta_len, data_len, ck, meta_ck, flags)
 
 
 def encode_metas(metas: tuple[TensorMeta, ...]) -> bytes:

@@ -65,6 +65,8 @@ class GroupPlan:
     backend: Backend
     members: tuple[tuple[str, int, int], ...]  # (engine_id, first rank, ranks)
     timeout: float
+    token: str = field(default="", repr=False)  # the store's admission secret: never shown
+    store_key: str = ""  # the store's CURVE public key ("" without keys)
 
     @property
     def world_size(self) -> int:

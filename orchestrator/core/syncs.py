@@ -103,7 +103,17 @@ def plan_group(
         n = engines[eid].collective_ranks
         members.append((eid, rank, n))
         rank += n
-    plan = GroupPlan(new_id, offer.session, offer.host, offer.port, backend, tuple(members), timeout)
+    plan = GroupPlan(
+        new_id,
+        offer.session,
+        offer.host,
+        offer.port,
+        backend,
+        tuple(members),
+        timeout,
+        offer.token,
+        offer.store_key,
+    )
     if current is not None and dataclasses.replace(current, id=new_id) == plan:
         return current  # everything but the id is the same: the same group
     return plan

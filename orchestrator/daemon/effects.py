@@ -316,6 +316,8 @@ class Effects:
                 world_size=g.world_size,
                 backend=g.backend,
                 timeout=g.timeout,
+                token=g.token,
+                store_key=g.store_key,
             )
         return ref
 

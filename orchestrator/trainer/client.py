@@ -78,6 +78,7 @@ class TrainerClient:
         self.collective_host = collective_host  # this host's address for the group's store
         self.finish_timeout = finish_timeout
         self.sender = sender
+        self.curve = keys is not None  # with keys, the collective plane is keyed too
         self.conn = Connection(
             addr,
             timeout=timeout,
@@ -378,7 +379,7 @@ class TrainerClient:
 
     def _collective_offer(self) -> schema.CollectiveOffer:
         if self.group is None:
-            self.group = TrainerGroup(self.addr, self.collective_host)
+            self.group = TrainerGroup(self.addr, self.collective_host, curve=self.curve)
         return self.group.offer()
 
     def _collective_for(self, started: dict[str, Any], asked: str) -> TrainerGroup | None:

@@ -1,6 +1,7 @@
 """The trainer's side of the collective transport: rank 0 of the group.
 
-Rules: the trainer hosts the group's TCPStore for as long as its client lives (one store,
+Rules: the trainer hosts the group's rendezvous store (messages/rendezvous.py: bound to its
+collective host only, token-gated, CURVE with keys) for as long as its client lives (one store,
 one session id; each group the daemon plans gets its own key prefix in it). The daemon
 plans the group at `begin` and says so in its reply; the trainer joins lazily, after it
 has announced the first bucket (the engines join when the daemon forwards that bucket,
@@ -16,16 +17,16 @@ from typing import Any
 
 import torch
 
-from messages import schema
+from messages import schema, stream
 from messages.collective import (
     CollectiveError,
     Group,
     GroupSpec,
     available_backends,
-    host_store,
     local_host_for,
 )
 from messages.liblog import get_logger
+from messages.rendezvous import StoreClient, StoreServer
 
 log = get_logger("trainer")
 
@@ -41,10 +42,12 @@ def _daemon_host(addr: str) -> str:
 class TrainerGroup:
     """Rank 0: the store, the current group, and the broadcast of each bucket."""
 
-    def __init__(self, daemon_addr: str, host: str = "", timeout: float = 300.0) -> None:
+    def __init__(self, daemon_addr: str, host: str = "", timeout: float = 300.0, curve: bool = False) -> None:
         self.host = host or local_host_for(_daemon_host(daemon_addr) or "127.0.0.1")
         self.session = uuid.uuid4().hex[:16]
         self.timeout = timeout
+        self.curve = curve  # the deployment uses keys: the store speaks CURVE
+        self._server: StoreServer | None = None
         self._store: Any = None
         self.group: Group | None = None
         self.planned: dict[str, Any] | None = None
@@ -52,16 +55,30 @@ class TrainerGroup:
         self.pending_seq: int | None = None  # the bucket of that broadcast
 
     def offer(self) -> schema.CollectiveOffer:
-        if self._store is None:
-            self._store = host_store(self.host, self.timeout)
-            log.info("collective_store_started", host=self.host, port=self._store.port, session=self.session)
+        if self._server is None:
+            self._server = s = StoreServer(self.host, curve=self.curve)
+            self._store = StoreClient(
+                s.host, s.port, s.token, s.public_key, timeout=self.timeout, source=self.host
+            )
+            log.info(
+                "collective_store_started", host=s.host, port=s.port, session=self.session, curve=self.curve
+            )
+        s = self._server
         return schema.CollectiveOffer(
             host=self.host,
-            port=self._store.port,
+            port=s.port,
             session=self.session,
             backends=available_backends(),
             stream=True,
+            token=s.token,
+            store_key=s.public_key,
         )
+
+    def mac_key(self, sync_id: str) -> bytes | None:
+        """This sync's bucket MAC key when the deployment uses keys (else None)."""
+        if not self.curve or self._server is None:
+            return None
+        return stream.mac_key(self._server.token, sync_id)
 
     def plan(self, view: dict[str, Any]) -> None:
         """The daemon's group for this sync (its begin reply's `collective`)."""
@@ -80,7 +97,7 @@ class TrainerGroup:
             spec = GroupSpec(
                 id=v["group"],
                 host=self.host,
-                port=self._store.port,
+                port=self._server.port if self._server else 0,
                 rank=0,
                 world_size=v["world_size"],
                 backend=v["backend"],
@@ -108,4 +125,8 @@ class TrainerGroup:
 
     def close(self) -> None:
         self.fail()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+        if self._server is not None:
+            self._server.close()
+        self._store = self._server = None

@@ -26,7 +26,7 @@ from messages.collective import CollectiveError
 from messages.errors import ErrorCode, make_error
 from messages.liblog import get_logger
 from messages.link import Reconnected
-from messages.stream import Chain, bucket_header, encode_metas, end_header
+from messages.stream import MAC_BYTES, Chain, bucket_header, bucket_mac, encode_metas, end_header
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.rings import InlineRing, ShmRing
@@ -178,6 +178,7 @@ class Stream:
         reused once its broadcast completed (its bytes left this process), so two slots
         suffice. An error the daemon pushes for this sync stops the stream at once."""
         ring = InlineRing(2)
+        key = coll.mac_key(sync_id)  # with keys: every bucket carries a MAC (messages/stream.py)
         slots: dict[int, torch.Tensor] = {}
         spool = bool((coll.planned or {}).get("spool_copy"))
         copies: set[int] = set()  # request ids of spool copies not yet acknowledged
@@ -207,7 +208,7 @@ class Stream:
         def alloc(seq: int, n: int) -> torch.Tensor:
             if spool:
                 spooled(seq - 2)
-            full = ring.slot(seq, n + META_RESERVE)
+            full = ring.slot(seq, n + META_RESERVE + MAC_BYTES)
             slots[seq % 2] = full
             return full[:n]
 
@@ -217,15 +218,15 @@ class Stream:
         for b in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             t0 = time.perf_counter()
             metas = encode_metas(b.tensors)
+            h = bucket_header(b.seq, metas, b.nbytes, b.checksum, mac=key is not None)
+            tail = metas if key is None else metas + bucket_mac(key, h, b.data.numpy(), metas)
             full = slots[b.seq % 2]
-            if b.nbytes + len(metas) <= full.numel():
-                payload = full[: b.nbytes + len(metas)]
-                payload[b.nbytes :].copy_(torch.frombuffer(bytearray(metas), dtype=torch.uint8))
+            if b.nbytes + len(tail) <= full.numel():
+                payload = full[: b.nbytes + len(tail)]
+                payload[b.nbytes :].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
             else:  # metadata past the reserve (thousands of tensors in a bucket): one copy
-                payload = torch.cat([b.data, torch.frombuffer(bytearray(metas), dtype=torch.uint8)])
-            head = torch.frombuffer(
-                bytearray(bucket_header(b.seq, metas, b.nbytes, b.checksum).encode()), dtype=torch.uint8
-            )
+                payload = torch.cat([b.data, torch.frombuffer(bytearray(tail), dtype=torch.uint8)])
+            head = torch.frombuffer(bytearray(h.encode()), dtype=torch.uint8)
             # each waits for the broadcast before it (the previous bucket's bytes are out)
             self.broadcast(sync_id, coll, _Frame(b.seq, head))
             self.broadcast(sync_id, coll, _Frame(b.seq, payload))

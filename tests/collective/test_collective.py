@@ -3,6 +3,9 @@ and stays out of the byte path; engines receive by broadcast, verify, apply, ack
 
 from __future__ import annotations
 
+import os
+
+import psutil
 import pytest
 
 from engines.torch_engine import load_model
@@ -201,6 +204,26 @@ def test_daemon_trainer_and_engines_on_three_loopback_addresses(tmp_path, tiny_m
             st = client.status()
             assert st["collective"]["store"].startswith("127.0.0.2:")
             assert st["daemon"]["bytes_received"] == 0
+            # Where everything listens, with the group up: the trainer (this process) on
+            # 127.0.0.2 (its store and gloo), the engines on 127.0.0.3 (gloo), the daemon on
+            # 127.0.0.1; nothing on every interface. What we connect (ZeroMQ to the daemon,
+            # the store) leaves from the configured address; gloo's own outgoing
+            # connections leave from the address the kernel routes them by.
+            store_port = int(st["collective"]["store"].rsplit(":", 1)[1])
+            mine = psutil.Process(os.getpid()).net_connections("tcp")  # other tests' too
+            listen = {(x.laddr.ip, x.laddr.port) for x in mine if x.status == psutil.CONN_LISTEN}
+            assert ("127.0.0.2", store_port) in listen, listen
+            assert not {ip for ip, _ in listen} & {"::", "0.0.0.0"}, listen
+            ours = [x for x in mine if x.raddr and x.raddr.port in (store_port, tport)]
+            assert ours and {x.laddr.ip for x in ours} == {"127.0.0.2"}, ours
+            for p in c.procs[1:]:
+                conns = psutil.Process(p.popen.pid).net_connections("tcp")
+                listen = {x.laddr.ip for x in conns if x.status == psutil.CONN_LISTEN}
+                ours = [x for x in conns if x.raddr and x.raddr.port in (store_port, eport)]
+                assert listen == {"127.0.0.3"}, (p.name, conns)
+                assert len(ours) == 2 and {x.laddr.ip for x in ours} == {"127.0.0.3"}, (p.name, ours)
+            daemon = psutil.Process(c.daemon.popen.pid).net_connections("tcp")
+            assert {x.laddr.ip for x in daemon if x.status == psutil.CONN_LISTEN} == {"127.0.0.1"}
     logs = "".join((tmp_path / "logs" / f"engine-{i}.log").read_text() for i in range(2))
     assert '"group_joined"' in logs
 

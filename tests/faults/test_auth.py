@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import sys
@@ -115,6 +116,50 @@ def test_collective_push_keeps_curve_on_the_control_plane(secured, tiny_state):
         assert {e["digest"] for e in r.engines} == {digest(w.items())}
     err = refused(secured)  # no keys at all
     assert err.code is ErrorCode.UNAUTHORIZED
+
+
+def test_with_keys_the_collective_store_is_curve_and_every_bucket_carries_a_mac(
+    secured, tiny_state, monkeypatch
+):
+    """With keys the group's rendezvous store speaks CURVE (its public key and the token
+    reach the engine through the daemon's CURVE socket) and each framed bucket carries a
+    BLAKE3 MAC keyed per sync: a bucket whose bytes were replaced in flight together with
+    a matching xxh3 checksum (what a host writing into gloo's connections can do) is
+    refused UNAUTHORIZED before anything is applied; the next push is READY."""
+    from messages import stream as wire_stream
+    from orchestrator.trainer import stream as trainer_stream
+
+    with secured.client(timeout=30.0) as c:
+        v = (c.status()["last_ready_version"] or 0) + 1
+        w = dict(perturbed(tiny_state, v))
+        r = c.push(w.items(), v, transport="collective", bucket_bytes=128 * 1024)
+        assert r.detail["transport"] == "collective" and c.group is not None
+        assert c.group.curve and c.group.mac_key(r.sync_id) is not None
+        offer = c.group.offer()
+        assert len(offer.store_key) == 40 and len(offer.token) == 64
+        status = c.status()
+        assert offer.token not in json.dumps(status)  # the secret is never shown
+        counts = [e["finalize_count"] for e in status["engines"]]
+
+        real = wire_stream.bucket_mac
+        forged = []
+
+        def forge(key, h, data, metas):
+            if h.seq == 1 and not forged:  # the attacker's key is not this sync's
+                forged.append(h.seq)
+                return real(b"\x00" * 32, h, data, metas)
+            return real(key, h, data, metas)
+
+        monkeypatch.setattr(trainer_stream, "bucket_mac", forge)
+        v += 1
+        with pytest.raises(WeightSyncError) as ei:
+            c.push(dict(perturbed(tiny_state, v)).items(), v, transport="collective", bucket_bytes=128 * 1024)
+        assert ei.value.code is ErrorCode.UNAUTHORIZED and "MAC" in ei.value.message, ei.value
+        monkeypatch.setattr(trainer_stream, "bucket_mac", real)
+        assert [e["finalize_count"] for e in c.status()["engines"]] == counts  # nothing finalized
+        w = dict(perturbed(tiny_state, v + 1))
+        r = c.push(w.items(), v + 1, transport="collective", bucket_bytes=128 * 1024)
+        assert {e["digest"] for e in r.engines} == {digest(w.items())}
 
 
 def test_keys_generate_adds_an_identity_to_an_existing_directory(tmp_path):

@@ -19,16 +19,18 @@ pytestmark = [
 
 RANK = r"""
 import json, sys, time, torch
-from messages.collective import Group, GroupSpec, host_store
+from messages.collective import Group, GroupSpec
+from messages.rendezvous import StoreServer
 spec = json.loads(sys.argv[1]); n = int(sys.argv[2]); reps = int(sys.argv[3])
 torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
-store = host_store(spec["host"], 60) if spec["rank"] == 0 else None
-if store is not None:
-    print(json.dumps({"port": store.port}), flush=True)
-    spec["port"] = store.port
+server = StoreServer(spec["host"]) if spec["rank"] == 0 else None
+if server is not None:
+    print(json.dumps({"port": server.port, "token": server.token}), flush=True)
+    spec["port"], spec["token"] = server.port, server.token
 else:
-    spec["port"] = int(sys.stdin.readline())
-g = Group(GroupSpec(**spec), store=store)
+    got = json.loads(sys.stdin.readline())
+    spec["port"], spec["token"] = got["port"], got["token"]
+g = Group(GroupSpec(**spec))
 buf = torch.full((n,), spec["rank"] == 0 and 7 or 0, dtype=torch.uint8, device=g.device)
 g.broadcast(buf); torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -59,14 +61,14 @@ def test_nccl_broadcast_through_the_collective_group():
         stdout=subprocess.PIPE,
         text=True,
     )
-    port = json.loads(root.stdout.readline())["port"]
+    where = root.stdout.readline()  # {"port", "token"}: the root's rendezvous store
     peer = subprocess.Popen(
         [sys.executable, "-c", RANK, json.dumps({**spec, "rank": 1}), str(n), str(reps)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    out, _ = peer.communicate(f"{port}\n", timeout=240)
+    out, _ = peer.communicate(where, timeout=240)
     root_out, _ = root.communicate(timeout=60)
     res = [json.loads(ln[7:]) for ln in (out + root_out).splitlines() if ln.startswith("RESULT ")]
     assert len(res) == 2 and all(r["ok"] for r in res)
