@@ -112,7 +112,7 @@ def _open_rollback(m: Model) -> None:
         return
     sync_id = m.new_own_sync_id("rollback")
     m.move("tick", S.LOADING_BUCKETS, None, version=sp.version, sync_id=sync_id)
-    s = m.open_sync(sync_id, sp.version, expected=sp.buckets, kind="rollback")
+    s = m.open_sync(sync_id, sp.version, expected=sp.buckets, probes=sp.probes, kind="rollback")
     s.rollback_of = m.last_sync
     s.expected_digest = m.served_digest
     m.want_rollback = False

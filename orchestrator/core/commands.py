@@ -104,6 +104,7 @@ class SpoolCommit:
     sync_id: str
     version: int
     digest: str
+    probes: tuple[Probe, ...] = ()  # kept with the version: a rollback re-checks them
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,7 +329,7 @@ class Model:
         self.move(trigger, S.READY, s)
         digest = next(iter(s.finalized.values())).digest
         if s.kind == "sync" and self.limits.spool:
-            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest))
+            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
         self.last_ready_version, self.served_digest, self.dirty = s.version, digest, False
         for eid, fin in s.finalized.items():
             x = self.engines[eid]
@@ -394,6 +394,7 @@ class Model:
         self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
         x.move("join")
         self.outbox.append(StartCatchUp(engine_id, sync_id, self.last_ready_version))
+        # (its finalize carries the spooled version's canaries: `sync.catchup_progress`)
 
     def end_catchup(self, engine_id: str, ok: bool, reason: str = "") -> None:
         c = self.catchups.pop(engine_id, None)

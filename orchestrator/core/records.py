@@ -168,6 +168,7 @@ class Spooled:
     version: int
     digest: str
     buckets: int
+    probes: tuple[Probe, ...] = ()  # the version's canaries: replayed by a rollback or catch-up
 
 
 @dataclass(slots=True)

@@ -173,7 +173,7 @@ class Effects:
 
     def spooled(self) -> Spooled | None:
         info = self.spool.info if self.spool else None
-        return Spooled(info.version, info.digest, info.buckets) if info else None
+        return Spooled(info.version, info.digest, info.buckets, info.probes) if info else None
 
     # -- persisting (closures for the storage thread) ----------------------------------
     def _persist_job(self, c: cmd.Command) -> Callable[[], object]:
@@ -198,7 +198,7 @@ class Effects:
         if isinstance(c, cmd.SpoolBegin):
             return lambda: spool.begin(c.sync_id, c.version)
         if isinstance(c, cmd.SpoolCommit):
-            return lambda: spool.commit(c.sync_id, c.version, c.digest)
+            return lambda: spool.commit(c.sync_id, c.version, c.digest, c.probes)
         if isinstance(c, cmd.SpoolDiscard):
             return lambda: spool.discard(c.sync_id)
         raise make_error(ErrorCode.INTERNAL, f"not a storage command: {c!r}")

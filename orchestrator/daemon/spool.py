@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
+
+from messages.schema import Probe
 
 log = structlog.get_logger()
 
@@ -39,6 +42,7 @@ class SpoolInfo:
     sync_id: str
     buckets: int
     nbytes: int
+    probes: tuple[Probe, ...] = ()  # the version's canaries (checked again on replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +106,10 @@ class Spool:
                 str(raw["sync_id"]),
                 len(entries),
                 sum(e.nbytes for e in entries),
+                tuple(msgspec.convert(raw.get("probes", []), type=list[Probe])),
             )
             self._dir, self._entries = target, entries
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
             self.error = f"spool at {target} unreadable: {exc}"
             log.warning("spool_unreadable", path=str(target), reason=str(exc))
 
@@ -161,7 +166,9 @@ class Spool:
             log.warning("spool_write_failed", sync_id=self._incoming_sync, reason=reason)
         self._incoming_failed = reason
 
-    def commit(self, sync_id: str, version: int, digest: str) -> SpoolInfo | None:
+    def commit(
+        self, sync_id: str, version: int, digest: str, probes: tuple[Probe, ...] = ()
+    ) -> SpoolInfo | None:
         """Make the incoming sync the spooled version (durably), or degrade."""
         if self._incoming is None or self._incoming_sync != sync_id:
             return self.info
@@ -173,6 +180,7 @@ class Spool:
                     "version": version,
                     "digest": digest,
                     "sync_id": sync_id,
+                    "probes": [p.to_wire() for p in probes],
                     "buckets": [
                         {
                             "sender": e.sender,
@@ -208,7 +216,9 @@ class Spool:
             else:
                 old = self._dir
                 self._dir, self._entries = final, entries
-                self.info = SpoolInfo(version, digest, sync_id, len(entries), sum(e.nbytes for e in entries))
+                self.info = SpoolInfo(
+                    version, digest, sync_id, len(entries), sum(e.nbytes for e in entries), tuple(probes)
+                )
                 self.error = None
                 self._incoming = None
                 if old is not None and old != final:

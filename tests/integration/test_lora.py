@@ -30,9 +30,12 @@ def make_adapter(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def merged(model_dir, adapter) -> torch.nn.Module:
-    """The trainer's view of base + adapter (what the engines must serve)."""
+def merged(model_dir, adapter, base_state=None) -> torch.nn.Module:
+    """The trainer's view of base + adapter (what the engines must serve); `base_state`:
+    another base than the checkpoint's."""
     m = load_model(model_dir)
+    if base_state is not None:
+        m.load_state_dict(base_state)
     mods = dict(m.named_modules())
     with torch.no_grad():
         for name, t in adapter.items():
@@ -57,14 +60,9 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
     with cluster as c:
         with c.client(timeout=30.0) as client:
             a1 = make_adapter(base, 1)
-            r1 = push_adapter(
-                client,
-                a1,
-                1,
-                alpha=ALPHA,
-                engine_rank=ENGINE_RANK,
-                probes=make_probes(merged(tiny_model_dir, a1), PROMPTS, 6),
-            )
+            p1 = make_probes(merged(tiny_model_dir, a1), PROMPTS, 6)
+            assert p1 != make_probes(base, PROMPTS, 6)  # the probes tell adapter 1 from none
+            r1 = push_adapter(client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=p1)
             assert r1.state == "READY" and len({e["digest"] for e in r1.engines}) == 1
             # the adapter alone travelled: A/B of 4 modules x 2 layers, not the model
             assert r1.bytes == sum(
@@ -86,6 +84,11 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
                 time.sleep(0.1)
             assert st["version"] == 1
             assert {e["digest"] for e in st["engines"]} == {r1.engines[0]["digest"]}
+            # the rollback re-ran adapter 1's canaries on every engine: what they serve is
+            # the trainer's merged model again, not only the bytes they hold
+            last = st["last_sync"]
+            assert last["status"] == "ROLLED_BACK" and len(last["engines"]) == 2, last
+            assert all(e["probes"] == [list(p.expected) for p in p1] for e in last["engines"]), last
             # the next adapter reaches READY with exact generation over the same base
             a3 = make_adapter(base, 3)
             r3 = push_adapter(
@@ -98,6 +101,12 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
             )
             assert r3.state == "READY"
             # merged-weight sync stays available: the base changes, the adapter stays applied
+            # (generation equals new base + adapter 3, which the probes tell from the base alone)
             w = dict(perturbed(dict(base.state_dict()), 4))
-            r4 = client.push(w.items(), 4, partial=True)
+            new_base = load_model(tiny_model_dir)
+            new_base.load_state_dict(w)
+            p4 = make_probes(merged(tiny_model_dir, a3, w), PROMPTS, 6)
+            assert p4 != make_probes(new_base, PROMPTS, 6)
+            r4 = client.push(w.items(), 4, partial=True, probes=p4)
             assert r4.state == "READY" and r4.engines[0]["digest"] != r3.engines[0]["digest"]
+            assert all(e["probes"] == [list(p.expected) for p in p4] for e in r4.engines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from messages.errors import ErrorCode, StateError
-from messages.schema import Begin, Failed, Finalized, Register
+from messages.schema import Begin, Failed, Finalized, Probe, Register
 from orchestrator.core import Core as Orchestrator
 from orchestrator.core import Limits, Spooled, State
 from orchestrator.core import commands as fsm
@@ -146,3 +146,49 @@ def test_the_daemons_own_sync_ids_never_repeat_across_daemon_runs():
             )
         ]
     assert len(ids) == 2 and ids[0] != ids[1]
+
+
+def test_a_rollback_and_a_catch_up_check_the_spooled_versions_canaries():
+    """The spool keeps a version's probes: a rollback to it and a catch-up to it finalize
+    with them, and an engine that answers otherwise does not count as serving it."""
+    probe = Probe(prompt=(1, 2), max_tokens=2, expected=(5, 6))
+    o = ready_v1_spooled()
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 1, (probe,))), o.now)
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    o.handle(ev.Tick(), 3.0)
+    assert o.sync.kind == "rollback" and o.sync.probes == (probe,)
+    bucket(o, 0)
+    ack(o, 0)
+    res = finish(o, 1)
+    assert {c.probes for c in cmds(res, fsm.SendFinalize)} == {(probe,)}
+    o.handle(
+        ev.EngineFinalized(
+            "e0", Finalized(sync_id=o.sync.sync_id, version=1, digest="d", finalize_count=2, probes=((5, 6),))
+        ),
+        3.0,
+    )
+    o.handle(
+        ev.EngineFinalized(
+            "e1", Finalized(sync_id=o.sync.sync_id, version=1, digest="d", finalize_count=2, probes=((5, 7),))
+        ),
+        3.0,
+    )
+    assert o.last_sync["code"] == "CANARY_MISMATCH" and "e1" in o.last_sync["reason"]
+    # a catch-up to the spooled version carries the probes and checks the answer
+    o2 = ready_v1_spooled()
+    o2.handle(ev.SpoolChanged(Spooled(1, "d", 1, (probe,))), o2.now)
+    (start,) = cmds(
+        o2.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.StartCatchUp
+    )
+    out = o2.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
+    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", start.sync_id, 1, (probe,))]
+    out = o2.handle(
+        ev.EngineFinalized(
+            "e2", Finalized(sync_id=start.sync_id, version=1, digest="d", finalize_count=1, probes=((5, 0),))
+        ),
+        5.0,
+    )
+    (done,) = cmds(out, fsm.CatchUpDone)
+    assert not done.ok and "CANARY_MISMATCH" in done.reason and o2.engines["e2"].state == "STALE"

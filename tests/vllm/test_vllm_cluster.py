@@ -50,7 +50,10 @@ def vllm_cluster(tmp_path_factory, tiny_model_dir):
 
 def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_model_dir, tiny_state):
     with vllm_cluster.client(timeout=120.0) as client:
-        for v in (1, 2, 3):
+        before = client.status()  # the module's tests share the engines, in any order
+        base = before["last_ready_version"] or 0
+        counts = {e["engine_id"]: e["finalize_count"] for e in before["engines"]}
+        for v in (base + 1, base + 2, base + 3):
             weights = dict(perturbed(tiny_state, v))
             r = client.push(
                 weights.items(), v, bucket_bytes=256 * 1024, probes=probes_for(tiny_model_dir, weights)
@@ -60,8 +63,8 @@ def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_
             assert sorted(e["engine_id"] for e in r.engines) == ["vllm-inproc", "vllm-mp"]
         st = client.status()
     assert [(e["engine_id"], e["backend"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
-        ("vllm-inproc", "vllm", 3, 3),
-        ("vllm-mp", "vllm", 3, 3),
+        ("vllm-inproc", "vllm", counts["vllm-inproc"] + 3, base + 3),
+        ("vllm-mp", "vllm", counts["vllm-mp"] + 3, base + 3),
     ]
 
 
@@ -91,7 +94,7 @@ def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(
 
 def test_wrong_canary_expectation_fails_with_canary_mismatch(vllm_cluster, tiny_model_dir, tiny_state):
     with vllm_cluster.client(timeout=120.0) as client:
-        v = client.status()["last_ready_version"] + 1
+        v = (client.status()["last_ready_version"] or 0) + 1
         weights = dict(perturbed(tiny_state, v))
         good = probes_for(tiny_model_dir, weights)
         wrong = list(good[0].expected)

@@ -32,9 +32,9 @@ def test_vllm_serves_pushed_adapters_and_rolls_back_to_the_previous_one(tmp_path
         with c, c.client(timeout=120.0) as client:
             a1 = make_adapter(base, 1)
             m1 = merged(tiny_model_dir, a1)
-            r1 = push_adapter(
-                client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=make_probes(m1, PROMPTS, 6)
-            )
+            p1 = make_probes(m1, PROMPTS, 6)
+            assert p1 != make_probes(base, PROMPTS, 6)  # the probes tell adapter 1 from none
+            r1 = push_adapter(client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=p1)
             assert r1.state == "READY"
             sid = client.begin(2)["sync_id"]
             b0 = next(
@@ -51,6 +51,11 @@ def test_vllm_serves_pushed_adapters_and_rolls_back_to_the_previous_one(tmp_path
                 assert time.monotonic() < deadline, st
                 time.sleep(0.2)
             assert st["version"] == 1 and st["engines"][0]["digest"] == r1.engines[0]["digest"]
+            # vLLM's digest is over the tensors as received; what it serves after the
+            # rollback is checked by adapter 1's canaries, re-run by the rollback
+            last = st["last_sync"]
+            assert last["status"] == "ROLLED_BACK", last
+            assert [e["probes"] for e in last["engines"]] == [[list(p.expected) for p in p1]], last
             a3 = make_adapter(base, 3)
             r3 = push_adapter(
                 client,

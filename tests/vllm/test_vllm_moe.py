@@ -75,6 +75,46 @@ def test_moe_layerwise_reload_matches_transformers(moe):
     assert out["got"] == out["expected"]
 
 
+# The same reload with vLLM alone (no weightsync code): vLLM's own in-place reload
+# (`Worker.reload_weights`, the layerwise reload weightsync's extension drives too),
+# through `LLM.collective_rpc`, from the new checkpoint on disk. Greedy tokens before,
+# after, and from transformers on the new checkpoint.
+BARE_VLLM_SCRIPT = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import LLM, SamplingParams
+
+old, new = sys.argv[1:3]
+prompt = [1, 17, 42, 99, 7]
+hf = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+with torch.no_grad():
+    ids = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+expected = ids[0, len(prompt):].tolist()
+llm = LLM(old, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+run = lambda: list(llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids)
+before = run()
+llm.collective_rpc("reload_weights", kwargs={"weights_path": new})
+after = run()
+print("RESULT " + json.dumps({"before": before, "after": after, "expected": expected}))
+"""
+
+
+def test_bare_vllm_reload_of_the_moe_model_gives_the_same_wrong_outputs(moe):
+    """The reproduction without weightsync: vLLM's own reload of the new Qwen3-MoE
+    checkpoint does not serve what transformers computes from it (while the same
+    checkpoint served from disk does: test_moe_from_disk_matches_transformers), so the
+    bug is vLLM's, not ours. When vLLM fixes it this fails: then the strict xfail above
+    passes too, and the canary test below must be inverted."""
+    from tests.vllm.conftest import run_isolated
+
+    d, d2, _ = moe
+    out = run_isolated(BARE_VLLM_SCRIPT, str(d), str(d2))
+    assert out["before"] != out["expected"]  # the new weights change the answer
+    assert out["after"] != out["expected"], out
+
+
 def test_canary_gate_refuses_ready_for_the_wrong_moe_reload(tmp_path, moe):
     d, d2, new = moe
     expected = greedy(load_model(d2), PROMPT, 8)

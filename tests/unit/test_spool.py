@@ -1,0 +1,36 @@
+"""The spool on real files: a committed version survives a restart with its canaries."""
+
+from __future__ import annotations
+
+import json
+
+from messages.schema import Probe
+from orchestrator.daemon.spool import MANIFEST, Spool
+
+
+def test_a_committed_version_keeps_its_probes_across_a_restart(tmp_path):
+    probes = (Probe(prompt=(1, 17, 42), max_tokens=3, expected=(4, 5, 6)), Probe(prompt=(9,), max_tokens=1))
+    s = Spool(tmp_path)
+    s.begin("s1", 7)
+    s.add(
+        "s1", 0, 0, [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}], 1, b"x" * 8
+    )
+    info = s.commit("s1", 7, "digest-7", probes)
+    assert info is not None and info.probes == probes
+    manifest = json.loads((tmp_path / "current" / MANIFEST).read_text())
+    assert manifest["probes"][0] == {"prompt": [1, 17, 42], "max_tokens": 3, "expected": [4, 5, 6]}
+    again = Spool(tmp_path)  # a restarted daemon reads what the last one committed
+    assert again.info is not None and (again.info.version, again.info.probes) == (7, probes)
+
+
+def test_a_manifest_with_malformed_probes_is_unreadable_not_trusted(tmp_path):
+    s = Spool(tmp_path)
+    s.begin("s1", 1)
+    s.add("s1", 0, 0, [], 1, b"y" * 4)
+    s.commit("s1", 1, "d", ())
+    path = tmp_path / "current" / MANIFEST
+    raw = json.loads(path.read_text())
+    raw["probes"] = [{"prompt": "not tokens"}]
+    path.write_text(json.dumps(raw))
+    again = Spool(tmp_path)
+    assert again.info is None and "unreadable" in (again.error or "")
