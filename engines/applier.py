@@ -25,6 +25,7 @@ import structlog
 from engines.base import (
     DigestsBeforeFinalize,
     Engine,
+    LabelsOutputs,
     LoadsBuckets,
     LoadsShm,
     ReceivesCollective,
@@ -397,6 +398,16 @@ class Applier(threading.Thread):
             finalize_count=self.engine.finalize_count,
             seconds=round(seconds, 4),
         )
+
+    def _do_commit(self, msg: schema.Commit) -> None:
+        """The version is committed fleet-wide: label the outputs with it."""
+        if not isinstance(self.engine, LabelsOutputs):
+            raise WeightSyncError(
+                "commit to an engine that does not label its outputs", code=ErrorCode.INTERNAL
+            )
+        label = self.engine.set_label(str(msg.version))
+        self._emit(schema.Committed(sync_id=msg.sync_id, version=msg.version, label=label))
+        log.info("engine_labelled", sync_id=msg.sync_id, version=msg.version, label=label)
 
     def _do_abort(self, msg: schema.Abort) -> None:
         self.verifier.close_maps()

@@ -127,6 +127,17 @@ class ReportsPhases(Protocol):
 
 
 @runtime_checkable
+class LabelsOutputs(Protocol):
+    """Labels every output with the weight version that generated it (vLLM's weight
+    version: spans on each finished output). The daemon tells it the version at commit,
+    once every participant finalized, so no output carries an uncommitted label."""
+
+    def set_label(self, label: str) -> str:
+        """Label what it generates from now on; return the label its outputs now carry."""
+        ...
+
+
+@runtime_checkable
 class DigestsBeforeFinalize(Protocol):
     """Can tell the digest of the weights it holds before its post-load step (the same
     digest `finalize` returns), so the daemon compares digests in phase one of the

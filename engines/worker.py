@@ -32,7 +32,7 @@ import structlog
 import zmq
 
 from engines.applier import Applier
-from engines.base import Engine, ReceivesCollective
+from engines.base import Engine, LabelsOutputs, ReceivesCollective
 from messages import codec, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
@@ -43,7 +43,7 @@ from messages.shm import shm_available
 
 log = structlog.get_logger()
 
-ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "abort", "ok", "error")
+ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "commit", "abort", "ok", "error")
 REFUSED_GRACE = 2.0  # seconds of refused CURVE handshakes before an engine gives up
 
 
@@ -133,6 +133,7 @@ class Worker:
             collective_backends=self._backends(),
             # the framed stream is received by this process (vLLM's workers receive per bucket)
             collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
+            labels=isinstance(self.engine, LabelsOutputs),
         )
 
     def _backends(self) -> tuple[Backend, ...]:
@@ -351,6 +352,8 @@ class Worker:
             self.finalized_syncs.add(msg.sync_id)
             t.finalize_requested = True
             applier.submit("finalize", msg)
+        elif isinstance(msg, schema.Commit):
+            applier.submit("commit", msg)
         elif isinstance(msg, schema.Abort):
             if msg.sync_id in self.syncs:
                 applier.cancel_stream(msg.sync_id)  # a stream in progress stops receiving now

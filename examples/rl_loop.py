@@ -32,13 +32,17 @@ from typing import Any
 PROMPT = (1, 17, 42, 99, 7)
 
 
-def sample(engine: Any, prompt: tuple[int, ...], n: int, max_tokens: int, seed: int) -> list[list[int]]:
+def sample(
+    engine: Any, prompt: tuple[int, ...], n: int, max_tokens: int, seed: int, with_outputs: bool = False
+) -> Any:
+    """n completions (token lists); with_outputs: vLLM's outputs too (their version labels)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
     out = engine.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
-    return [list(c.token_ids) for c in out[0].outputs]
+    tokens = [list(c.token_ids) for c in out[0].outputs]
+    return (tokens, out[0].outputs) if with_outputs else tokens
 
 
 def policy_step(
@@ -84,6 +88,7 @@ def run(
     from examples.tiny import build_tiny_llama
     from messages.canary import make_probes
     from orchestrator.daemon.config import set_process_env, vllm_process_env
+    from orchestrator.trainer.rollout import oldest_version, too_stale
 
     tmp = tempfile.TemporaryDirectory(prefix="weightsync-rl-") if workdir is None else None
     work = Path(tmp.name if tmp else workdir)
@@ -105,7 +110,14 @@ def run(
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         with cluster.client(timeout=120.0) as client:
             for step in range(1, steps + 1):
-                completions = sample(engine, PROMPT, group, max_tokens, seed=step)
+                completions, outputs = sample(engine, PROMPT, group, max_tokens, seed=step, with_outputs=True)
+                # every sample is labelled with the version that generated it: on-policy here,
+                # so none may be older than the last push (an async loop would allow a lag)
+                # (step 1 samples the initial weights, which no commit labelled)
+                versions = sorted({oldest_version(o) for o in outputs}) if step > 1 else []
+                if step > 1:
+                    keep = [not too_stale(o, step - 1, max_lag=0) for o in outputs]
+                    completions = [c for c, k in zip(completions, keep, strict=True) if k]
                 rewards = [sum(t == target for t in c) / max_tokens for c in completions]
                 loss = policy_step(model, opt, PROMPT, completions, rewards)
                 model.eval()
@@ -120,6 +132,7 @@ def run(
                     "loss": round(loss, 4),
                     "push_s": round(r.seconds, 3),
                     "greedy_matches": served == probes[0].expected,
+                    "sample_versions": versions,  # the labels on this step's samples
                 }
                 history.append(row)
                 log(json.dumps(row))

@@ -27,9 +27,20 @@ SECTIONS = [
     ("Replies", (schema.Ok, schema.Error)),
     (
         "Engine -> orchestrator",
-        (schema.Register, schema.Heartbeat, schema.Loaded, schema.Prepared, schema.Finalized, schema.Failed),
+        (
+            schema.Register,
+            schema.Heartbeat,
+            schema.Loaded,
+            schema.Prepared,
+            schema.Finalized,
+            schema.Committed,
+            schema.Failed,
+        ),
     ),
-    ("Orchestrator -> engine", (schema.Load, schema.OpenStream, schema.Finalize, schema.Abort)),
+    (
+        "Orchestrator -> engine",
+        (schema.Load, schema.OpenStream, schema.Finalize, schema.Commit, schema.Abort),
+    ),
     (
         "Nested",
         (

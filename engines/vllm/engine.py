@@ -173,6 +173,23 @@ class VllmEngine(VllmBase):
             self.lora.pending.clear()
             self._pending_begin, self._base_begun, self._digest = None, False, None
 
+    def set_label(self, label: str) -> str:
+        """vLLM's weight version: every token generated from now on carries it (spans on
+        each finished output). Returns the label a one-token generation now carries, so
+        what is reported is what outputs say."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.llm_engine.set_weight_version(label)
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=[1])],
+            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )[0].outputs[0]
+        spans = out.weight_versions or []
+        return str(spans[-1].version) if spans else ""
+
     def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

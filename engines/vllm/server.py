@@ -227,6 +227,13 @@ class VllmServerEngine(VllmBase):
         finally:
             self._resume()
 
+    def set_label(self, label: str) -> str:
+        """The server's weight version (vLLM's RL routes): its outputs carry it from now on;
+        returns what the server reports back."""
+        self._http("POST", "/update_weight_version", {"new_version": label})
+        info = self._http("GET", "/weight_info")
+        return str((info or {}).get("weight_version", ""))
+
     def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
         out = []
         for p in probes:

@@ -66,6 +66,15 @@ class SendFinalize:
 
 
 @dataclass(frozen=True, slots=True)
+class SendCommit:
+    """Tell a labelling engine the version is committed fleet-wide: label its outputs."""
+
+    engine_id: str
+    sync_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class SendAbort:
     engine_ids: tuple[str, ...]
     sync_id: str
@@ -152,6 +161,7 @@ Command = (
     | OpenStreams
     | AckBucket
     | SendFinalize
+    | SendCommit
     | SendAbort
     | CompleteSync
     | Journal

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from messages.errors import ErrorCode
-from messages.schema import Begin, Bucket, Failed, Finalized, Finish, Prepared, Register
+from messages.schema import Begin, Bucket, Committed, Failed, Finalized, Finish, Prepared, Register
 from orchestrator.core.records import Spooled
 
 
@@ -95,6 +95,13 @@ class EngineFinalized(OfMessage):
     TRIGGER: ClassVar[str] = "finalized"
     engine_id: str
     msg: Finalized
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommitted(OfMessage):
+    TRIGGER: ClassVar[str] = "committed"
+    engine_id: str
+    msg: Committed
 
 
 @dataclass(frozen=True, slots=True)

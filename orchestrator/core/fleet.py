@@ -73,6 +73,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         collective_ranks=msg.collective_ranks,
         collective_backends=tuple(msg.collective_backends),
         collective_stream=msg.collective_stream,
+        labels=msg.labels,
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.

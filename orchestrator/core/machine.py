@@ -26,6 +26,7 @@ HANDLERS: dict[type[ev.Event], Callable[[Model, Any], None]] = {
     ev.Loaded: sync.loaded,
     ev.EnginePrepared: sync.prepared,
     ev.EngineFinalized: sync.finalized,
+    ev.EngineCommitted: sync.committed,
     ev.EngineFailed: sync.failed,
     ev.EngineRegistered: fleet.register,
     ev.Heartbeat: fleet.heartbeat,

@@ -31,6 +31,8 @@ class EngineRecord:
     collective_ranks: int = 0  # members it brings to a collective group (0: cannot join)
     collective_backends: tuple[str, ...] = ()
     collective_stream: bool = False  # takes the framed collective stream (protocol v3)
+    labels: bool = False  # labels its outputs with the version (told at commit)
+    label: str | None = None  # the label it reported last (None: none set by us)
 
     def move(self, trigger: str) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
@@ -49,6 +51,7 @@ class EngineRecord:
             "pid": self.pid,
             "transports": list(self.transports),
             "collective_ranks": self.collective_ranks,
+            **({"label": self.label} if self.labels else {}),
         }
 
 
@@ -113,6 +116,8 @@ class SyncRecord:
     finalize_sent: set[str] = field(default_factory=set)
     finalized: dict[str, Finalized] = field(default_factory=dict)
     finalize_started: float | None = None
+    commit_sent: bool = False  # every participant finalized: labelling engines told `commit`
+    committed: set[str] = field(default_factory=set)  # labelling engines that set the label
     nbytes: int = 0
     shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
     transport: str = "inline"

@@ -23,6 +23,7 @@ from orchestrator.core.commands import (
     ForwardBucket,
     Journal,
     OpenStreams,
+    SendCommit,
     SendFinalize,
     SpoolBegin,
     SyncOpened,
@@ -31,6 +32,7 @@ from orchestrator.core.events import (
     AbortSync,
     BeginSync,
     BucketIn,
+    EngineCommitted,
     EngineFailed,
     EngineFinalized,
     EnginePrepared,
@@ -445,6 +447,8 @@ def finalized(m: Model, event: EngineFinalized) -> None:
             x.version, x.digest, x.finalize_count = msg.version, msg.digest, msg.finalize_count
             x.move("serve")
             m.end_catchup(eid, True)
+            if x.labels:  # it serves the committed version: label it so
+                m.outbox.append(SendCommit(eid, msg.sync_id, msg.version))
         else:
             m.end_catchup(
                 eid,
@@ -456,14 +460,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     if s is None or m.state != S.FINALIZING or m.participant(eid, msg.sync_id) is None or eid in s.finalized:
         return  # late, stray or repeated: changes nothing
     if msg.version != s.version:
-        m.close_failed(
-            "finalized",
-            m.error(
-                ErrorCode.ENGINE_FAILED,
-                f"engine {eid} finalized version {msg.version}, expected {s.version}",
-                engine_id=eid,
-            ),
-        )
+        _wrong_version(m, "finalized", eid, msg.version, s.version)
         return
     want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
     if want is not None and msg.digest != want:
@@ -497,7 +494,47 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     s.finalized[eid] = msg
     m.engines[eid].finalize_count = msg.finalize_count
     if all(x in s.finalized for x in s.participants):
-        m.close_ready("finalized")
+        labellers = [p for p in s.participants if m.engines[p].labels]
+        if not labellers:
+            m.close_ready("finalized")
+            return
+        # Committed fleet-wide: now (not at each finalize, which a later failure could
+        # undo) the engines label their outputs with the version; READY once they have.
+        s.commit_sent = True
+        for p in labellers:
+            m.outbox.append(SendCommit(p, s.sync_id, s.version))
+
+
+def _wrong_version(m: Model, trigger: str, eid: str, got: int, want: int) -> None:
+    """An engine finalized (or labelled) another version than the sync's: it fails."""
+    what = "finalized" if trigger == "finalized" else "labelled"
+    m.close_failed(
+        trigger,
+        m.error(
+            ErrorCode.ENGINE_FAILED, f"engine {eid} {what} version {got}, expected {want}", engine_id=eid
+        ),
+    )
+
+
+def committed(m: Model, event: EngineCommitted) -> None:
+    """A labelling engine set its label: READY once every one of them has."""
+    eid, msg, s = event.engine_id, event.msg, m.sync
+    x = m.engines.get(eid)
+    if x is None or not x.labels:
+        return
+    if s is None or msg.sync_id != s.sync_id:
+        if x.version == msg.version:  # a catch-up's label, set once it serves the version
+            x.label = msg.label
+        return
+    if m.state != S.FINALIZING or not s.commit_sent or m.participant(eid, msg.sync_id) is None:
+        return  # late, stray or repeated: changes nothing
+    if msg.version != s.version:
+        _wrong_version(m, "committed", eid, msg.version, s.version)
+        return
+    s.committed.add(eid)
+    x.label = msg.label
+    if all(y in s.committed for y in s.participants if m.engines[y].labels):
+        m.close_ready("committed")
 
 
 # -- a sync given up: abort, an engine's failure --------------------------------------------

@@ -74,7 +74,21 @@ ROWS: tuple[Row, ...] = (
         "finalized",
         (S.FINALIZING,),
         S.READY,
-        "the last participant reported the expected version, digest and canary tokens",
+        "the last participant reported the expected version, digest and canary tokens, "
+        "and no participant labels its outputs",
+    ),
+    Row(
+        "committed",
+        (S.FINALIZING,),
+        S.READY,
+        "every participant finalized (the version is committed fleet-wide) and the last "
+        "labelling engine (vLLM: its weight version) reported the version as its label",
+    ),
+    Row(
+        "committed",
+        (S.FINALIZING,),
+        S.IDLE,
+        "a labelling engine labelled another version: dirty",
     ),
     Row(
         "finalized",
@@ -183,6 +197,7 @@ TRIGGERS = (
     "loaded",
     "prepared",
     "finalized",
+    "committed",
     "failed",
     "tick",
     "trainer_gone",
@@ -191,7 +206,7 @@ TRIGGERS = (
     "shutdown",
     "spool_changed",
 )
-TRAINER_TRIGGERS = ("begin", "bucket", "finish", "prepared", "finalized", "failed", "abort")
+TRAINER_TRIGGERS = ("begin", "bucket", "finish", "prepared", "finalized", "committed", "failed", "abort")
 
 
 def _goes_to(dest: State) -> Any:

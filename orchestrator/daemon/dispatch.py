@@ -33,7 +33,7 @@ from orchestrator.daemon.transport import Stats, Transport, Waiter
 log = structlog.get_logger()
 
 TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
-ENGINE_TYPES = ("register", "heartbeat", "loaded", "prepared", "finalized", "failed")
+ENGINE_TYPES = ("register", "heartbeat", "loaded", "prepared", "finalized", "committed", "failed")
 DAEMON_VERSION = __version__
 
 
@@ -288,6 +288,9 @@ class Dispatcher:
             )
             self.metrics.finalize_seconds.labels(engine_id).observe(msg.seconds)
             await self.feed(ev.EngineFinalized(engine_id, msg))
+        elif isinstance(msg, schema.Committed):
+            log.info("engine_committed", engine_id=engine_id, sync_id=msg.sync_id, label=msg.label)
+            await self.feed(ev.EngineCommitted(engine_id, msg))
         elif isinstance(msg, schema.Failed):
             log.warning(
                 "engine_reported_failure",

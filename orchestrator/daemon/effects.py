@@ -239,6 +239,10 @@ class Effects:
                     await self.feed(ev.Tick())
             elif self.failpoints.get("duplicate_finalize"):  # fault injection (tests)
                 self.transport.send_engine(c.engine_id, [header])
+        elif isinstance(c, cmd.SendCommit):
+            header = codec.encode_header(schema.Commit(sync_id=c.sync_id, version=c.version))
+            if not self.transport.send_engine(c.engine_id, [header]) and self.feed is not None:
+                await self.feed(ev.Tick())  # unreachable: lost at its deadline
         elif isinstance(c, cmd.SendAbort):
             header = codec.encode_header(schema.Abort(sync_id=c.sync_id))
             for eid in c.engine_ids:

@@ -354,7 +354,8 @@ class TrainerClient:
     def wait_ready(self, min_version: int, *, timeout: float = 300.0, poll: float = 0.1) -> dict[str, int]:
         """Block until the daemon is READY at `min_version` or newer and every live engine
         serves it (an off-policy trainer bounds its staleness with this). Returns
-        engine_id -> version; raises TIMEOUT naming the engines still behind."""
+        engine_id -> version; raises TIMEOUT naming the engines still behind. An engine that
+        labels its outputs (vLLM) counts only once its label says the version it serves."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.status()
@@ -362,7 +363,10 @@ class TrainerClient:
             behind = [
                 e["engine_id"]
                 for e in live
-                if e["state"] != "READY" or e["version"] is None or e["version"] < min_version
+                if e["state"] != "READY"
+                or e["version"] is None
+                or e["version"] < min_version
+                or ("label" in e and e["label"] != str(e["version"]))
             ]
             if st["state"] == "READY" and (st["version"] or -1) >= min_version and live and not behind:
                 return {e["engine_id"]: e["version"] for e in live}

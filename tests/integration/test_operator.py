@@ -411,6 +411,7 @@ def test_7_missing_tensors_are_refused_at_finish_before_any_finalize(cluster, tm
     assert r.returncode == 4
     err = json.loads(r.stdout)
     assert err["code"] == "INCOMPLETE_SYNC" and err["details"]["engine_id"] == "engine-0"
+    assert "push with --partial" in err["message"], err["message"]  # the CLI's own flag
     assert all("layers.1." in n for n in err["details"]["missing"]) and err["details"]["missing_count"] > 0
     after = {e["engine_id"]: e["finalize_count"] for e in cluster.status()["engines"]}
     assert after == before  # nothing was finalized

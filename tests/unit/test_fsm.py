@@ -14,6 +14,7 @@ from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import (
     Begin,
     Bucket,
+    Committed,
     Failed,
     Finalized,
     Finish,
@@ -124,6 +125,8 @@ def fire(o: Orchestrator, trigger: str):
         return res
     if trigger == "prepared":  # these syncs are not collective streams: nothing to prepare
         return o.handle(ev.EnginePrepared("e0", Prepared(sync_id=sid, buckets=1, nbytes=1, chain=0)), 2.0)
+    if trigger == "committed":  # these engines do not label their outputs: nothing to commit
+        return o.handle(ev.EngineCommitted("e0", Committed(sync_id=sid, version=version, label="x")), 2.0)
     if trigger == "abort":
         return o.handle(ev.AbortSync(sid, "test"), 2.0)
     if trigger == "failed":
@@ -137,6 +140,7 @@ TABLE = {
     (S.IDLE, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "finish"): ErrorCode.INVALID_STATE,
     (S.IDLE, "prepared"): None,
+    (S.IDLE, "committed"): None,
     (S.IDLE, "finalized"): None,
     (S.IDLE, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.IDLE, "failed"): None,
@@ -144,6 +148,7 @@ TABLE = {
     (S.LOADING_BUCKETS, "bucket"): S.LOADING_BUCKETS,
     (S.LOADING_BUCKETS, "finish"): S.FINALIZING,
     (S.LOADING_BUCKETS, "prepared"): None,
+    (S.LOADING_BUCKETS, "committed"): None,
     (S.LOADING_BUCKETS, "finalized"): None,
     (S.LOADING_BUCKETS, "abort"): S.IDLE,
     (S.LOADING_BUCKETS, "failed"): S.IDLE,
@@ -151,6 +156,7 @@ TABLE = {
     (S.FINALIZING, "bucket"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "finish"): ErrorCode.INVALID_STATE,
     (S.FINALIZING, "prepared"): None,
+    (S.FINALIZING, "committed"): None,
     (S.FINALIZING, "finalized"): S.READY,
     (S.FINALIZING, "abort"): S.IDLE,
     (S.FINALIZING, "failed"): S.IDLE,
@@ -158,6 +164,7 @@ TABLE = {
     (S.READY, "bucket"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "finish"): ErrorCode.INVALID_STATE,
     (S.READY, "prepared"): None,
+    (S.READY, "committed"): None,
     (S.READY, "finalized"): None,
     (S.READY, "abort"): ErrorCode.UNKNOWN_SYNC,  # no sync runs: which one is named
     (S.READY, "failed"): None,
@@ -605,3 +612,38 @@ def test_every_table_row_is_reachable_by_its_trigger_only():
         for src in r.sources:
             assert (r.trigger, src, r.dest) not in seen
             seen.add((r.trigger, src, r.dest))
+
+
+def test_labelling_engines_are_told_the_version_once_every_participant_finalized_and_ready_waits_for_them():
+    """vLLM engines label their outputs: the label moves only at commit (every participant
+    finalized), never at an engine's own finalize, which a later failure could undo."""
+    o = Orchestrator(Limits(min_engines=2))
+    o.handle(ev.EngineRegistered(Register(engine_id="e0", backend="vllm", labels=True)), 0.0)
+    o.handle(ev.EngineRegistered(Register(engine_id="e1", backend="torch")), 0.0)
+    begin(o, 1)
+    bucket(o, 0)
+    ack(o, 0)
+    finish(o, 1)
+    res = finalized(o, "e0")
+    assert not cmds(res, fsm.SendCommit)  # e1 has not finalized: nothing is committed yet
+    res = finalized(o, "e1")
+    assert cmds(res, fsm.SendCommit) == [fsm.SendCommit("e0", "s1", 1)]  # labellers only
+    assert o.state == S.FINALIZING  # READY waits for the label
+    o.handle(ev.EngineCommitted("e1", Committed(sync_id="s1", version=1, label="1")), 1.0)  # not a labeller
+    assert o.state == S.FINALIZING
+    res = o.handle(ev.EngineCommitted("e0", Committed(sync_id="s1", version=1, label="1")), 1.0)
+    assert o.state == S.READY and cmds(res, fsm.CompleteSync)
+    assert {e["engine_id"]: e.get("label") for e in o.snapshot()["engines"]} == {"e0": "1", "e1": None}
+    # a failed sync leaves the label where it was; a wrong label fails the sync
+    begin(o, 2)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    assert o.engines["e0"].label == "1"
+    begin(o, 3)
+    bucket(o, 0)
+    ack(o, 0)
+    finish(o, 1)
+    finalized(o, "e0")
+    finalized(o, "e1")
+    o.handle(ev.EngineCommitted("e0", Committed(sync_id="s3", version=2, label="2")), 3.0)
+    assert o.state == S.IDLE and o.last_sync["code"] == "ENGINE_FAILED" and o.dirty

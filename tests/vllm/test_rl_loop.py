@@ -24,3 +24,5 @@ def test_rl_loop_reward_rises_and_engine_greedy_equals_the_trainers_after_every_
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(s["greedy_matches"] for s in steps) and res["all_greedy_match"] is True
     assert res["reward_last"] > res["reward_first"] + 0.2, steps
+    # every step's samples carry the label of the version pushed the step before
+    assert [s["sample_versions"] for s in steps] == [[], [1], [2], [3]], steps

@@ -155,3 +155,31 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
         r = client.push(w.items(), v + 1, bucket_bytes=256 * 1024, transport=transport)
         assert r.detail["transport"] == transport
         assert {e["digest"] for e in r.engines} == {digest(w.items())}
+
+
+def test_every_output_is_labelled_with_the_committed_version_and_a_failed_sync_keeps_the_label(
+    vllm_cluster, tiny_model_dir, tiny_state
+):
+    """vLLM's weight version labels each output; each engine sets it at commit (after every
+    participant finalized, before READY) and reports the label a real generation carries.
+    An aborted sync leaves the committed label: no output says a version that was not
+    committed fleet-wide."""
+    from messages.buckets import iter_buckets
+
+    with vllm_cluster.client(timeout=120.0) as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        w = dict(perturbed(tiny_state, v))
+        r = client.push(w.items(), v, bucket_bytes=256 * 1024)
+        assert r.state == "READY"
+        labels = {e["engine_id"]: e["label"] for e in client.status()["engines"]}
+        assert labels == {"vllm-inproc": str(v), "vllm-mp": str(v)}
+        assert client.wait_ready(v, timeout=10) == {"vllm-inproc": v, "vllm-mp": v}
+        sid = client.begin(v + 1)["sync_id"]
+        (b0, *_) = list(iter_buckets(dict(perturbed(tiny_state, v + 1)).items(), 256 * 1024))
+        client.send_bucket(sid, b0)
+        client.abort(sid, "test")
+        st = client.status()
+        assert {e["engine_id"]: e["label"] for e in st["engines"]} == labels
+        w = dict(perturbed(tiny_state, v + 2))
+        assert client.push(w.items(), v + 2, bucket_bytes=256 * 1024).state == "READY"
+        assert {e["label"] for e in client.status()["engines"]} == {str(v + 2)}

@@ -141,6 +141,9 @@ def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(
             body = client.finish(sid, len(buckets), digest=digest(weights.items()))
             assert body["status"] == "READY" and len(buckets) >= 4
             assert _get(server + "/is_paused")["is_paused"] is False
+            # the server labels what it generates with the committed version
+            assert _get(server + "/weight_info")["weight_version"] == str(v)
+            assert client.status()["engines"][0]["label"] == str(v)
             served = _get(server + "/v1/models")["data"][0]["id"]
             for p, e in zip(PROMPTS, expected):
                 r = _post(
