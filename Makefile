@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint format bench bench-vllm fuzz soak reliability clean
+.PHONY: demo test test-fast test-files lint format bench bench-vllm fuzz soak reliability clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ demo: $(VENV)/.demo
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every test file on its own (in its written order): a file that passes only after another
+# fails here. CI runs it after `make test` (which runs everything in a random order).
+test-files: $(VENV)/.test
+	@set -e; for f in $$(find tests -name 'test_*.py' | sort); do \
+		echo "== $$f"; $(PY) -m pytest -q -p no:randomly $(PYTEST_ARGS) $$f; \
+	done
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)

@@ -309,8 +309,14 @@ class Applier(threading.Thread):
         group, size = msg.group, msg.size
         if group is None or size is None:  # the codec refuses such a load; for the type checker
             raise WeightSyncError(f"bucket seq {msg.seq}: not a collective load", code=ErrorCode.INTERNAL)
+        # With keys (the store speaks CURVE) the broadcast bytes must carry this sync's MAC.
+        key = stream.mac_key(group.token, msg.sync_id) if group.store_key else None
         try:
             if isinstance(self.engine, ReceivesCollective):  # the engine's own workers receive (vLLM)
+                if key is not None and msg.mac is None:
+                    raise WeightSyncError(
+                        f"bucket seq {msg.seq}: no MAC, and this group needs one", code=ErrorCode.UNAUTHORIZED
+                    )
                 self.engine.load_collective(
                     msg.tensors,
                     group.to_wire(),
@@ -319,6 +325,7 @@ class Applier(threading.Thread):
                     self.collective_bind,
                     seq=msg.seq,
                     next_bucket=self._queued_next(msg),
+                    mac=None if key is None or msg.mac is None else (key.hex(), msg.sender, msg.mac.hex()),
                 )
                 return None
             buf = fut.result(timeout=group.timeout + 5.0)
@@ -330,7 +337,12 @@ class Applier(threading.Thread):
                 f"bucket seq {msg.seq}: not received within {group.timeout + 5.0}s",
                 code=ErrorCode.TIMEOUT,
             ) from None
-        return (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+        host = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+        try:
+            stream.check_load_mac(key, msg.sender, msg.seq, host, msg.mac)
+        except MessageError as exc:
+            raise WeightSyncError(exc.reason, code=exc.code) from None
+        return host
 
     def _queued_next(self, msg: schema.Load) -> dict[str, int] | None:
         """{seq, size} of the collective load right behind `msg` in the queue (same sync and

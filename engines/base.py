@@ -107,6 +107,7 @@ class ReceivesCollective(Protocol):
         bind: str,
         seq: int | None = None,
         next_bucket: dict[str, int] | None = None,
+        mac: tuple[str, int, str] | None = None,
     ) -> None: ...
 
     def close_collective(self) -> None: ...

@@ -104,6 +104,7 @@ SegmentName = Annotated[
 Transport = Literal["inline", "shm", "collective", "auto"]
 Backend = Literal["gloo", "nccl"]
 Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
+Mac = Annotated[bytes, Meta(min_length=16, max_length=16, description="16 bytes")]
 Label = Annotated[
     str, Meta(max_length=64, pattern=r"^[^\x00-\x1f]*\Z", description="<= 64 chars, no control characters")
 ]
@@ -233,6 +234,8 @@ class Bucket(Message, frozen=True, tag="bucket"):
     # Set on the collective path: the bucket's `size` bytes travel by the group's
     # broadcast; a payload frame comes too only when the daemon spools (begin says so).
     size: Size | None = None
+    # collective, with keys: BLAKE3 tag of the broadcast bytes (messages/stream.py load_mac)
+    mac: Mac | None = None
 
 
 class Finish(Message, frozen=True, tag="finish"):
@@ -389,6 +392,7 @@ class Load(Message, frozen=True, tag="load"):
     shm: ShmRef | None = None
     group: GroupRef | None = None  # collective: receive `size` bytes by broadcast
     size: Size | None = None
+    mac: Mac | None = None  # collective, with keys: the trainer's tag of those bytes
 
 
 class OpenStream(Message, frozen=True, tag="stream"):

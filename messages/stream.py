@@ -109,6 +109,25 @@ def bucket_mac(key: bytes, h: Header, data: Any, metas: Any) -> bytes:
     return m.digest(MAC_BYTES)
 
 
+def load_mac(key: bytes, sender: int, seq: int, data: Any) -> bytes:
+    """The tag of a per-bucket collective load (its metadata travels over the control
+    plane; only the broadcast bytes need the MAC): over (sender, seq) and the bytes."""
+    m = blake3.blake3(key=key)
+    m.update(b"load\0" + sender.to_bytes(4, "little") + seq.to_bytes(8, "little"))
+    m.update(data)
+    return m.digest(MAC_BYTES)
+
+
+def check_load_mac(key: bytes | None, sender: int, seq: int, data: Any, tag: bytes | None) -> None:
+    """Raise UNAUTHORIZED unless a per-bucket collective load carries the right tag."""
+    if key is None:
+        return
+    if tag is None:
+        raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {seq}: no MAC, and this group needs one")
+    if not hmac.compare_digest(load_mac(key, sender, seq, data), tag):
+        raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {seq}: wrong MAC (forged or corrupted)")
+
+
 def check_mac(key: bytes | None, h: Header, data: Any, metas: Any, tag: Any) -> None:
     """Raise UNAUTHORIZED unless the bucket carries the right tag (`key` None: no MAC due;
     a tag that is there is then not checked: nothing to check it with)."""

@@ -168,8 +168,9 @@ class VllmBase:
         try:
             results = self.rpc(method, _arg(**kw))
         except Exception as exc:
-            if "CHECKSUM_MISMATCH:" in str(exc):  # a worker verified the bytes it received
-                raise make_error(ErrorCode.CHECKSUM_MISMATCH, str(exc)[-500:]) from None
+            for code in (ErrorCode.CHECKSUM_MISMATCH, ErrorCode.UNAUTHORIZED):
+                if f"{code.value}:" in str(exc):  # a worker verified the bytes it received
+                    raise make_error(code, str(exc)[-500:]) from None
             raise
         first = results[0] if results and isinstance(results[0], dict) else {}
         for phase, seconds in (first.get("phases") or {}).items():
@@ -188,11 +189,13 @@ class VllmBase:
         bind: str,
         seq: int | None = None,
         next_bucket: dict[str, int] | None = None,
+        mac: tuple[str, int, str] | None = None,
     ) -> None:
         """collective transport: every vLLM worker joins the group and receives the bucket
-        itself (rank = group rank + worker rank), verifies it and loads it; with
-        `next_bucket` ({seq, size} of the load queued behind this one) the workers post
-        its receive before loading this one."""
+        itself (rank = group rank + worker rank), verifies it (with keys: `mac` = (key hex,
+        sender, tag hex), checked by each worker on the bytes it received) and loads it;
+        with `next_bucket` ({seq, size} of the load queued behind this one) the workers
+        post its receive before loading this one."""
         self._check(metas)
         self._timed(
             "ws_collective_load",
@@ -204,6 +207,7 @@ class VllmBase:
             tensors=[m.to_wire() for m in metas],
             seq=seq,
             next=next_bucket,
+            mac=list(mac) if mac is not None else None,
         )
 
     def close_collective(self) -> None:

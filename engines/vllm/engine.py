@@ -134,6 +134,7 @@ class VllmEngine(VllmBase):
         bind: str,
         seq: int | None = None,
         next_bucket: dict[str, int] | None = None,
+        mac: tuple[str, int, str] | None = None,
     ) -> None:
         if self.lora is not None:
             if any(m.name in self.lora.spec for m in metas):
@@ -143,7 +144,7 @@ class VllmEngine(VllmBase):
                     "not by the collective (push them with transport inline|auto)",
                 )
             self._begin_base()
-        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
+        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
 
     def finalize(self, sync_id: str) -> str:
         if self.lora is None:

@@ -109,6 +109,22 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     return parts or {}
 
 
+def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
+    """With keys (`mac` = [key hex, sender, tag hex]): the trainer's tag over exactly the
+    bytes this worker received, checked before anything is loaded."""
+    if not mac:
+        return
+    from messages.errors import MessageError
+    from messages.stream import check_load_mac
+
+    key_hex, sender, tag_hex = mac
+    host = buf if buf.device.type == "cpu" else buf.cpu()
+    try:
+        check_load_mac(bytes.fromhex(key_hex), int(sender), seq, host.numpy(), bytes.fromhex(tag_hex))
+    except MessageError as exc:
+        raise ValueError(f"UNAUTHORIZED: {exc.reason}") from None
+
+
 # In-process workers only: the engine puts a received frame here for the duration of one
 # `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
 LOCAL_BUFFERS: dict[str, Any] = {}
@@ -247,6 +263,7 @@ class WeightSyncExtension:
         nxt = a.get("next")
         if nxt:
             st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
+        verify_mac(buf, a.get("seq") or 0, a.get("mac"))
         parts = verify_received(buf, a["tensors"], a["checksum"])
         phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
         self._ws_apply(buf, a["tensors"], parts, phases)

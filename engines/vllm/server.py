@@ -151,10 +151,11 @@ class VllmServerEngine(VllmBase):
         bind: str,
         seq: int | None = None,
         next_bucket: dict[str, int] | None = None,
+        mac: tuple[str, int, str] | None = None,
     ) -> None:
         if not self.native:
             self._start("extension")
-            super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket)
+            super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
             return
         self._check(metas)
         self._start("native")
@@ -168,6 +169,8 @@ class VllmServerEngine(VllmBase):
                     "size": size,
                     "checksum": bucket_checksum,
                     "tensors": [m.to_wire() for m in metas],
+                    "seq": seq or 0,
+                    "mac": list(mac) if mac is not None else None,
                 }
             },
         )

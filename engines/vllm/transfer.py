@@ -47,6 +47,8 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     size: int = 0
     checksum: int = 0
     tensors: list[dict[str, Any]] = field(default_factory=list)
+    seq: int = 0
+    mac: list[Any] | None = None  # with keys: [key hex, sender, tag hex] (engines/vllm/extension.py)
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -88,8 +90,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("update_weights before init_weight_transfer_engine / start_weight_update")
         t0 = time.perf_counter()
         buf = self.member.receive(info.group, info.size)
-        from engines.vllm.extension import load_into, verify_received
+        from engines.vllm.extension import load_into, verify_mac, verify_received
 
+        verify_mac(buf, info.seq, info.mac)
         parts = verify_received(buf, info.tensors, info.checksum)
         load_into(
             self.model,

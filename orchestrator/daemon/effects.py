@@ -285,6 +285,7 @@ class Effects:
             tensors=m.tensors,
             checksum=m.checksum,
             sender=m.sender,
+            mac=m.mac,
         )
         if m.size is not None and c.group is not None:
             self._forward_collective(c, msgspec.structs.replace(load, size=m.size))

@@ -26,7 +26,15 @@ from messages.collective import CollectiveError
 from messages.errors import ErrorCode, make_error
 from messages.liblog import get_logger
 from messages.link import Reconnected
-from messages.stream import MAC_BYTES, Chain, bucket_header, bucket_mac, encode_metas, end_header
+from messages.stream import (
+    MAC_BYTES,
+    Chain,
+    bucket_header,
+    bucket_mac,
+    encode_metas,
+    end_header,
+    load_mac,
+)
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.rings import InlineRing, ShmRing
@@ -115,6 +123,7 @@ class Stream:
         rid: int,
         checksum: int | None = None,
         shm: schema.ShmRef | None = None,
+        mac: bytes | None = None,
     ) -> schema.Bucket:
         return schema.Bucket(
             sync_id=sync_id,
@@ -124,6 +133,7 @@ class Stream:
             id=rid,
             sender=self.sender,
             shm=shm,
+            mac=mac,
         )
 
     def broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | _Frame | None) -> None:
@@ -267,6 +277,7 @@ class Stream:
         sizer = WindowSizer(
             None if window is None else min(window, limit), min(limit, max_pending or limit)
         )  # the daemon's cap too
+        key = coll.mac_key(sync_id) if coll is not None else None  # with keys: a MAC per bucket
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq
         count = nbytes = retries = 0
@@ -276,7 +287,8 @@ class Stream:
             by_id[rid] = f.bucket.seq
             if coll is not None:
                 b = f.bucket
-                msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid), size=b.nbytes)
+                mac = load_mac(key, self.sender, b.seq, b.data.numpy()) if key is not None else None
+                msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid, mac=mac), size=b.nbytes)
                 self.conn.send(msg, [b.frame()] if (coll.planned or {}).get("spool_copy") else [])
                 if f.attempts == 1:  # a resend is for the daemon; the engines have the bytes
                     self.broadcast(sync_id, coll, b)

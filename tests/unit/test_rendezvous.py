@@ -102,3 +102,24 @@ def test_with_curve_a_client_without_the_servers_key_gets_nothing():
         plain.close()
         forged.close()
         server.close()
+
+
+def test_a_per_bucket_mac_binds_the_key_the_sender_the_seq_and_the_bytes():
+    from messages.errors import MessageError
+    from messages.stream import check_load_mac, load_mac, mac_key
+
+    key = mac_key("ab" * 32, "sync-1")
+    assert key != mac_key("ab" * 32, "sync-2") and key != mac_key("cd" * 32, "sync-1")
+    data = bytes(range(200))
+    tag = load_mac(key, 0, 5, data)
+    check_load_mac(key, 0, 5, data, tag)  # the right tag passes
+    check_load_mac(None, 0, 5, data, None)  # no keys: nothing due
+    for args in (
+        (key, 1, 5, data, tag),
+        (key, 0, 6, data, tag),
+        (key, 0, 5, data[:-1] + b"x", tag),
+        (key, 0, 5, data, None),
+    ):
+        with pytest.raises(MessageError) as ei:
+            check_load_mac(*args)
+        assert ei.value.code.value == "UNAUTHORIZED"
