@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.schema import Probe
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     CatchUpDone,
@@ -165,6 +166,11 @@ class Model:
         return f" (sync {sync_id!r} " + (
             "already completed (READY))" if ended[0] is None else f"already ended: {ended[1]})"
         )
+
+    @property
+    def spooled_probes(self) -> tuple[Probe, ...]:
+        """The canaries of the version the spool holds (a rollback or catch-up re-runs them)."""
+        return self.spooled.probes if self.spooled is not None else ()
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """The status object's core part; with `now`, each engine's heartbeat age."""
@@ -394,7 +400,7 @@ class Model:
         self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
         x.move("join")
         self.outbox.append(StartCatchUp(engine_id, sync_id, self.last_ready_version))
-        # (its finalize carries the spooled version's canaries: `sync.catchup_progress`)
+        # (its finalize carries the spooled version's canaries: `sync.loaded`)
 
     def end_catchup(self, engine_id: str, ok: bool, reason: str = "") -> None:
         c = self.catchups.pop(engine_id, None)

@@ -265,8 +265,7 @@ def loaded(m: Model, event: Loaded) -> None:
             m.outbox.append(CatchUpAck(eid, event.sync_id, (sender, through)))
         if sum(t + 1 for t in c.through.values()) >= c.total and not c.finalize_sent:
             c.finalize_sent = True
-            probes = m.spooled.probes if m.spooled is not None else ()
-            m.outbox.append(SendFinalize(eid, event.sync_id, c.version, probes))
+            m.outbox.append(SendFinalize(eid, event.sync_id, c.version, m.spooled_probes))
         return
     s = m.participant(eid, event.sync_id)
     if s is None:
@@ -433,15 +432,9 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     eid, msg, s = event.engine_id, event.msg, m.sync
     c = m.catchup_of(eid, msg.sync_id)
     if c is not None:  # a catch-up's finalize
-        probes = m.spooled.probes if m.spooled is not None else ()
-        mismatch = syncs.canary_mismatch(probes, msg.probes)
+        mismatch = syncs.canary_mismatch(m.spooled_probes, msg.probes)
         if mismatch is not None:
-            idx, pos, got, exp = mismatch
-            m.end_catchup(
-                eid,
-                False,
-                f"CANARY_MISMATCH: probe {idx} differs at position {pos} (got {got}, expected {exp})",
-            )
+            m.end_catchup(eid, False, f"CANARY_MISMATCH: {syncs.mismatch_text(mismatch)}")
         elif msg.version == c.version and msg.digest == m.served_digest and c.finalize_sent:
             x = m.engines[eid]
             x.version, x.digest, x.finalize_count = msg.version, msg.digest, msg.finalize_count
@@ -482,7 +475,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
             "finalized",
             m.error(
                 ErrorCode.CANARY_MISMATCH,
-                f"engine {eid}: probe {idx} differs at position {pos} (got {got}, expected {exp})",
+                f"engine {eid}: {syncs.mismatch_text(mismatch)}",
                 engine_id=eid,
                 probe=idx,
                 position=pos,

@@ -60,6 +60,11 @@ def canary_mismatch(
     return None
 
 
+def mismatch_text(mismatch: tuple[int, int, int | None, int | None]) -> str:
+    idx, pos, got, exp = mismatch
+    return f"probe {idx} differs at position {pos} (got {got}, expected {exp})"
+
+
 def plan_transport(
     msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord], daemon_host: str
 ) -> tuple[tuple[str, ...], str]:

@@ -449,7 +449,7 @@ class TrainerClient:
                 reason=f"trainer error: {why}"[:500],
                 timeout=min(self.timeout, 5.0),
                 retries=0,
-                code=code if isinstance(cause, WeightSyncError) else None,
+                code=code,
             )
         except WeightSyncError as err:  # already ended on the daemon side: nothing to undo
             log.info("abort_not_needed", sync_id=sync_id, code=err.code.value)
