@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from examples.launch import Cluster
 
 FAST_DAEMON = ["--engine-timeout", "3", "--log-level", "debug"]
+
+
+def ws(*args: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`weightsync ARGS` as a user runs it (no stdin); its exit code and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        **kw,
+    )
 
 
 @contextlib.contextmanager

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import save_file
@@ -12,17 +10,7 @@ from safetensors.torch import save_file
 from examples.tiny import perturbed
 from messages.buckets import digest
 
-from .helpers import running_daemon
-
-
-def ws(*args, env=None, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+from .helpers import running_daemon, ws
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +29,24 @@ def checkpoint(tmp_path, tiny_state, version, shards=2):
 
 
 def test_push_then_status_json_then_stale_push_fails_with_code(cluster, tmp_path, tiny_state):
-    d, weights = checkpoint(tmp_path, tiny_state, 1)
-    r = ws("push", str(d), "--version", "1", "--addr", cluster.addr, "--bucket-bytes", "200000")
+    # the module's tests share one cluster and run in any order: count from where it is
+    before = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)
+    v = (before["last_ready_version"] or 0) + 1
+    counts = [e["finalize_count"] for e in before["engines"]]
+    d, weights = checkpoint(tmp_path, tiny_state, v)
+    r = ws("push", str(d), "--version", str(v), "--addr", cluster.addr, "--bucket-bytes", "200000")
     assert r.returncode == 0, r.stderr
     assert "READY" in r.stdout and digest(weights.items()) in r.stdout
 
     r = ws("status", "--addr", cluster.addr, "--json")
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
-    assert (st["state"], st["version"], st["dirty"], st["sync"]) == ("READY", 1, False, None)
-    assert [e["finalize_count"] for e in st["engines"]] == [1, 1]
+    assert (st["state"], st["version"], st["dirty"], st["sync"]) == ("READY", v, False, None)
+    assert [e["finalize_count"] for e in st["engines"]] == [c + 1 for c in counts]
     assert {e["backend"] for e in st["engines"]} == {"torch"}
-    assert st["history"][-1]["to"] == "READY" and st["history"][-1]["version"] == 1
+    assert st["history"][-1]["to"] == "READY" and st["history"][-1]["version"] == v
 
-    r = ws("push", str(d), "--version", "1", "--addr", cluster.addr)
+    r = ws("push", str(d), "--version", str(v), "--addr", cluster.addr)
     assert r.returncode == 4
     assert "STALE_VERSION" in r.stderr
 
@@ -97,13 +89,14 @@ def test_serve_on_a_live_ipc_path_is_a_startup_failure_and_does_not_steal_it(clu
     assert len(cluster.status()["engines"]) == 2  # the running daemon still has its engines
 
 
-def test_serve_on_a_taken_tcp_port_is_a_startup_failure(tmp_path):
+def test_serve_on_a_taken_tcp_port_is_a_startup_failure_that_leaves_no_state_files(tmp_path):
     import socket
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
+        (tmp_path / "kept.txt").write_text("mine")
         r = ws(
             "serve",
             "--bind",
@@ -112,9 +105,13 @@ def test_serve_on_a_taken_tcp_port_is_a_startup_failure(tmp_path):
             "tcp://127.0.0.1:0",
             "--state-db",
             str(tmp_path / "s.db"),
+            "--spool",
+            str(tmp_path / "spool"),
             timeout=60,
         )
     assert r.returncode == 3 and "startup failed" in r.stderr, (r.stdout, r.stderr)
+    # the journal, its lock and the spool it created are gone; what was there stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
 
 
 def test_push_over_the_collective_from_the_command_line(cluster, tmp_path, tiny_state):

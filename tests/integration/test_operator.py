@@ -22,19 +22,9 @@ from examples.launch import Cluster, spawn
 from examples.tiny import perturbed
 from messages.errors import ErrorCode, WeightSyncError
 
-from .helpers import FAST_DAEMON, running_daemon
+from .helpers import FAST_DAEMON, running_daemon, ws
 
 pytestmark = pytest.mark.slow
-
-
-def ws(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def one_line_error(r, code):

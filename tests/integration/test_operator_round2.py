@@ -3,8 +3,9 @@ each case through a real daemon, real torch engines and the real CLI.
 
 3 failures filed under their real code and author, epoch times, which way an engine was
 lost; 7 output: one-line usage errors, help text, no colours in files, a library that
-stays off stdout, demo logs kept, no leftovers from a daemon that cannot start, Ctrl-C
-said, the state after the client's own abort, canary probes from the command line.
+stays off stdout, demo logs kept, Ctrl-C said, the state after the client's own abort,
+canary probes from the command line (a daemon that cannot bind leaves nothing behind:
+tests/integration/test_cli.py).
 (6, the vLLM server command, runs in tests/vllm/test_vllm_server.py.)
 """
 
@@ -31,22 +32,11 @@ from messages.buckets import iter_buckets
 from messages.canary import make_probes
 from messages.errors import DataError, ErrorCode
 
-from .helpers import running_daemon
+from .helpers import running_daemon, ws
 
 pytestmark = pytest.mark.slow
 
 ANSI = re.compile(r"\x1b\[")
-
-
-def ws(*args, timeout=120, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        **kw,
-    )
 
 
 def settle(cluster, timeout=30.0):
@@ -232,30 +222,6 @@ def test_7_a_ctrl_c_during_a_push_says_so_and_exits_130(empty, tmp_path, tiny_st
     assert p.returncode == 130, (out, err)
     assert "push interrupted: the sync of version 1 was aborted" in err, err
     assert "Traceback" not in err
-
-
-def test_7_a_daemon_that_cannot_bind_leaves_no_state_files_behind(tmp_path):
-    import socket
-
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        (tmp_path / "kept.txt").write_text("mine")
-        r = ws(
-            "serve",
-            "--bind",
-            f"tcp://127.0.0.1:{port}",
-            "--engine-bind",
-            "tcp://127.0.0.1:0",
-            "--state-db",
-            str(tmp_path / "s.db"),
-            "--spool",
-            str(tmp_path / "spool"),
-            timeout=60,
-        )
-    assert r.returncode == 3 and "startup failed" in r.stderr, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
 
 
 def test_7_make_demo_keeps_the_logs_it_names():
