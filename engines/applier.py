@@ -32,6 +32,7 @@ from engines.base import (
     ReportsPhases,
     TakesDigestParts,
 )
+from engines.delta import BaseStore, pack
 from engines.prefetch import Prefetcher
 from engines.verify import Verifier
 from messages import schema, stream
@@ -53,6 +54,7 @@ class Applier(threading.Thread):
         wake_fd: int,
         failpoints: dict[str, float] | None = None,
         collective_bind: str = "",
+        delta_base: bool = False,
     ) -> None:
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
@@ -67,6 +69,7 @@ class Applier(threading.Thread):
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
         self._spec = {p.name for p in engine.describe().spec}
+        self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         # sync_id -> set when that sync's collective stream must stop (the main thread's abort)
         self._cancels: dict[str, threading.Event] = {}
 
@@ -138,6 +141,7 @@ class Applier(threading.Thread):
     def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
         t0 = time.perf_counter()
         self.engine.begin(msg.sync_id, msg.version)
+        self.base.discard()
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
@@ -276,8 +280,12 @@ class Applier(threading.Thread):
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds)
-        if msg.shm is not None and isinstance(self.engine, LoadsShm):  # its workers read the slot
-            self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
+        if msg.shm is not None and isinstance(self.engine, LoadsShm) and not _patched(msg.tensors):
+            self.engine.load_shm(
+                msg.tensors, msg.shm, msg.checksum, parts=v.parts
+            )  # its workers read the slot
+            if self.base.enabled:
+                self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
 
@@ -295,12 +303,27 @@ class Applier(threading.Thread):
         self._apply_metas(msg.tensors, buf, parts)
 
     def _apply_metas(self, metas: Any, buf: Any, parts: Any = None) -> None:
-        """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views."""
+        """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views.
+        Delta patches are rebuilt on the base first (engines/delta.py); every loaded
+        tensor is staged as the next base when the engine keeps one."""
+        if _patched(metas):
+            tensors, rebuilt, skip = self.base.rebuild(metas, buf)
+            parts = None if parts is None else {**parts, **rebuilt}
+            if isinstance(self.engine, LoadsBuckets):
+                dense, data = pack(tensors)
+                self.engine.load_bucket(dense, data.numpy(), parts=parts)
+            else:
+                self.engine.load(tensors)
+            self.base.stage_loaded(tensors, parts, skip)
+            return
         if isinstance(self.engine, LoadsBuckets):
             self.engine.load_bucket(metas, buf, parts=parts)
+            if self.base.enabled:
+                self.base.stage_loaded(list(unpack(metas, buf)), parts, set())
             return
         tensors = list(unpack(metas, buf))
         self.engine.load(tensors)
+        self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
 
     def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
@@ -317,6 +340,7 @@ class Applier(threading.Thread):
                     raise WeightSyncError(
                         f"bucket seq {msg.seq}: no MAC, and this group needs one", code=ErrorCode.UNAUTHORIZED
                     )
+                self.base.invalidate()  # bytes this thread never sees cannot be a base
                 self.engine.load_collective(
                     msg.tensors,
                     group.to_wire(),
@@ -384,6 +408,7 @@ class Applier(threading.Thread):
         if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
             time.sleep(self.failpoints["finalize_sleep"])
         digest = self.engine.finalize(msg.sync_id)
+        self.base.commit()  # what this sync loaded is the base of the next delta
         t1 = time.perf_counter()
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0
@@ -424,8 +449,13 @@ class Applier(threading.Thread):
     def _do_abort(self, msg: schema.Abort) -> None:
         self.verifier.close_maps()
         self._close_group()  # the daemon plans a new group after a failed sync
+        self.base.discard()
         if self.current == msg.sync_id:
             self.engine.abort()
             self.current = None
             self._emit(("aborted", msg.sync_id))
             log.info("sync_aborted", sync_id=msg.sync_id)
+
+
+def _patched(metas: Any) -> bool:
+    return any(m.patch is not None for m in metas)

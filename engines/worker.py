@@ -75,8 +75,10 @@ class Worker:
         collective: bool = True,
         collective_bind: str = "",
         key_label: str = "",
+        delta_base: bool = False,
     ) -> None:
         self.engine = engine
+        self.delta_base = delta_base  # keep a base copy for delta syncs (engines/delta.py)
         self.collective = collective and "collective" in engine.describe().transports
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
@@ -134,6 +136,7 @@ class Worker:
             # the framed stream is received by this process (vLLM's workers receive per bucket)
             collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
             labels=isinstance(self.engine, LabelsOutputs),
+            delta=self.delta_base,
         )
 
     def _backends(self) -> tuple[Backend, ...]:
@@ -144,7 +147,7 @@ class Worker:
     def run(self) -> None:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
-        applier = Applier(self.engine, wfd, self.failpoints, self.collective_bind)
+        applier = Applier(self.engine, wfd, self.failpoints, self.collective_bind, delta_base=self.delta_base)
         applier.start()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)

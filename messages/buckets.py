@@ -20,7 +20,7 @@ import xxhash
 
 from messages.checksums import checksum
 from messages.dtypes import DTYPES, dtype_name
-from messages.schema import DEFAULT_BUCKET_BYTES, TensorMeta
+from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
 ALIGN = 64
 
@@ -66,6 +66,26 @@ class Cast:
 
     def materialize(self) -> torch.Tensor:
         return self.src.to(self.dtype)
+
+
+class Patched:
+    """A delta entry to pack: `data` (uint8, flat) patches tensor `name` of `dtype` and
+    `shape` as `patch` says (messages/delta.py); the bucket's meta keeps the full dtype and
+    shape, so the daemon checks it against the engines' spec like a dense tensor."""
+
+    __slots__ = ("patch", "data", "dtype", "shape")
+
+    def __init__(self, patch: Patch, data: torch.Tensor, dtype: torch.dtype, shape: Any) -> None:
+        self.patch, self.data, self.dtype, self.shape = patch, data, dtype, tuple(shape)
+
+    def numel(self) -> int:
+        return int(self.data.numel())
+
+    def element_size(self) -> int:
+        return 1
+
+
+Item = torch.Tensor | Cast | Patched
 
 
 def as_bytes(t: torch.Tensor | Cast) -> torch.Tensor:
@@ -121,7 +141,7 @@ def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
 
 def _pack(
     seq: int,
-    items: list[tuple[str, torch.Tensor]],
+    items: list[tuple[str, Item]],
     alloc: Alloc | None = None,
     digester: Digester | None = None,
 ) -> PackedBucket:
@@ -129,7 +149,8 @@ def _pack(
     offset = 0
     for name, t in items:
         nbytes = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        patch = t.patch if isinstance(t, Patched) else None
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch))
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
@@ -140,6 +161,13 @@ def _pack(
             pad = data[pos : meta.offset]
             pad.zero_()
             frame_hash.update(_buffer(pad))
+        if isinstance(t, Patched):  # the digest is of the tensor the patch rebuilds
+            if meta.nbytes:
+                copy_hashing(data[meta.offset : meta.offset + meta.nbytes], t.data, frame_hash)
+            if digester is not None:
+                digester.add(name, t.patch.result)
+            pos = meta.offset + meta.nbytes
+            continue
         tensor_hash = digester.start(name, t) if digester is not None else None
         hashers = (frame_hash,) if tensor_hash is None else (frame_hash, tensor_hash)
         if meta.nbytes and isinstance(t, Cast):  # the casting copy writes the bucket itself
@@ -156,7 +184,7 @@ def _pack(
 
 
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    named_tensors: Iterable[tuple[str, Item]],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     *,
     alloc: Alloc | None = None,
@@ -169,10 +197,10 @@ def iter_buckets(
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
     seq = 0
-    pending: list[tuple[str, torch.Tensor]] = []
+    pending: list[tuple[str, Item]] = []
     size = 0
     for name, t in named_tensors:
-        if not isinstance(t, (torch.Tensor, Cast)):
+        if not isinstance(t, (torch.Tensor, Cast, Patched)):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
         nbytes = t.numel() * t.element_size()
@@ -186,17 +214,24 @@ def iter_buckets(
         yield _pack(seq, pending, alloc, digester)
 
 
-def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of each tensor inside `buf` (no copy). The codec has validated the metas."""
+def flat_bytes(buf: Any) -> torch.Tensor:
+    """A received buffer as a flat uint8 tensor (a view, no copy)."""
     mv = memoryview(getattr(buf, "buffer", buf))
     if mv.nbytes == 0:
-        flat = torch.empty(0, dtype=torch.uint8)
-    else:
-        with warnings.catch_warnings():
-            # Received frames are read-only; the views are only ever read from.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(mv, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Received frames are read-only; the views are only ever read from.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside `buf` (no copy). The codec has validated the metas;
+    delta patches are rebuilt before this (engines/delta.py), never unpacked as tensors."""
+    flat = flat_bytes(buf)
     for m in metas:
+        if m.patch is not None:
+            raise ValueError(f"{m.name}: a delta patch, not a tensor (rebuild it first)")
         raw = flat[m.offset : m.offset + m.nbytes]
         dtype = DTYPES[m.dtype]
         t = raw.view(dtype) if dtype != torch.uint8 else raw
@@ -245,7 +280,7 @@ class Digester:
         self._parts: dict[str, bytes] = {}
 
     @staticmethod
-    def start(name: str, t: torch.Tensor) -> Any:
+    def start(name: str, t: torch.Tensor | Cast) -> Any:
         """A streaming hash for tensor `name`: feed it the tensor's bytes, then `finish`."""
         return Digester.start_meta(name, dtype_name(t.dtype), tuple(t.shape))
 

@@ -21,7 +21,7 @@ import msgspec
 from messages import schema
 from messages.dtypes import ITEMSIZE
 from messages.errors import ErrorCode, MessageError
-from messages.schema import MAX_TENSORS_PER_BUCKET, MESSAGE_TYPES, PROTOCOL_VERSION, Message, Ok
+from messages.schema import INDEX32_MAX, MAX_TENSORS_PER_BUCKET, MESSAGE_TYPES, PROTOCOL_VERSION, Message, Ok
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
@@ -107,12 +107,30 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
         for d in t.shape:
             numel *= d
         itemsize = ITEMSIZE[t.dtype]
-        if t.nbytes != numel * itemsize:
+        if t.patch is not None:
+            _check_patch(where, t.patch, t.nbytes, numel, itemsize)
+        elif t.nbytes != numel * itemsize:
             raise _bad(f"{where}: nbytes {t.nbytes} != numel {numel} * itemsize {itemsize}")
         if t.offset + t.nbytes > frame_len:
             raise _bad(
                 f"{where}: bytes [{t.offset}, {t.offset + t.nbytes}) outside the {frame_len}-byte frame"
             )
+
+
+def _check_patch(where: str, p: schema.Patch, nbytes: int, numel: int, itemsize: int) -> None:
+    """A patch's byte count follows from its kind (messages.delta lays them out)."""
+    if p.kind == "same" and nbytes != 0:
+        raise _bad(f"{where}: a 'same' patch carries {nbytes} bytes")
+    if p.kind == "sparse":
+        if p.count > numel:
+            raise _bad(f"{where}: sparse patch of {p.count} elements, the tensor has {numel}")
+        index = 4 if numel <= INDEX32_MAX else 8
+        if nbytes != p.count * (index + itemsize):
+            raise _bad(
+                f"{where}: sparse patch of {p.count} elements is {nbytes} bytes, not {p.count * (index + itemsize)}"
+            )
+    if p.kind == "xor" and not 0 < nbytes < numel * itemsize:
+        raise _bad(f"{where}: xor patch of {nbytes} bytes for a {numel * itemsize}-byte tensor")
 
 
 def frame_len(frame: Any) -> int:

@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     UNKNOWN_SYNC = "UNKNOWN_SYNC"
     ABORTED = "ABORTED"  # the trainer (or an operator) aborted the sync
     STALE_VERSION = "STALE_VERSION"
+    STALE_BASE = "STALE_BASE"  # a delta against a version the fleet does not serve: push dense
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     UNKNOWN_TENSOR = "UNKNOWN_TENSOR"
     SHAPE_MISMATCH = "SHAPE_MISMATCH"
@@ -123,6 +124,7 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.UNKNOWN_SYNC: StateError,
     ErrorCode.ABORTED: StateError,
     ErrorCode.STALE_VERSION: StateError,
+    ErrorCode.STALE_BASE: StateError,
     ErrorCode.INCOMPLETE_SYNC: StateError,
     ErrorCode.CHECKSUM_MISMATCH: DataError,
     ErrorCode.UNKNOWN_TENSOR: DataError,

@@ -45,6 +45,7 @@ SECTIONS = [
         "Nested",
         (
             schema.TensorMeta,
+            schema.Patch,
             schema.ParamSpec,
             schema.Probe,
             schema.ShmRef,

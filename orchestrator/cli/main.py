@@ -263,6 +263,12 @@ def engine(
         None, help="CURVE keys directory (needs server.key, NAME.key_secret)"
     ),
     key_name: str = typer.Option("engine", help="identity in the keys directory"),
+    delta_base: bool = typer.Option(
+        False,
+        "--delta-base/--no-delta-base",
+        help="keep a host-memory copy of the served checkpoint (one model's bytes) so the "
+        "trainer may push deltas (push --delta)",
+    ),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
     log_level: Optional[str] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
@@ -320,6 +326,7 @@ def engine(
         collective=collective,
         collective_bind=collective_host,
         key_label=f"{key_name!r} in {keys}" if keys is not None else "",
+        delta_base=delta_base,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
@@ -465,6 +472,13 @@ def push(
         help="canary probes, a JSON array of {prompt, max_tokens, expected} (docs/TRAINER.md): "
         "every engine greedy-decodes each prompt after finalize and must answer `expected`",
     ),
+    delta_from: Optional[Path] = typer.Option(
+        None,
+        exists=True,
+        file_okay=False,
+        help="the checkpoint the fleet serves now: send only what changed against it "
+        "(engines need --delta-base; refused, the push goes dense)",
+    ),
     as_json: bool = typer.Option(False, "--json"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
@@ -480,7 +494,8 @@ def push(
     shm.configure(_settings(shm_dir=shm_dir).shm_dir)
     canaries = _read_probes(probes) if probes is not None else []
     try:
-        named = iter_safetensors(checkpoint)
+        iter_safetensors(checkpoint)  # refuse an unreadable checkpoint before connecting
+        named = _Reread(checkpoint)
     except CheckpointError as exc:
         _usage(f"cannot read checkpoint: {exc}")
     # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
@@ -490,9 +505,14 @@ def push(
         push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress,
     ):
         try:
+            if delta_from is not None:
+                st = c.status()
+                if st.get("state") == "READY" and st.get("version") is not None:
+                    c.delta_base.adopt(iter_safetensors(delta_from), int(st["version"]))
             r = c.push(
                 named,
                 version,
+                delta=delta_from is not None,
                 bucket_bytes=bucket_bytes,
                 window=window,
                 transport=transport,
@@ -525,6 +545,7 @@ def push(
         "throughput_mb_s": round(r.throughput / 1e6, 1),
         "transport": r.detail.get("transport"),
         "engines": [e["engine_id"] for e in r.engines],
+        **({"delta": r.detail["delta"]} if "delta" in r.detail else {}),
     }
     if as_json:
         print(json.dumps(out, sort_keys=True))
@@ -534,6 +555,22 @@ def push(
             f"{r.seconds:.3f}s ({r.throughput / 1e6:.1f} MB/s) to {len(r.engines)} engine(s); "
             f"digest {r.digest}"
         )
+        d = r.detail.get("delta")
+        if d is not None:
+            against = f"against version {d['base']}" if d["base"] is not None else "dense (no delta base)"
+            print(f"delta {against}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}")
+
+
+class _Reread:
+    """A checkpoint's tensors, read again on each iteration (a refused delta goes dense)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __iter__(self) -> Any:
+        from messages.checkpoint import iter_safetensors
+
+        return iter(iter_safetensors(self.path))
 
 
 @app.command()

@@ -104,6 +104,7 @@ class SpoolBegin:
 
     sync_id: str
     version: int
+    base: int | None = None  # a delta sync: the spooled version it extends (base + deltas)
 
 
 @dataclass(frozen=True, slots=True)

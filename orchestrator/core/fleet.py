@@ -74,6 +74,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         collective_backends=tuple(msg.collective_backends),
         collective_stream=msg.collective_stream,
         labels=msg.labels,
+        delta=msg.delta,
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.

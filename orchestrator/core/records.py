@@ -33,6 +33,7 @@ class EngineRecord:
     collective_stream: bool = False  # takes the framed collective stream (protocol v3)
     labels: bool = False  # labels its outputs with the version (told at commit)
     label: str | None = None  # the label it reported last (None: none set by us)
+    delta: bool = False  # keeps a base copy: takes delta patches against the served version
 
     def move(self, trigger: str) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
@@ -52,6 +53,7 @@ class EngineRecord:
             "transports": list(self.transports),
             "collective_ranks": self.collective_ranks,
             **({"label": self.label} if self.labels else {}),
+            "delta": self.delta,
         }
 
 
@@ -174,6 +176,7 @@ class Spooled:
     digest: str
     buckets: int
     probes: tuple[Probe, ...] = ()  # the version's canaries: replayed by a rollback or catch-up
+    chain: int = 0  # delta versions on top of the last dense one (replayed in order)
 
 
 @dataclass(slots=True)
@@ -201,3 +204,4 @@ class Limits:
     spool: bool = False  # the service keeps the last READY version on disk
     max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes
     max_pending: int = 64  # unanswered bucket requests per trainer connection
+    max_delta_chain: int = 16  # delta versions the spool replays on top of a dense one

@@ -15,7 +15,7 @@ changed nothing), then acts: records, commands, reply. Read top to bottom per tr
 from __future__ import annotations
 
 from messages.errors import ErrorCode
-from messages.schema import Bucket
+from messages.schema import Begin, Bucket
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
@@ -85,6 +85,8 @@ def begin(m: Model, event: BeginSync) -> None:
     live = len(m.live_engines())
     if live < m.limits.min_engines:
         raise m.error(ErrorCode.NO_ENGINES, f"{live} engine(s) registered, {m.limits.min_engines} required")
+    if msg.base is not None:
+        _check_base(m, msg)
     # taken: every live engine takes part; the transport is planned for all of them
     m.move("begin", S.LOADING_BUCKETS, None, version=msg.version, sync_id=msg.sync_id)
     s = m.open_sync(
@@ -103,7 +105,7 @@ def begin(m: Model, event: BeginSync) -> None:
     if s.stream and s.group is not None:  # engines hear of this sync once, not per bucket
         m.outbox.append(OpenStreams(s.sync_id, s.version, s.participants, s.group))
     if m.limits.spool:
-        m.outbox.append(SpoolBegin(msg.sync_id, msg.version))
+        m.outbox.append(SpoolBegin(msg.sync_id, msg.version, msg.base))
     m.outbox.append(
         Journal(
             "sync",
@@ -119,6 +121,40 @@ def begin(m: Model, event: BeginSync) -> None:
     m.reply = {**s.view(), "state": S.LOADING_BUCKETS.value}
     if s.group is not None:  # the trainer sends the daemon a copy of each bucket to spool
         m.reply["spool_copy"] = m.limits.spool
+
+
+def _check_base(m: Model, msg: Begin) -> None:
+    """A delta sync needs the fleet at its base: every live engine serving it with a base
+    copy, each able to rebuild on the transport, and a spool that can replay base + deltas."""
+    served = m.last_ready_version
+    if m.state != S.READY or served != msg.base:
+        raise m.error(
+            ErrorCode.STALE_BASE,
+            f"the delta applies to version {msg.base}, the fleet serves "
+            f"{'no verified version' if m.state != S.READY else served}; push dense",
+            served_version=served if m.state == S.READY else None,
+        )
+    for x in m.live_engines():
+        why = None
+        if not x.delta:
+            why = "keeps no base copy (start it with --delta-base)"
+        elif x.state != E.READY or x.version != served:
+            why = f"is {x.state.value} at version {x.version}"
+        elif msg.transport == "collective" and not x.collective_stream:
+            why = "receives collective buckets in its own workers, which rebuild no patch"
+        if why is not None:
+            raise m.error(
+                ErrorCode.STALE_BASE, f"engine {x.engine_id} {why}; push dense", engine_id=x.engine_id
+            )
+    sp = m.spooled
+    if m.limits.spool and not m.can_roll_back():
+        raise m.error(ErrorCode.STALE_BASE, f"the spool does not hold version {served}; push dense")
+    if m.limits.spool and sp is not None and sp.chain >= m.limits.max_delta_chain:
+        raise m.error(
+            ErrorCode.STALE_BASE,
+            f"the spool holds {sp.chain} deltas on top of its last dense version "
+            f"(max_delta_chain {m.limits.max_delta_chain}); push dense",
+        )
 
 
 def _reply_running(m: Model, s: SyncRecord) -> None:

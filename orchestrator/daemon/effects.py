@@ -173,7 +173,7 @@ class Effects:
 
     def spooled(self) -> Spooled | None:
         info = self.spool.info if self.spool else None
-        return Spooled(info.version, info.digest, info.buckets, info.probes) if info else None
+        return Spooled(info.version, info.digest, info.buckets, info.probes, info.chain) if info else None
 
     # -- persisting (closures for the storage thread) ----------------------------------
     def _persist_job(self, c: cmd.Command) -> Callable[[], object]:
@@ -196,7 +196,7 @@ class Effects:
         if spool is None:  # the core only asks for these with a spool
             raise make_error(ErrorCode.INTERNAL, f"{type(c).__name__} without a spool")
         if isinstance(c, cmd.SpoolBegin):
-            return lambda: spool.begin(c.sync_id, c.version)
+            return lambda: spool.begin(c.sync_id, c.version, c.base)
         if isinstance(c, cmd.SpoolCommit):
             return lambda: spool.commit(c.sync_id, c.version, c.digest, c.probes)
         if isinstance(c, cmd.SpoolDiscard):

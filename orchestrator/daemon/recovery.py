@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 import zmq
 
@@ -41,10 +42,8 @@ class Engines(Protocol):
 
 
 def tensor_metas(entry: SpoolEntry) -> tuple[schema.TensorMeta, ...]:
-    return tuple(
-        schema.TensorMeta(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["nbytes"])
-        for t in entry.tensors
-    )
+    """The spooled bucket's metas (a delta's patches included), as they were sent."""
+    return tuple(msgspec.convert(t, schema.TensorMeta) for t in entry.tensors)
 
 
 @dataclass

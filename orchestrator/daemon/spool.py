@@ -3,6 +3,10 @@
 Rules:
 - One committed version at rest (`current` -> `v{version}-{sync}`), plus the incoming one
   while a sync streams through (so at most two models on disk, one at rest).
+- A delta version is stored as its base's buckets (hard links, no copy) followed by its
+  own patches, each bucket tagged with its generation: a replay sends them in order and
+  the engine rebuilds each patch on what came before, ending at the full version (its
+  digest proves it). The chain is bounded by the daemon (`max_delta_chain`).
 - A bucket is written when the daemon forwards it; the incoming directory is fsynced,
   renamed and made `current` before the sync's READY is journaled or answered. Anything
   else (an interrupted sync, an old version) is deleted at startup or on the next commit.
@@ -43,6 +47,7 @@ class SpoolInfo:
     buckets: int
     nbytes: int
     probes: tuple[Probe, ...] = ()  # the version's canaries (checked again on replay)
+    chain: int = 0  # delta generations on top of the last dense version
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,7 @@ class SpoolEntry:
     nbytes: int
     checksum: int
     tensors: list[dict[str, Any]]
+    gen: int = 0  # 0: the dense version; k: the k-th delta on top of it (replayed in order)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -75,6 +81,7 @@ class Spool:
         self._incoming_sync: str | None = None
         self._incoming_entries: list[SpoolEntry] = []
         self._incoming_failed: str | None = None
+        self._gen = 0  # the incoming sync's generation (0 unless it is a delta)
         self._load_current()
         self._sweep()
 
@@ -94,6 +101,7 @@ class Spool:
                     int(b["nbytes"]),
                     int(b["checksum"]),
                     list(b["tensors"]),
+                    int(b.get("gen", 0)),
                 )
                 for b in raw["buckets"]
             ]
@@ -107,6 +115,7 @@ class Spool:
                 len(entries),
                 sum(e.nbytes for e in entries),
                 tuple(msgspec.convert(raw.get("probes", []), type=list[Probe])),
+                max((e.gen for e in entries), default=0),
             )
             self._dir, self._entries = target, entries
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
@@ -132,15 +141,25 @@ class Spool:
         return (self._dir / entry.file).read_bytes()
 
     # -- writing ------------------------------------------------------------------------
-    def begin(self, sync_id: str, version: int) -> None:
+    def begin(self, sync_id: str, version: int, base: int | None = None) -> None:
+        """Start spooling a sync; `base`: it is a delta on that version, which is linked in
+        first (the daemon checked the spool holds it)."""
         self.discard()
         # Named by the daemon, never by a peer's id (a sync_id is only data in the manifest).
         self._incoming = self.root / f"incoming-{uuid.uuid4().hex}"
         self._incoming_sync = sync_id
         self._incoming_entries = []
         self._incoming_failed = None
+        self._gen = 0
         try:
             self._incoming.mkdir(parents=True)
+            if base is not None:
+                if self.info is None or self.info.version != base or self._dir is None:
+                    raise OSError(f"the delta's base {base} is not the spooled version")
+                for e in self._entries:
+                    os.link(self._dir / e.file, self._incoming / e.file)
+                self._incoming_entries = list(self._entries)
+                self._gen = self.info.chain + 1
         except OSError as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
 
@@ -149,7 +168,7 @@ class Spool:
     ) -> None:
         if self._incoming is None or self._incoming_sync != sync_id or self._incoming_failed:
             return
-        name = f"{sender:04d}-{seq:08d}.bin"
+        name = f"{self._gen:04d}-{sender:04d}-{seq:08d}.bin"
         try:
             with open(self._incoming / name, "wb") as fh:
                 fh.write(data)
@@ -157,7 +176,7 @@ class Spool:
             self.fail(f"{type(exc).__name__}: {exc}")
             return
         self._incoming_entries.append(
-            SpoolEntry(sender, seq, name, memoryview(data).nbytes, checksum, tensors)
+            SpoolEntry(sender, seq, name, memoryview(data).nbytes, checksum, tensors, self._gen)
         )
 
     def fail(self, reason: str) -> None:
@@ -172,7 +191,7 @@ class Spool:
         """Make the incoming sync the spooled version (durably), or degrade."""
         if self._incoming is None or self._incoming_sync != sync_id:
             return self.info
-        entries = sorted(self._incoming_entries, key=lambda e: (e.sender, e.seq))
+        entries = sorted(self._incoming_entries, key=lambda e: (e.gen, e.sender, e.seq))
         failed = self._incoming_failed
         if failed is None:
             try:
@@ -189,6 +208,7 @@ class Spool:
                             "nbytes": e.nbytes,
                             "checksum": e.checksum,
                             "tensors": e.tensors,
+                            "gen": e.gen,
                         }
                         for e in entries
                     ],
@@ -217,7 +237,13 @@ class Spool:
                 old = self._dir
                 self._dir, self._entries = final, entries
                 self.info = SpoolInfo(
-                    version, digest, sync_id, len(entries), sum(e.nbytes for e in entries), tuple(probes)
+                    version,
+                    digest,
+                    sync_id,
+                    len(entries),
+                    sum(e.nbytes for e in entries),
+                    tuple(probes),
+                    max((e.gen for e in entries), default=0),
                 )
                 self.error = None
                 self._incoming = None
@@ -263,4 +289,5 @@ class Spool:
             "bytes": i.nbytes if i else 0,
             "error": self.error,
             "state": "ok" if i and not self.error else ("degraded" if self.error else "empty"),
+            "chain": i.chain if i else 0,
         }

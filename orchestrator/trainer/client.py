@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -24,11 +24,13 @@ import zmq
 
 from messages import schema
 from messages.buckets import Digester, PackedBucket
+from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
 from orchestrator.trainer.connection import Connection, error_from_reply
+from orchestrator.trainer.delta import DeltaBase, DeltaStats
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
 from orchestrator.trainer.rings import ShmRings
@@ -90,6 +92,7 @@ class TrainerClient:
         self.stream = Stream(self.conn, sender)
         self.rings = ShmRings()
         self.group: TrainerGroup | None = None
+        self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
 
     @property
     def timeout(self) -> float:
@@ -124,8 +127,9 @@ class TrainerClient:
         probes: Sequence[schema.Probe] = (),
         transport: str = "inline",
         collective: schema.CollectiveOffer | None = None,
+        base: int | None = None,
     ) -> dict[str, Any]:
-        """Start a sync. `transport` "shm"/"auto" offers shared memory, "collective" (with
+        """Start a sync (`base`: a delta sync against that served version). `transport` "shm"/"auto" offers shared memory, "collective" (with
         `collective`, this trainer's store) a torch.distributed group; the reply's
         `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective")."""
         sync_id = sync_id or uuid.uuid4().hex
@@ -141,6 +145,7 @@ class TrainerClient:
                 host=host,
                 transport=cast(Transport, transport),
                 collective=collective,
+                base=base,
             )
         )
         return {**body, "sync_id": sync_id}
@@ -210,6 +215,8 @@ class TrainerClient:
         rollback_wait: float = 120.0,
         partial: bool = False,
         engines_wait: float = 0.0,
+        delta: bool = False,
+        delta_mode: Mode = "auto",
     ) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
@@ -225,8 +232,79 @@ class TrainerClient:
         running after an earlier failure (0: raise its INVALID_STATE at once).
         partial: the tensors are a subset of the engines' on purpose (otherwise `finish`
         refuses a push that leaves an engine tensor out, with INCOMPLETE_SYNC).
+        delta: send each tensor as a patch against the version the fleet serves (nothing
+        when unchanged, indices + values or zstd of the XOR when few bits changed, dense
+        otherwise): this client keeps a host copy of what it pushed last (one model's
+        bytes). The first delta push, or one the daemon refuses (STALE_BASE: the fleet no
+        longer serves our copy's version, an engine keeps no base), goes dense; the result's
+        `detail["delta"]` says what was sent. delta_mode "sparse"/"xor" force an encoding
+        where it beats dense (benchmarks).
         Whatever ends the push early (an error, a timeout, Ctrl-C, SIGTERM raised as an
         exception) aborts the sync it began, so the daemon is free for the next push."""
+        kw = {
+            "bucket_bytes": bucket_bytes,
+            "window": window,
+            "probes": probes,
+            "abort_on_error": abort_on_error,
+            "progress": progress,
+            "transport": transport,
+            "rollback_wait": rollback_wait,
+            "partial": partial,
+            "engines_wait": engines_wait,
+        }
+        if not delta:
+            return self._push(named_tensors, version, sync_id=sync_id, **kw)
+        base = self.delta_base
+        reiterable = not isinstance(named_tensors, Iterator)
+        against = base.version
+        if against is not None:
+            base.stats = DeltaStats()
+            try:
+                result = self._push(
+                    base.encode(named_tensors, delta_mode), version, sync_id=sync_id, base=against, **kw
+                )
+            except WeightSyncError as err:
+                base.rollback()
+                if err.code is not ErrorCode.STALE_BASE:
+                    raise
+                base.forget()
+                if not reiterable and base.stats.tensors:  # consumed: the caller pushes again
+                    raise
+                log.warning("delta_refused", version=version, reason=err.message)
+                sync_id = None  # the dense push is a new sync
+            except BaseException:
+                base.rollback()
+                raise
+            else:
+                base.commit(version)
+                result.detail["delta"] = {"base": against, **base.stats.view()}
+                return result
+        try:
+            result = self._push(base.record(named_tensors), version, sync_id=sync_id, **kw)
+        except BaseException:
+            base.forget()
+            raise
+        base.commit(version)
+        result.detail["delta"] = {"base": None, **base.stats.view()}
+        return result
+
+    def _push(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        version: int,
+        *,
+        bucket_bytes: int,
+        window: int | None,
+        probes: Sequence[schema.Probe],
+        sync_id: str | None,
+        abort_on_error: bool,
+        progress: Any,
+        transport: str,
+        rollback_wait: float,
+        partial: bool,
+        engines_wait: float,
+        base: int | None = None,
+    ) -> SyncResult:
         if window is not None and window < 1:
             raise ValueError("window must be >= 1 (or None: sized from measurements)")
         if transport not in ("inline", "shm", "auto", "collective"):
@@ -241,7 +319,7 @@ class TrainerClient:
         try:
             try:
                 started = self._begin_after_rollback(
-                    version, sync_id, probes, transport, rollback_wait, engines_wait, offer
+                    version, sync_id, probes, transport, rollback_wait, engines_wait, offer, base
                 )
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
@@ -414,6 +492,7 @@ class TrainerClient:
         wait: float,
         engines_wait: float = 0.0,
         offer: schema.CollectiveOffer | None = None,
+        base: int | None = None,
     ) -> dict[str, Any]:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
@@ -421,7 +500,9 @@ class TrainerClient:
         said = 0.0
         while True:
             try:
-                return self.begin(version, sync_id, probes=probes, transport=transport, collective=offer)
+                return self.begin(
+                    version, sync_id, probes=probes, transport=transport, collective=offer, base=base
+                )
             except WeightSyncError as err:
                 waited = time.monotonic() - t0
                 rolling = err.details.get("rollback_running") and waited < wait

@@ -34,6 +34,7 @@ def running_daemon(
     engines: int = 2,
     daemon_args: list[str] | None = None,
     min_engines: int | None = None,
+    engine_args: list[str] | None = None,
 ) -> Iterator[Cluster]:
     """A daemon plus `engines` torch engines; always stopped, logs shown on failure."""
     cluster = Cluster(
@@ -42,7 +43,7 @@ def running_daemon(
         engines=engines,
         min_engines=min_engines,
         daemon_args=daemon_args if daemon_args is not None else FAST_DAEMON,
-        engine_args=["--threads", "1", "--heartbeat-interval", "0.5"],
+        engine_args=["--threads", "1", "--heartbeat-interval", "0.5", *(engine_args or [])],
     )
     try:
         with cluster:

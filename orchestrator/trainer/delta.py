@@ -1,0 +1,165 @@
+"""The trainer's side of delta sync: a copy of the version the fleet serves, and the
+encoding of each pushed tensor against it.
+
+Rules: the copy is in host memory, one per tensor name, in the dtype and shape pushed
+(checkpoint format), with each tensor's digest part. A push encodes as it streams (one
+tensor at a time, no second model) and updates the copy in place, keeping what it
+overwrote (`undo`): the push's READY keeps the update (`commit`), any failure restores
+the copy exactly (`rollback`), so the copy always equals what the fleet serves. Memory:
+one model's bytes (`nbytes`), plus, during a push, the old values of what it changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from messages import delta
+from messages.buckets import Cast, Item, Patched, as_bytes
+from messages.schema import INDEX32_MAX
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host(t: torch.Tensor | Cast) -> tuple[torch.Tensor, bool]:
+    """`t` as a contiguous CPU tensor, and whether it is our own (a copy) or may be the
+    caller's live tensor (then copied only where the base keeps it)."""
+    if isinstance(t, Cast):
+        return t.materialize().cpu().contiguous(), True
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.cpu().contiguous(), True
+    c = t.contiguous()
+    return c, c.data_ptr() != t.data_ptr()
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= INDEX32_MAX else torch.int64
+
+
+@dataclass(slots=True)
+class DeltaStats:
+    """What the last push sent, per kind of entry (tensors and wire bytes)."""
+
+    tensors: dict[str, int] = field(default_factory=dict)
+    wire_bytes: dict[str, int] = field(default_factory=dict)
+    dense_bytes: int = 0  # what a dense push of the same tensors would send
+    changed: int = 0  # elements that differ from the base (counted where compared)
+    elements: int = 0
+
+    def add(self, kind: str, wire: int, full: int, changed: int, numel: int) -> None:
+        self.tensors[kind] = self.tensors.get(kind, 0) + 1
+        self.wire_bytes[kind] = self.wire_bytes.get(kind, 0) + wire
+        self.dense_bytes += full
+        self.changed += changed
+        self.elements += numel
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "tensors": dict(self.tensors),
+            "wire_bytes": dict(self.wire_bytes),
+            "bytes": sum(self.wire_bytes.values()),
+            "dense_bytes": self.dense_bytes,
+            "density": self.changed / self.elements if self.elements else 0.0,
+        }
+
+
+class DeltaBase:
+    def __init__(self) -> None:
+        self.version: int | None = None  # the version the copy holds (None: no copy yet)
+        self._t: dict[str, tuple[torch.Tensor, bytes]] = {}
+        # name -> what to put back on failure: None (the name was new), the old entry,
+        # or (flat indices, old values, old part) for a sparse change made in place
+        self._undo: dict[str, Any] = {}
+        self.stats = DeltaStats()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self._t.values())
+
+    def encode(
+        self, named: Iterable[tuple[str, Any]], mode: delta.Mode = "auto"
+    ) -> Iterator[tuple[str, Item]]:
+        """Each tensor as its smallest entry against the copy (a `Patched`, or the tensor
+        itself where dense is smaller), the copy updated as it goes."""
+        self.stats = DeltaStats()
+        for name, t in named:
+            new, owned = _host(t)
+            old = self._t.get(name)
+            full = new.numel() * new.element_size()
+            if old is None or old[0].dtype != new.dtype or old[0].shape != new.shape:
+                self._replace(name, new if owned else new.clone(), delta.part(name, new))
+                self.stats.add("dense", full, full, new.numel(), new.numel())
+                yield name, new
+                continue
+            enc, part = delta.encode(name, new, old[0], old[1], mode)
+            if enc.patch is None:
+                self._replace(name, new if owned else new.clone(), part)
+                self.stats.add("dense", full, full, enc.changed, new.numel())
+                yield name, new
+                continue
+            if enc.patch.kind == "sparse":
+                self._patch_in_place(name, old, new, enc, part)
+            elif enc.patch.kind == "xor":
+                self._replace(name, new if owned else new.clone(), part)
+            self.stats.add(enc.patch.kind, int(enc.data.numel()), full, enc.changed, new.numel())
+            yield name, Patched(enc.patch, enc.data, new.dtype, new.shape)
+
+    def record(self, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """A dense push that also becomes the copy: each tensor passes through unchanged."""
+        self.stats = DeltaStats()
+        for name, t in named:
+            new, owned = _host(t)
+            self._replace(name, new if owned else new.clone(), delta.part(name, new))
+            full = new.numel() * new.element_size()
+            self.stats.add("dense", full, full, new.numel(), new.numel())
+            yield name, new
+
+    def adopt(self, named: Iterable[tuple[str, Any]], version: int) -> None:
+        """Take `named` as the copy of `version` without pushing it (e.g. the checkpoint the
+        fleet was given by another process); engines check each patch's base anyway."""
+        for _ in self.record(named):
+            pass
+        self.commit(version)
+
+    def _replace(self, name: str, new: torch.Tensor, part: bytes) -> None:
+        if name not in self._undo:
+            self._undo[name] = self._t.get(name)
+        self._t[name] = (new, part)
+
+    def _patch_in_place(
+        self, name: str, old: tuple[torch.Tensor, bytes], new: torch.Tensor, enc: delta.Encoded, part: bytes
+    ) -> None:
+        ints = as_bytes(old[0]).view(_INT[new.element_size()])
+        index = _index_dtype(new.numel())
+        where = enc.data[: enc.changed * index.itemsize].view(index).long()
+        if name not in self._undo:
+            self._undo[name] = (where, ints[where].clone(), old[1])
+        ints[where] = as_bytes(new).view(ints.dtype)[where]
+        self._t[name] = (old[0], part)
+
+    def commit(self, version: int) -> None:
+        """The push is READY fleet-wide: the copy is that version."""
+        self._undo = {}
+        self.version = version
+
+    def rollback(self) -> None:
+        """The push failed: put the copy back exactly as the fleet still serves it."""
+        for name, was in self._undo.items():
+            if was is None:
+                self._t.pop(name, None)
+            elif len(was) == 2:  # (tensor, part): the entry replaced
+                self._t[name] = was
+            else:  # (indices, old values, old part): a sparse change made in place
+                where, values, part = was
+                t = self._t[name][0]
+                as_bytes(t).view(_INT[t.element_size()])[where] = values
+                self._t[name] = (t, part)
+        self._undo = {}
+
+    def forget(self) -> None:
+        """No copy can be trusted (the fleet refused our base): the next push goes dense."""
+        self._t, self._undo, self.version = {}, {}, None

@@ -1,0 +1,257 @@
+"""Delta sync end to end: a real daemon with a spool, torch engines keeping a base copy
+(`--delta-base`), the real client's `push(delta=True)`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+import torch
+
+from engines.torch_engine import greedy, load_model
+from examples.tiny import perturbed
+from messages import delta
+from messages.buckets import Patched, digest, iter_buckets
+from messages.errors import ErrorCode, WeightSyncError
+from messages.schema import Patch, Probe
+
+from .helpers import running_daemon, ws
+
+PROMPTS = [(1, 17, 42, 99), (1, 250, 3)]
+_versions = itertools.count(1)
+
+
+def probes_for(model_dir, weights):
+    m = load_model(model_dir)
+    m.load_state_dict(weights)
+    return [Probe(p, 6, greedy(m, p, 6)) for p in PROMPTS]
+
+
+def step(weights, seed, tensors=3, elements=50):
+    """A small optimizer step: `elements` values of `tensors` tensors change, the rest not."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in weights.items()}
+    names = [n for n in sorted(out) if out[n].numel() > 1000][:tensors]
+    for n in names:
+        flat = out[n].view(-1)
+        idx = torch.randint(0, flat.numel(), (elements,), generator=g)
+        flat[idx] += 0.01
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("delta")
+    with running_daemon(
+        work,
+        tiny_model_dir,
+        daemon_args=["--engine-timeout", "3", "--spool", str(work / "spool")],
+        engine_args=["--delta-base"],
+    ) as c:
+        yield c
+
+
+def served(cluster):
+    st = cluster.status()
+    return st["version"], st
+
+
+def wait_ready(client, version, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = client.status()
+        live = [e for e in st["engines"] if e["state"] != "LOST"]
+        if (
+            st["state"] == "READY"
+            and st["version"] == version
+            and all(e["state"] == "READY" and e["version"] == version for e in live)
+        ):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"not READY at {version}: {client.status()}")
+
+
+def fresh_version(cluster):
+    v, _ = served(cluster)
+    return max(next(_versions), (v or 0) + 1)
+
+
+def test_a_delta_push_serves_the_digest_and_generation_of_the_same_weights(
+    cluster, tiny_model_dir, tiny_state
+):
+    with cluster.client(timeout=20.0) as client:
+        v = fresh_version(cluster)
+        w = dict(perturbed(tiny_state, v))
+        first = client.push(list(w.items()), v, delta=True)  # no copy yet: dense, and kept
+        assert first.detail["delta"]["base"] is None and first.detail["delta"]["tensors"] == {"dense": len(w)}
+        for mode, kind in (("auto", "sparse"), ("xor", "xor")):
+            v2 = v + 1
+            w2 = step(w, v2)
+            probes = probes_for(tiny_model_dir, w2)
+            r = client.push(list(w2.items()), v2, delta=True, delta_mode=mode, probes=probes)
+            d = r.detail["delta"]
+            assert r.state == "READY" and d["base"] == v
+            assert d["tensors"] == {kind: 3, "same": len(w) - 3}
+            assert d["bytes"] <= r.bytes < d["dense_bytes"] / 50  # 150 changed values (+ alignment)
+            assert r.digest == digest(w2.items())  # what a dense push of these weights yields
+            for e in r.engines:
+                assert e["digest"] == r.digest
+                assert [tuple(p) for p in e["probes"]] == [p.expected for p in probes]
+            v, w = v2, w2
+
+
+def test_a_corrupted_patch_fails_the_sync_with_nothing_finalized(cluster, tiny_state):
+    with cluster.client(timeout=20.0) as client:
+        v = fresh_version(cluster)
+        w = dict(perturbed(tiny_state, v))
+        client.push(list(w.items()), v, delta=True)
+        before = {e["engine_id"]: e for e in client.status()["engines"]}
+        name = sorted(n for n in w if w[n].numel() > 1000)[0]
+        good = step(w, 7)[name]
+        wrong = good.clone()
+        wrong.view(-1)[0] += 1.0  # the patch carries this, but claims to rebuild `good`
+        enc, _ = delta.encode(name, wrong, w[name], delta.part(name, w[name]))
+        assert enc.patch is not None and enc.patch.kind == "sparse"
+        lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
+        items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in w.items()]
+        sid = client.begin(v + 1, base=v)["sync_id"]
+        with pytest.raises(WeightSyncError) as ei:
+            for b in iter_buckets(items, 1 << 20):
+                client.send_bucket(sid, b)
+            client.finish(sid, 1)
+        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
+        assert "rebuilt a tensor that is not the trainer's" in ei.value.message
+        st = wait_ready(client, v)
+        for e in st["engines"]:  # still at v, digest unchanged: v + 1 finalized nowhere
+            assert (e["version"], e["digest"]) == (v, before[e["engine_id"]]["digest"])
+        assert st["last_sync"]["status"] != "READY"
+
+
+def test_a_delta_against_a_stale_base_is_refused_then_pushed_dense(cluster, tiny_state):
+    with cluster.client(timeout=20.0) as a, cluster.client(timeout=20.0) as b:
+        v = fresh_version(cluster)
+        a.push(list(dict(perturbed(tiny_state, v)).items()), v, delta=True)
+        b.push(list(dict(perturbed(tiny_state, v + 1)).items()), v + 1)  # a's copy is now stale
+        with pytest.raises(WeightSyncError) as ei:
+            a.begin(v + 2, base=v)
+        assert ei.value.code is ErrorCode.STALE_BASE
+        assert f"the delta applies to version {v}, the fleet serves {v + 1}" in ei.value.message
+        w = step(dict(perturbed(tiny_state, v + 1)), 3)
+        r = a.push(list(w.items()), v + 2, delta=True)  # refused, then dense
+        assert r.state == "READY" and r.detail["delta"]["base"] is None
+        assert r.digest == digest(w.items())
+        r = a.push(list(step(w, 4).items()), v + 3, delta=True)  # the dense push is the new base
+        assert r.detail["delta"]["base"] == v + 2 and "sparse" in r.detail["delta"]["tensors"]
+
+
+class Breaks(list):
+    """A list of tensors whose iteration fails half-way (a trainer crash mid-push)."""
+
+    def __iter__(self):
+        for i, item in enumerate(super().__iter__()):
+            if i == len(self) // 2:
+                raise RuntimeError("trainer step crashed")
+            yield item
+
+
+def test_a_delta_sync_failing_half_way_is_rolled_back_to_the_exact_previous_version(cluster, tiny_state):
+    with cluster.client(timeout=20.0) as client:
+        v = fresh_version(cluster)
+        w = dict(perturbed(tiny_state, v))
+        client.push(list(w.items()), v, delta=True)
+        w1 = step(w, 11)
+        client.push(list(w1.items()), v + 1, delta=True)  # the spool: v dense + one delta
+        w2 = step(w1, 12, tensors=8)
+        with pytest.raises(RuntimeError, match="crashed"):
+            client.push(Breaks(w2.items()), v + 2, delta=True, bucket_bytes=64 * 1024)
+        st = wait_ready(client, v + 1)
+        assert {e["digest"] for e in st["engines"]} == {digest(w1.items())}
+        # the trainer's copy was put back exactly: the next delta rebuilds right everywhere
+        w3 = step(w1, 13)
+        r = client.push(list(w3.items()), v + 2, delta=True)
+        assert r.detail["delta"]["base"] == v + 1 and r.digest == digest(w3.items())
+
+
+def test_an_engine_rejoining_after_three_delta_versions_serves_the_right_digest(cluster, tiny_state):
+    with cluster.client(timeout=20.0) as client:
+        v = fresh_version(cluster)
+        w = dict(perturbed(tiny_state, v))
+        client.push(list(w.items()), v, delta=True)
+        for k in (1, 2, 3):
+            w = step(w, 20 + k)
+            r = client.push(list(w.items()), v + k, delta=True)
+            assert r.detail["delta"]["base"] == v + k - 1
+        assert client.status()["spool"]["chain"] >= 3
+        [p] = [p for p in cluster.procs if p.name == "engine-1"]
+        p.stop()
+        pid = cluster.start_engine("engine-1").popen.pid
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the new process registered and caught up
+            rejoined = {e["engine_id"]: e for e in client.status()["engines"]}["engine-1"]
+            if rejoined["pid"] == pid and rejoined["state"] == "READY":
+                break
+            time.sleep(0.2)
+        assert (rejoined["pid"], rejoined["version"], rejoined["digest"]) == (pid, v + 3, digest(w.items()))
+        # its base came from the replay: the next delta rebuilds there too
+        w = step(w, 30)
+        r = client.push(list(w.items()), v + 4, delta=True)
+        assert r.detail["delta"]["base"] == v + 3 and {e["digest"] for e in r.engines} == {digest(w.items())}
+
+
+def test_an_engine_without_a_base_copy_is_named_and_the_push_goes_dense(tmp_path, tiny_model_dir, tiny_state):
+    with running_daemon(tmp_path, tiny_model_dir, engines=1) as c, c.client(timeout=20.0) as client:
+        w = dict(perturbed(tiny_state, 1))
+        client.push(list(w.items()), 1, delta=True)
+        with pytest.raises(WeightSyncError) as ei:
+            client.begin(2, base=1)
+        assert ei.value.code is ErrorCode.STALE_BASE and "engine-0 keeps no base copy" in ei.value.message
+        w = step(w, 2)
+        r = client.push(list(w.items()), 2, delta=True)
+        assert r.state == "READY" and r.detail["delta"]["base"] is None and r.digest == digest(w.items())
+
+
+def test_the_cli_pushes_a_checkpoint_as_a_delta_against_the_one_the_fleet_serves(
+    cluster, tmp_path, tiny_state
+):
+    from safetensors.torch import save_file
+
+    v = fresh_version(cluster)
+    w = dict(perturbed(tiny_state, v))
+    w2 = step(w, 40)
+    for name, weights in (("old", w), ("new", w2)):
+        (tmp_path / name).mkdir()
+        save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp_path / name / "model.safetensors"))
+    r = ws("push", str(tmp_path / "old"), "--version", str(v), "--addr", cluster.addr, "--json")
+    assert r.returncode == 0, r.stderr
+    r = ws(
+        "push",
+        str(tmp_path / "new"),
+        "--version",
+        str(v + 1),
+        "--addr",
+        cluster.addr,
+        "--delta-from",
+        str(tmp_path / "old"),
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["delta"]["base"] == v and out["delta"]["tensors"]["sparse"] == 3
+    assert out["bytes"] < out["delta"]["dense_bytes"] / 50 and out["digest"] == digest(w2.items())
+    # against a checkpoint the fleet does not serve: the engines refuse it, the push goes dense
+    r = ws(
+        "push",
+        str(tmp_path / "old"),
+        "--version",
+        str(v + 2),
+        "--addr",
+        cluster.addr,
+        "--delta-from",
+        str(tmp_path / "old"),
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["delta"]["base"] is None and out["digest"] == digest(w.items())

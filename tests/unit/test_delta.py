@@ -1,0 +1,219 @@
+"""Delta patches, pure parts: encode/rebuild exactness, refusals with codes, the codec's
+checks, the trainer's copy and its exact undo, the spool's base + deltas chain, and the
+core's base check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.delta import BaseStore
+from messages import codec, delta, schema
+from messages.buckets import Patched, iter_buckets
+from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.schema import Begin, Patch, Register, TensorMeta
+from orchestrator.core import Core, Limits
+from orchestrator.core import events as ev
+from orchestrator.core.records import Spooled
+from orchestrator.daemon.spool import Spool
+from orchestrator.trainer.delta import DeltaBase
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.bool, torch.float8_e4m3fn]
+
+
+def tensor(dtype, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype == torch.int8:
+        return torch.randint(-100, 100, (n,), generator=g, dtype=torch.int8)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def changed(base, frac, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = base.clone()
+    k = int(out.numel() * frac)
+    idx = torch.randperm(out.numel(), generator=g)[:k]
+    ints = out.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]).view(-1)
+    ints[idx] ^= 1  # the lowest bit of each chosen element
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 20000),
+    frac=st.sampled_from([0.0, 0.001, 0.05, 0.3, 0.9, 1.0]),
+    mode=st.sampled_from(["auto", "sparse", "xor"]),
+    seed=st.integers(0, 1000),
+)
+def test_a_patch_rebuilds_the_new_tensor_bit_for_bit(dtype, n, frac, mode, seed):
+    base = tensor(dtype, n, seed)
+    new = changed(base, frac, seed + 1)
+    bp = delta.part("w", base)
+    enc, new_part = delta.encode("w", new, base, bp, mode)
+    assert new_part == delta.part("w", new)
+    if enc.patch is None:  # dense: only where no patch is smaller
+        assert enc.data is new
+        return
+    assert enc.data.numel() < new.numel() * new.element_size() or enc.patch.kind == "same"
+    meta = TensorMeta("w", schema_dtype(dtype), (n,), 0, int(enc.data.numel()), enc.patch)
+    codec._check_tensors([meta], int(enc.data.numel()))  # what the codec checks on receipt
+    out = delta.rebuild(meta, enc.data, base, bp)
+    assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
+
+
+def schema_dtype(dtype):
+    from messages.dtypes import dtype_name
+
+    return dtype_name(dtype)
+
+
+def _sparse_case():
+    base = tensor(torch.bfloat16, 5000, 1)
+    new = changed(base, 0.01, 2)
+    bp = delta.part("w", base)
+    enc, _ = delta.encode("w", new, base, bp)
+    assert enc.patch is not None and enc.patch.kind == "sparse"
+    meta = TensorMeta("w", "bfloat16", (5000,), 0, int(enc.data.numel()), enc.patch)
+    return base, new, bp, enc, meta
+
+
+def test_a_patch_on_another_base_is_stale_base_and_a_wrong_rebuild_is_a_checksum_mismatch():
+    base, new, bp, enc, meta = _sparse_case()
+    other = changed(base, 0.001, 9)
+    with pytest.raises(WeightSyncError) as ei:
+        delta.rebuild(meta, enc.data, other, delta.part("w", other))
+    assert ei.value.code is ErrorCode.STALE_BASE
+    with pytest.raises(WeightSyncError) as ei:
+        delta.rebuild(meta, enc.data, None, None)
+    assert ei.value.code is ErrorCode.STALE_BASE
+    bad = enc.data.clone()
+    bad[-1] ^= 1  # a value byte: a different tensor comes out
+    with pytest.raises(WeightSyncError) as ei:
+        delta.rebuild(meta, bad, base, bp)
+    assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
+    bad = enc.data.clone()
+    bad[:4].view(torch.int32)[0] = 10**6  # an index past the end
+    with pytest.raises(WeightSyncError) as ei:
+        delta.rebuild(meta, bad, base, bp)
+    assert ei.value.code is ErrorCode.BAD_MESSAGE
+    assert torch.equal(base, base.clone())  # the base is never written
+
+
+def test_the_codec_refuses_a_patch_whose_size_does_not_follow_from_its_kind():
+    _, _, _, enc, meta = _sparse_case()
+    n = int(enc.data.numel())
+    for bad in (
+        TensorMeta("w", "bfloat16", (5000,), 0, n + 6, meta.patch),
+        TensorMeta("w", "bfloat16", (5000,), 0, 2, Patch("same", meta.patch.base, meta.patch.result)),
+        TensorMeta("w", "bfloat16", (5000,), 0, 10000, Patch("xor", meta.patch.base, meta.patch.result)),
+        TensorMeta("w", "bfloat16", (5,), 0, 6 * 9, Patch("sparse", meta.patch.base, meta.patch.result, 9)),
+    ):
+        with pytest.raises(MessageError) as ei:
+            codec._check_tensors([bad], 1 << 20)
+        assert ei.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_the_trainers_copy_is_put_back_exactly_when_a_push_fails():
+    db = DeltaBase()
+    w = {f"t{i}": tensor(torch.bfloat16, 3000, i) for i in range(4)}
+    list(db.record(w.items()))
+    db.commit(1)
+    snapshot = {k: v.clone() for k, (v, _) in db._t.items()}
+    parts = {k: p for k, (_, p) in db._t.items()}
+    w2 = {"t0": changed(w["t0"], 0.01, 5), "t1": changed(w["t1"], 0.9, 6), "t2": w["t2"], "new": w["t3"]}
+    kinds = {n: (x.patch.kind if isinstance(x, Patched) else "dense") for n, x in db.encode(w2.items())}
+    assert kinds["t0"] == "sparse" and kinds["t2"] == "same" and kinds["new"] == "dense"
+    db.rollback()
+    assert set(db._t) == set(snapshot)
+    for k, (v, p) in db._t.items():
+        assert torch.equal(v.view(torch.int16), snapshot[k].view(torch.int16)) and p == parts[k]
+    # committed instead, the copy is the new weights
+    list(db.encode(w2.items()))
+    db.commit(2)
+    assert db.version == 2 and torch.equal(db._t["t0"][0].view(torch.int16), w2["t0"].view(torch.int16))
+
+
+def test_an_engines_base_rebuilds_a_chain_in_one_sync_and_keeps_only_what_finalized():
+    w = {"a": tensor(torch.float32, 2000, 1), "b": tensor(torch.float32, 2000, 2)}
+    db = DeltaBase()
+    dense = list(iter_buckets(db.record(w.items()), 1 << 20))
+    db.commit(1)
+    w2 = {"a": changed(w["a"], 0.01, 3), "b": w["b"]}
+    patches = list(iter_buckets(db.encode(w2.items()), 1 << 20))
+    store = BaseStore(True)
+    for b in dense + patches:  # a replay: the dense version, then its delta, one sync
+        tensors, _, skip = store.rebuild(b.tensors, b.frame())
+        store.stage_loaded(tensors, None, skip)
+    store.discard()  # aborted: nothing kept
+    with pytest.raises(WeightSyncError) as ei:
+        store.rebuild(patches[0].tensors, patches[0].frame())
+    assert ei.value.code is ErrorCode.STALE_BASE
+    for b in dense + patches:
+        tensors, _, skip = store.rebuild(b.tensors, b.frame())
+        store.stage_loaded(tensors, None, skip)
+    store.commit()
+    got, _ = store._get("a")
+    assert got is not None and torch.equal(got, w2["a"])
+
+
+def test_the_spool_stores_a_delta_as_its_base_then_its_patches_across_a_restart(tmp_path):
+    sp = Spool(tmp_path)
+    sp.begin("s1", 1)
+    sp.add("s1", 0, 0, [{"name": "a", "dtype": "uint8", "shape": [3], "offset": 0, "nbytes": 3}], 1, b"abc")
+    sp.commit("s1", 1, "d1")
+    sp.begin("s2", 2, base=1)
+    sp.add("s2", 0, 0, [{"name": "a", "dtype": "uint8", "shape": [3], "offset": 0, "nbytes": 0}], 2, b"")
+    info = sp.commit("s2", 2, "d2")
+    assert info is not None and (info.version, info.buckets, info.chain) == (2, 2, 1)
+    again = Spool(tmp_path)
+    assert again.info is not None and again.info.chain == 1
+    assert [(e.gen, again.read(e)) for e in again.entries()] == [(0, b"abc"), (1, b"")]
+    # a delta on a version the spool does not hold cannot be replayed: not spooled
+    again.begin("s3", 3, base=1)
+    again.add("s3", 0, 0, [], 3, b"x")
+    assert again.commit("s3", 3, "d3") is None and "not the spooled version" in (again.error or "")
+
+
+def core_at(version: int, *, delta: bool = True, chain: int = 0, spool: bool = True) -> Core:
+    o = Core(Limits(min_engines=1, spool=spool, max_delta_chain=2))
+    o.handle(ev.EngineRegistered(Register(engine_id="e", backend="torch", delta=delta)), 0.0)
+    o.handle(ev.BeginSync(Begin(sync_id="s1", version=version)), 1.0)
+    o.handle(ev.BucketIn(schema.Bucket(sync_id="s1", seq=0, tensors=(), checksum=0), 16), 1.0)
+    o.handle(ev.Loaded("e", "s1", (0, 0)), 1.0)
+    o.handle(ev.FinishSync(schema.Finish(sync_id="s1", buckets=1)), 1.0)
+    o.handle(
+        ev.EngineFinalized(
+            "e", schema.Finalized(sync_id="s1", version=version, digest="d", finalize_count=1)
+        ),
+        1.0,
+    )
+    o.spooled = Spooled(version, "d", 1, (), chain) if spool else None
+    return o
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ({"base": 4}, "the delta applies to version 4, the fleet serves 5"),
+        ({"delta": False}, "engine e keeps no base copy"),
+        ({"chain": 2}, "max_delta_chain 2"),
+        ({"spooled_other": True}, "the spool does not hold version 5"),
+    ],
+)
+def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(case, why):
+    o = core_at(5, delta=case.get("delta", True), chain=case.get("chain", 0))
+    if case.get("spooled_other"):
+        o.spooled = Spooled(4, "d", 1)
+    before = (o.state, o.last_ready_version, o.sync)
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle(ev.BeginSync(Begin(sync_id="s2", version=6, base=case.get("base", 5))), 2.0)
+    assert ei.value.code is ErrorCode.STALE_BASE and why in ei.value.message
+    assert (o.state, o.last_ready_version, o.sync) == before
+    ok = core_at(5)
+    ok.handle(ev.BeginSync(Begin(sync_id="s2", version=6, base=5)), 2.0)
+    assert ok.state.value == "LOADING_BUCKETS"
