@@ -78,6 +78,7 @@ def run(
     lr: float = 0.05,
     workdir: Path | None = None,
     log: Any = print,
+    delta: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -96,7 +97,7 @@ def run(
     cluster = Cluster(work, model_dir, engines=0, min_engines=1)
     set_process_env(vllm_process_env(False))  # before vLLM is imported
     engine = VllmEngine(model_dir)  # the rollout engine, in this process
-    worker = Worker(engine, cluster.engine_addr, "rollout-0", close_engine=False)
+    worker = Worker(engine, cluster.engine_addr, "rollout-0", close_engine=False, delta_base=delta)
     history: list[dict[str, Any]] = []
     try:
         cluster.start_daemon()
@@ -122,7 +123,7 @@ def run(
                 loss = policy_step(model, opt, PROMPT, completions, rewards)
                 model.eval()
                 probes = make_probes(model, [PROMPT], max_tokens)  # the trainer's own greedy answer
-                r = client.push_module(model, step, probes=probes, bucket_bytes=256 * 1024)
+                r = client.push_module(model, step, probes=probes, bucket_bytes=256 * 1024, delta=delta)
                 client.wait_ready(step)
                 served = engine.generate([PROMPT], max_tokens)[0]  # the engine, after the push
                 model.train()
@@ -133,7 +134,11 @@ def run(
                     "push_s": round(r.seconds, 3),
                     "greedy_matches": served == probes[0].expected,
                     "sample_versions": versions,  # the labels on this step's samples
+                    "bytes": r.bytes,  # on the wire (a delta push: its patches)
                 }
+                if delta:  # what a dense push of the same step would have sent, and how
+                    d = r.detail["delta"]
+                    row.update(dense_bytes=d["dense_bytes"], delta_base=d["base"], kinds=d["tensors"])
                 history.append(row)
                 log(json.dumps(row))
     finally:
@@ -164,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the token the reward asks for (-1: the one the initial policy emits most)",
     )
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument(
+        "--delta", action="store_true", help="push each step as a delta (prints bytes beside dense)"
+    )
     args = ap.parse_args(argv)
-    out = run(args.steps, args.group, args.max_tokens, args.target, args.lr)
+    out = run(args.steps, args.group, args.max_tokens, args.target, args.lr, delta=args.delta)
     print("RESULT " + json.dumps({k: v for k, v in out.items() if k != "history"}))
     if not out["all_greedy_match"]:
         raise SystemExit(4)

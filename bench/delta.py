@@ -1,0 +1,259 @@
+"""`python -m bench.delta`: delta sync against dense, after a real optimizer step.
+
+A bf16 Llama (`--hidden`, `--layers`, `--vocab`; the default is ~470 MB) trains in this
+process (the trainer) with AdamW at `--lr` on random tokens; after each step the weights
+go to one torch engine (`--delta-base`) through a real daemon, over each of
+`--transports`. Per repeat and transport, interleaved: a step, then a dense push (the
+baseline, measured in the same run); a step, then a delta push against it. Reported,
+medians of `--repeats`: wire bytes and push wall seconds (first begin to READY) of each,
+and their ratios. Then, on inline: a step that changes every element (dense-every-element:
+the client must fall back to dense at about the cost of a dense push), and a sweep of
+densities (a fraction of every tensor's elements changed) showing where delta stops
+paying. The memory the base copy costs is the model's bytes, on the trainer
+(`DeltaBase.nbytes`) and on each engine (its RSS is reported). `--check` exits 1 naming
+each missed target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BYTES_TARGET = 0.2  # delta wire bytes / dense, after one step
+TIME_TARGET = 0.6  # delta push seconds / dense, on inline and collective
+DENSE_FALLBACK_TARGET = 1.1  # delta push of an every-element change / dense push
+DENSITIES = (0.001, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5)
+
+
+def build(path: Path, hidden: int, layers: int, vocab: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from examples.tiny import build_tokenizer
+
+    hf_logging.set_verbosity_error()
+    heads = max(1, hidden // 128)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    build_tokenizer(vocab).save_pretrained(path)
+    return model
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m bench.delta", description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--transports", default="inline,shm,collective")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--densities", default=",".join(str(d) for d in DENSITIES))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from bench.common import machine, rss_mib
+    from examples.launch import Cluster
+
+    transports = [t for t in args.transports.split(",") if t]
+    densities = [float(d) for d in args.densities.split(",") if d]
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
+        work = Path(tmp)
+        model = build(work / "model", args.hidden, args.layers, args.vocab)
+        params = [p for p in model.parameters()]
+        model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        opt = torch.optim.AdamW(params, lr=args.lr)
+        gen = torch.Generator().manual_seed(1)
+
+        def train_step() -> None:
+            ids = torch.randint(4, args.vocab, (1, 32), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def weights() -> list[tuple[str, Any]]:
+            return list(model.state_dict().items())
+
+        cluster = Cluster(
+            work / "cluster",
+            work / "model",
+            engines=1,
+            daemon_args=["--engine-timeout", "30"],
+            engine_args=["--threads", "1", "--delta-base"],
+        )
+        rows: list[dict[str, Any]] = []
+        version = 0
+        with cluster, cluster.client(timeout=120.0) as client:
+            engine_pid = next(p.popen.pid for p in cluster.procs if p.name == "engine-0")
+
+            def push(delta: bool, transport: str) -> tuple[float, int, dict[str, Any]]:
+                nonlocal version
+                version += 1
+                t0 = time.perf_counter()
+                r = client.push(weights(), version, delta=delta, transport=transport)
+                seconds = time.perf_counter() - t0
+                if r.state != "READY":
+                    raise SystemExit(f"push of version {version} ended {r.state}")
+                if not delta:  # the next delta is against this version, as a trainer's would be
+                    client.delta_base.adopt(weights(), version)
+                return seconds, r.bytes, r.detail.get("delta", {})
+
+            push(True, "inline")  # warm-up; the first delta push is dense and keeps the copy
+            for rep in range(args.repeats):
+                for t in transports:
+                    train_step()
+                    ds, db, _ = push(False, t)
+                    train_step()
+                    xs, xb, d = push(True, t)
+                    if d.get("base") is None:
+                        raise SystemExit(f"delta push on {t} went dense: {d}")
+                    rows.append(
+                        {
+                            "transport": t,
+                            "repeat": rep,
+                            "dense_s": ds,
+                            "dense_bytes": db,
+                            "delta_s": xs,
+                            "delta_bytes": xb,
+                            "density": d["density"],
+                            "kinds": d["tensors"],
+                        }
+                    )
+                    print(
+                        f"{t:>10} rep {rep}: dense {ds:.3f}s {db / 1e6:.1f} MB | delta {xs:.3f}s "
+                        f"{xb / 1e6:.2f} MB density {d['density']:.4f} {d['tensors']}",
+                        flush=True,
+                    )
+
+            # every element changes: the client must fall back to dense, at a dense push's cost
+            every: list[tuple[float, float]] = []
+            for _ in range(args.repeats):
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(torch.full_like(p, 0.01))
+                ds, _, _ = push(False, "inline")
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(torch.full_like(p, 0.01))
+                xs, _, d = push(True, "inline")
+                every.append((ds, xs))
+            # the density sweep: where delta stops paying (bytes and time against dense)
+            sweep: list[dict[str, Any]] = []
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+            for dens in densities:
+                ds, db, _ = push(False, "inline")
+                with torch.no_grad():
+                    for p in params:
+                        flat = p.view(ints[p.element_size()]).view(-1)
+                        k = int(flat.numel() * dens)
+                        idx = torch.randperm(flat.numel(), generator=gen)[:k]
+                        flat[idx] ^= 1
+                xs, xb, d = push(True, "inline")
+                sweep.append(
+                    {
+                        "density": dens,
+                        "bytes_ratio": xb / db,
+                        "time_ratio": xs / ds,
+                        "kinds": d["tensors"],
+                    }
+                )
+                print(
+                    f"density {dens:>6}: bytes {xb / db:.3f}x, time {xs / ds:.3f}x {d['tensors']}",
+                    flush=True,
+                )
+            base_bytes = client.delta_base.nbytes
+            engine_rss = rss_mib(engine_pid)
+
+    summary: dict[str, Any] = {}
+    for t in transports:
+        mine = [r for r in rows if r["transport"] == t]
+        dense_s = statistics.median(r["dense_s"] for r in mine)
+        delta_s = statistics.median(r["delta_s"] for r in mine)
+        dense_b = statistics.median(r["dense_bytes"] for r in mine)
+        delta_b = statistics.median(r["delta_bytes"] for r in mine)
+        summary[t] = {
+            "dense_s": dense_s,
+            "delta_s": delta_s,
+            "time_ratio": delta_s / dense_s,
+            "dense_bytes": dense_b,
+            "delta_bytes": delta_b,
+            "bytes_ratio": delta_b / dense_b,
+            "density": statistics.median(r["density"] for r in mine),
+        }
+    every_ratio = statistics.median(x / d for d, x in every)
+    breakeven = next((s["density"] for s in sweep if s["time_ratio"] >= 1.0), None)
+    missed = []
+    for t, s in summary.items():
+        if s["bytes_ratio"] > BYTES_TARGET:
+            missed.append(f"{t}: delta bytes {s['bytes_ratio']:.3f}x dense > {BYTES_TARGET}")
+        if t in ("inline", "collective") and s["time_ratio"] > TIME_TARGET:
+            missed.append(f"{t}: delta push {s['time_ratio']:.3f}x dense > {TIME_TARGET}")
+    if every_ratio > DENSE_FALLBACK_TARGET:
+        missed.append(f"every element changed: delta push {every_ratio:.3f}x dense > {DENSE_FALLBACK_TARGET}")
+    out = {
+        "model_bytes": model_bytes,
+        "lr": args.lr,
+        "repeats": args.repeats,
+        "summary": summary,
+        "runs": rows,
+        "every_element_ratio": every_ratio,
+        "sweep": sweep,
+        "time_breakeven_density": breakeven,
+        "base_bytes": base_bytes,
+        "engine_rss_mib": engine_rss,
+        "missed": missed,
+        "machine": machine(),
+    }
+    print(f"\nmodel {model_bytes / 1e6:.0f} MB bf16, AdamW lr {args.lr}, medians of {args.repeats}")
+    print(
+        f"{'transport':>10} {'dense s':>8} {'delta s':>8} {'time':>7} {'dense MB':>9} {'delta MB':>9} {'bytes':>7} {'density':>8}"
+    )
+    for t, s in summary.items():
+        print(
+            f"{t:>10} {s['dense_s']:8.3f} {s['delta_s']:8.3f} {s['time_ratio']:6.3f}x "
+            f"{s['dense_bytes'] / 1e6:9.1f} {s['delta_bytes'] / 1e6:9.2f} {s['bytes_ratio']:6.3f}x "
+            f"{s['density']:8.4f}"
+        )
+    print(f"every element changed: delta push {every_ratio:.3f}x a dense push")
+    print(
+        f"delta stops paying (time) at density {breakeven if breakeven is not None else '> ' + str(densities[-1])}"
+    )
+    print(
+        f"base copy: {base_bytes / 1e6:.0f} MB on the trainer and on each engine (engine RSS {engine_rss:.0f} MiB)"
+    )
+    for m in missed:
+        print(f"MISSED: {m}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    if args.check and missed:
+        sys.exit(1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
