@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         p.add_(torch.full_like(p, 0.01))
                 xs, _, d = push(True, "inline")
                 every.append((ds, xs))
+                print(f"every element changed: dense {ds:.3f}s | delta {xs:.3f}s {d['tensors']}", flush=True)
             # the density sweep: where delta stops paying (bytes and time against dense)
             sweep: list[dict[str, Any]] = []
             ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "runs": rows,
         "every_element_ratio": every_ratio,
+        "every_element_runs": [{"dense_s": d, "delta_s": x} for d, x in every],
         "sweep": sweep,
         "time_breakeven_density": breakeven,
         "base_bytes": base_bytes,

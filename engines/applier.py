@@ -307,9 +307,13 @@ class Applier(threading.Thread):
         Delta patches are rebuilt on the base first (engines/delta.py); every loaded
         tensor is staged as the next base when the engine keeps one."""
         if _patched(metas):
-            tensors, rebuilt, skip = self.base.rebuild(metas, buf)
+            # an engine that digests its whole model (not what it received) may skip loading
+            # unchanged tensors its model already holds
+            tensors, rebuilt, skip = self.base.rebuild(metas, buf, skip_same=not self.verifier.parts)
             parts = None if parts is None else {**parts, **rebuilt}
-            if isinstance(self.engine, LoadsBuckets):
+            if not tensors:
+                pass  # every tensor unchanged and already in the model
+            elif isinstance(self.engine, LoadsBuckets):
                 dense, data = pack(tensors)
                 self.engine.load_bucket(dense, data.numpy(), parts=parts)
             else:

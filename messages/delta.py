@@ -11,6 +11,7 @@ before the tensor can reach a model. The encoder picks whichever is smallest: no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,46 +56,49 @@ class Encoded:
 
 
 def encode(
-    name: str, new: torch.Tensor, base: torch.Tensor, base_part: bytes, mode: Mode = "auto"
-) -> tuple[Encoded, bytes]:
+    name: str, new: torch.Tensor, base: torch.Tensor, base_part: Callable[[], bytes], mode: Mode = "auto"
+) -> tuple[Encoded, bytes | None]:
     """`new` against `base` (same dtype and shape, contiguous CPU): the smallest entry and
-    `new`'s digest part. mode: "sparse" or "xor" force that encoding when it is smaller
-    than dense (the benchmark measures each)."""
-    new_part = part(name, new)
+    `new`'s digest part (None for a dense entry: the bucket's packing hashes it anyway).
+    `base_part` gives the base's part (computed only when a patch needs it). mode:
+    "sparse" or "xor" force that encoding where it is smaller than dense (benchmarks)."""
     numel, item = new.numel(), new.element_size()
     dense = Encoded(None, new, numel)
-    if new_part == base_part:
-        return Encoded(Patch("same", base_part, new_part), torch.empty(0, dtype=torch.uint8), 0), new_part
     a, b = _ints(new), _ints(base)
-    if numel > SAMPLE:  # changed nearly everywhere: skip the full comparison
-        idx = torch.linspace(0, numel - 1, SAMPLE).long()
+    if numel > SAMPLE:  # changed nearly everywhere: dense, without a full comparison
+        idx = torch.arange(0, numel, numel // SAMPLE)[:SAMPLE]  # integers: exact at any size
         if (a[idx] != b[idx]).float().mean().item() > DENSE_SAMPLE_FRACTION:
-            return dense, new_part
+            return dense, None
+    if torch.equal(a, b):
+        bp = base_part()
+        return Encoded(Patch("same", bp, bp), torch.empty(0, dtype=torch.uint8), 0), bp
     where = (a != b).nonzero().reshape(-1)
     count = int(where.numel())
-    best, size = dense, numel * item
     index_dtype = torch.int32 if numel <= INDEX32_MAX else torch.int64
     sparse_size = count * (index_dtype.itemsize + item)
-    if mode in ("auto", "sparse") and sparse_size < size:
+    try_sparse = mode in ("auto", "sparse") and sparse_size < numel * item
+    try_xor = mode == "xor" or (mode == "auto" and sparse_size > numel * item // 16)
+    if not (try_sparse or try_xor):
+        return dense, None
+    bp, new_part = base_part(), part(name, new)
+    best, size = dense, numel * item
+    if try_sparse:
         data = torch.empty(sparse_size, dtype=torch.uint8)
         data[: count * index_dtype.itemsize].view(index_dtype).copy_(where)
         data[count * index_dtype.itemsize :].view(a.dtype).copy_(a[where])
-        best, size = Encoded(Patch("sparse", base_part, new_part, count), data, count), sparse_size
-    if mode == "xor" or (mode == "auto" and sparse_size > numel * item // 16):
+        best, size = Encoded(Patch("sparse", bp, new_part, count), data, count), sparse_size
+    if try_xor:
         # zstd pays where changes are dense but their XOR has few high bits set
         xored: Any = torch.bitwise_xor(a, b).view(torch.uint8).numpy()  # a buffer (its stubs say not)
-        packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xored)
+        packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).compress(xored)
         if len(packed) < size or (mode == "xor" and len(packed) < numel * item):
             data = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-            best, size = Encoded(Patch("xor", base_part, new_part), data, count), len(packed)
-    return best, new_part
+            best, size = Encoded(Patch("xor", bp, new_part), data, count), len(packed)
+    return best, (new_part if best.patch is not None else None)
 
 
-def rebuild(
-    meta: TensorMeta, raw: torch.Tensor, base: torch.Tensor | None, base_part: bytes | None
-) -> torch.Tensor:
-    """The full tensor `meta.patch` makes of `base` (raw: the patch's bytes, uint8 flat).
-    Returns a new tensor (`base` is left as it is); `same` returns `base` itself."""
+def check_base(meta: TensorMeta, base: torch.Tensor | None, base_part: bytes | None) -> torch.Tensor:
+    """`base` if `meta.patch` applies to it, else STALE_BASE (no, another, or a misshapen base)."""
     p = meta.patch
     if p is None:
         raise WeightSyncError(f"{meta.name}: not a patch", code=ErrorCode.INTERNAL)
@@ -108,19 +112,23 @@ def rebuild(
         raise WeightSyncError(
             f"{meta.name}: the base copy has another dtype or shape", code=ErrorCode.STALE_BASE
         )
-    if p.kind == "same":
-        return base
-    numel, item = base.numel(), base.element_size()
-    out = base.clone()
-    o = _ints(out)
+    return base
+
+
+def rebuild(
+    meta: TensorMeta, raw: torch.Tensor, base: torch.Tensor | None, base_part: bytes | None
+) -> torch.Tensor:
+    """The full tensor `meta.patch` makes of `base` (raw: the patch's bytes, uint8 flat).
+    Returns a new tensor (`base` is left as it is); `same` returns `base` itself."""
+    p = meta.patch
+    b = check_base(meta, base, base_part)
+    if p is None or p.kind == "same":
+        return b
+    out = b.clone()
     if p.kind == "sparse":
-        index_dtype = torch.int32 if numel <= INDEX32_MAX else torch.int64
-        cut = p.count * index_dtype.itemsize
-        idx = raw[:cut].view(index_dtype).long()
-        if p.count and (int(idx.min()) < 0 or int(idx.max()) >= numel):
-            raise WeightSyncError(f"{meta.name}: sparse patch index out of range", code=ErrorCode.BAD_MESSAGE)
-        o[idx] = raw[cut:].view(o.dtype)
+        patch_in_place(meta, raw, out)
     else:
+        numel, item = out.numel(), out.element_size()
         try:
             xored = zstandard.ZstdDecompressor().decompress(
                 raw.numpy().tobytes(), max_output_size=numel * item
@@ -134,10 +142,42 @@ def rebuild(
                 f"{meta.name}: xor patch inflates to {len(xored)} bytes, not {numel * item}",
                 code=ErrorCode.BAD_MESSAGE,
             )
+        o = _ints(out)
         o.bitwise_xor_(torch.frombuffer(bytearray(xored), dtype=torch.uint8).view(o.dtype))
     if part(meta.name, out) != p.result:
-        raise WeightSyncError(
-            f"{meta.name}: the patch rebuilt a tensor that is not the trainer's; nothing applied",
-            code=ErrorCode.CHECKSUM_MISMATCH,
-        )
+        raise wrong_rebuild(meta)
     return out
+
+
+def wrong_rebuild(meta: TensorMeta) -> WeightSyncError:
+    return WeightSyncError(
+        f"{meta.name}: the patch rebuilt a tensor that is not the trainer's; nothing applied",
+        code=ErrorCode.CHECKSUM_MISMATCH,
+    )
+
+
+Undo = tuple[torch.Tensor, torch.Tensor]  # (flat indices, the values they held)
+
+
+def patch_in_place(meta: TensorMeta, raw: torch.Tensor, target: torch.Tensor) -> Undo:
+    """Apply a sparse patch to `target` itself (its base); returns what `undo` needs.
+    The caller checks the result's part (and undoes on a mismatch)."""
+    p = meta.patch
+    numel = target.numel()
+    if p is None or p.kind != "sparse":
+        raise WeightSyncError(f"{meta.name}: not a sparse patch", code=ErrorCode.INTERNAL)
+    index_dtype = torch.int32 if numel <= INDEX32_MAX else torch.int64
+    cut = p.count * index_dtype.itemsize
+    idx = raw[:cut].view(index_dtype).long()
+    if p.count and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+        raise WeightSyncError(f"{meta.name}: sparse patch index out of range", code=ErrorCode.BAD_MESSAGE)
+    o = _ints(target)
+    old = o[idx].clone()
+    o[idx] = raw[cut:].view(o.dtype)
+    return idx, old
+
+
+def undo(target: torch.Tensor, u: Undo) -> None:
+    """Put back what `patch_in_place` overwrote."""
+    idx, old = u
+    _ints(target)[idx] = old

@@ -4,13 +4,15 @@ encoding of each pushed tensor against it.
 Rules: the copy is in host memory, one per tensor name, in the dtype and shape pushed
 (checkpoint format), with each tensor's digest part. A push encodes as it streams (one
 tensor at a time, no second model) and updates the copy in place, keeping what it
-overwrote (`undo`): the push's READY keeps the update (`commit`), any failure restores
-the copy exactly (`rollback`), so the copy always equals what the fleet serves. Memory:
-one model's bytes (`nbytes`), plus, during a push, the old values of what it changed.
+overwrote (`undo`): the push's READY keeps the update (`commit`); a failure restores the
+copy exactly where a patch changed it and drops what was overwritten whole (the next
+push sends those dense), so the copy never differs from what the fleet serves. Memory:
+one model's bytes (`nbytes`), plus, during a push, the old values of what it patched.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +20,11 @@ from typing import Any
 import torch
 
 from messages import delta
-from messages.buckets import Cast, Item, Patched, as_bytes
+from messages.buckets import Cast, Item, Patched, as_bytes, copy_bytes
 from messages.schema import INDEX32_MAX
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LOST = ("lost",)  # an undo marker: the old value was overwritten in place, drop the name
 
 
 def _host(t: torch.Tensor | Cast) -> tuple[torch.Tensor, bool]:
@@ -70,7 +73,7 @@ class DeltaStats:
 class DeltaBase:
     def __init__(self) -> None:
         self.version: int | None = None  # the version the copy holds (None: no copy yet)
-        self._t: dict[str, tuple[torch.Tensor, bytes]] = {}
+        self._t: dict[str, tuple[torch.Tensor, bytes | None]] = {}  # (tensor, its part when known)
         # name -> what to put back on failure: None (the name was new), the old entry,
         # or (flat indices, old values, old part) for a sparse change made in place
         self._undo: dict[str, Any] = {}
@@ -91,20 +94,20 @@ class DeltaBase:
             old = self._t.get(name)
             full = new.numel() * new.element_size()
             if old is None or old[0].dtype != new.dtype or old[0].shape != new.shape:
-                self._replace(name, new if owned else new.clone(), delta.part(name, new))
+                self._overwrite(name, new, owned, None)
                 self.stats.add("dense", full, full, new.numel(), new.numel())
                 yield name, new
                 continue
-            enc, part = delta.encode(name, new, old[0], old[1], mode)
+            enc, part = delta.encode(name, new, old[0], functools.partial(self._part, name), mode)
             if enc.patch is None:
-                self._replace(name, new if owned else new.clone(), part)
+                self._overwrite(name, new, owned, part)
                 self.stats.add("dense", full, full, enc.changed, new.numel())
                 yield name, new
                 continue
             if enc.patch.kind == "sparse":
-                self._patch_in_place(name, old, new, enc, part)
+                self._patch_in_place(name, self._t[name], new, enc, part)
             elif enc.patch.kind == "xor":
-                self._replace(name, new if owned else new.clone(), part)
+                self._overwrite(name, new, owned, part)
             self.stats.add(enc.patch.kind, int(enc.data.numel()), full, enc.changed, new.numel())
             yield name, Patched(enc.patch, enc.data, new.dtype, new.shape)
 
@@ -113,7 +116,7 @@ class DeltaBase:
         self.stats = DeltaStats()
         for name, t in named:
             new, owned = _host(t)
-            self._replace(name, new if owned else new.clone(), delta.part(name, new))
+            self._overwrite(name, new, owned, None)
             full = new.numel() * new.element_size()
             self.stats.add("dense", full, full, new.numel(), new.numel())
             yield name, new
@@ -125,13 +128,40 @@ class DeltaBase:
             pass
         self.commit(version)
 
-    def _replace(self, name: str, new: torch.Tensor, part: bytes) -> None:
+    def _part(self, name: str) -> bytes:
+        """The copy's digest part of `name` (hashed on first use: dense entries are not)."""
+        t, part = self._t[name]
+        if part is None:
+            part = delta.part(name, t)
+            self._t[name] = (t, part)
+        return part
+
+    def _overwrite(self, name: str, new: torch.Tensor, owned: bool, part: bytes | None) -> None:
+        """The copy of `name` becomes `new`: written into the copy's own memory when the
+        shape allows (a fresh model-sized allocation per push costs more in page faults
+        than the copy itself), else a new tensor. An overwritten tensor cannot be put
+        back: a failed push drops it from the copy (the next push sends it dense)."""
+        old = self._t.get(name)
+        if old is not None and old[0].shape == new.shape and old[0].dtype == new.dtype and not owned:
+            copy_bytes(as_bytes(old[0]), as_bytes(new))
+            if name not in self._undo:
+                self._undo[name] = _LOST
+            self._t[name] = (old[0], part)
+            return
+        self._replace(name, new if owned else new.clone(), part)
+
+    def _replace(self, name: str, new: torch.Tensor, part: bytes | None) -> None:
         if name not in self._undo:
             self._undo[name] = self._t.get(name)
         self._t[name] = (new, part)
 
     def _patch_in_place(
-        self, name: str, old: tuple[torch.Tensor, bytes], new: torch.Tensor, enc: delta.Encoded, part: bytes
+        self,
+        name: str,
+        old: tuple[torch.Tensor, bytes | None],
+        new: torch.Tensor,
+        enc: delta.Encoded,
+        part: bytes | None,
     ) -> None:
         ints = as_bytes(old[0]).view(_INT[new.element_size()])
         index = _index_dtype(new.numel())
@@ -149,7 +179,7 @@ class DeltaBase:
     def rollback(self) -> None:
         """The push failed: put the copy back exactly as the fleet still serves it."""
         for name, was in self._undo.items():
-            if was is None:
+            if was is None or was is _LOST:
                 self._t.pop(name, None)
             elif len(was) == 2:  # (tensor, part): the entry replaced
                 self._t[name] = was

@@ -112,7 +112,7 @@ def test_a_corrupted_patch_fails_the_sync_with_nothing_finalized(cluster, tiny_s
         good = step(w, 7)[name]
         wrong = good.clone()
         wrong.view(-1)[0] += 1.0  # the patch carries this, but claims to rebuild `good`
-        enc, _ = delta.encode(name, wrong, w[name], delta.part(name, w[name]))
+        enc, _ = delta.encode(name, wrong, w[name], lambda: delta.part(name, w[name]))
         assert enc.patch is not None and enc.patch.kind == "sparse"
         lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
         items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in w.items()]

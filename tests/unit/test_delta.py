@@ -54,11 +54,11 @@ def test_a_patch_rebuilds_the_new_tensor_bit_for_bit(dtype, n, frac, mode, seed)
     base = tensor(dtype, n, seed)
     new = changed(base, frac, seed + 1)
     bp = delta.part("w", base)
-    enc, new_part = delta.encode("w", new, base, bp, mode)
-    assert new_part == delta.part("w", new)
-    if enc.patch is None:  # dense: only where no patch is smaller
-        assert enc.data is new
+    enc, new_part = delta.encode("w", new, base, lambda: bp, mode)
+    if enc.patch is None:  # dense: only where no patch is smaller (its part: the packing's)
+        assert enc.data is new and new_part is None
         return
+    assert new_part == delta.part("w", new)
     assert enc.data.numel() < new.numel() * new.element_size() or enc.patch.kind == "same"
     meta = TensorMeta("w", schema_dtype(dtype), (n,), 0, int(enc.data.numel()), enc.patch)
     codec._check_tensors([meta], int(enc.data.numel()))  # what the codec checks on receipt
@@ -76,7 +76,7 @@ def _sparse_case():
     base = tensor(torch.bfloat16, 5000, 1)
     new = changed(base, 0.01, 2)
     bp = delta.part("w", base)
-    enc, _ = delta.encode("w", new, base, bp)
+    enc, _ = delta.encode("w", new, base, lambda: bp)
     assert enc.patch is not None and enc.patch.kind == "sparse"
     meta = TensorMeta("w", "bfloat16", (5000,), 0, int(enc.data.numel()), enc.patch)
     return base, new, bp, enc, meta
@@ -118,22 +118,29 @@ def test_the_codec_refuses_a_patch_whose_size_does_not_follow_from_its_kind():
         assert ei.value.code is ErrorCode.BAD_MESSAGE
 
 
-def test_the_trainers_copy_is_put_back_exactly_when_a_push_fails():
+def test_the_trainers_copy_is_put_back_exactly_or_dropped_when_a_push_fails():
     db = DeltaBase()
     w = {f"t{i}": tensor(torch.bfloat16, 3000, i) for i in range(4)}
     list(db.record(w.items()))
     db.commit(1)
     snapshot = {k: v.clone() for k, (v, _) in db._t.items()}
-    parts = {k: p for k, (_, p) in db._t.items()}
-    w2 = {"t0": changed(w["t0"], 0.01, 5), "t1": changed(w["t1"], 0.9, 6), "t2": w["t2"], "new": w["t3"]}
+    w2 = {
+        "t0": changed(w["t0"], 0.01, 5),
+        "t1": torch.randint(-32768, 32767, (3000,), dtype=torch.int16).view(torch.bfloat16),
+        "t2": w["t2"],
+        "new": w["t3"],
+    }
     kinds = {n: (x.patch.kind if isinstance(x, Patched) else "dense") for n, x in db.encode(w2.items())}
     assert kinds["t0"] == "sparse" and kinds["t2"] == "same" and kinds["new"] == "dense"
+    assert kinds["t1"] == "dense"  # random bits: dense, written over the copy in place
     db.rollback()
-    assert set(db._t) == set(snapshot)
-    for k, (v, p) in db._t.items():
-        assert torch.equal(v.view(torch.int16), snapshot[k].view(torch.int16)) and p == parts[k]
-    # committed instead, the copy is the new weights
-    list(db.encode(w2.items()))
+    assert set(db._t) == set(snapshot) - {"t1"}  # what was overwritten whole is dropped
+    for k, (v, _) in db._t.items():
+        assert torch.equal(v.view(torch.int16), snapshot[k].view(torch.int16))
+        assert db._part(k) == delta.part(k, snapshot[k])  # a part it kept is the tensor's
+    # committed instead, the copy is the new weights (t1 sent dense: no copy of it left)
+    kinds = {n: (x.patch.kind if isinstance(x, Patched) else "dense") for n, x in db.encode(w2.items())}
+    assert kinds["t1"] == "dense" and kinds["t0"] == "sparse"
     db.commit(2)
     assert db.version == 2 and torch.equal(db._t["t0"][0].view(torch.int16), w2["t0"].view(torch.int16))
 
@@ -217,3 +224,48 @@ def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(c
     ok = core_at(5)
     ok.handle(ev.BeginSync(Begin(sync_id="s2", version=6, base=5)), 2.0)
     assert ok.state.value == "LOADING_BUCKETS"
+
+
+def test_a_tensor_past_float32_precision_is_sampled_within_bounds():
+    n = (1 << 24) + 7  # float32 cannot count this far exactly
+    base = torch.zeros(n, dtype=torch.uint8)
+    new = base.clone()
+    new[-1] = 1
+    enc, _ = delta.encode("w", new, base, lambda: delta.part("w", base))
+    assert enc.patch is not None and enc.patch.kind == "sparse" and enc.changed == 1
+    every = torch.ones(n, dtype=torch.uint8)  # changed everywhere: the sample says dense
+    enc, _ = delta.encode("w", every, base, lambda: delta.part("w", base))
+    assert enc.patch is None
+
+
+def test_an_engines_in_place_patches_are_undone_exactly_and_unchanged_tensors_load_only_when_needed():
+    w1 = {"a": tensor(torch.bfloat16, 3000, 1), "b": tensor(torch.bfloat16, 3000, 2)}
+    db = DeltaBase()
+    (dense,) = iter_buckets(db.record(w1.items()), 1 << 20)
+    db.commit(1)
+    store = BaseStore(True)
+    tensors, _, skip = store.rebuild(dense.tensors, dense.frame())
+    store.stage_loaded(tensors, None, skip)
+    store.commit()  # finalized: the model holds the base
+    w2 = {"a": changed(w1["a"], 0.01, 3), "b": w1["b"]}
+    (p2,) = iter_buckets(db.encode(w2.items()), 1 << 20)
+    db.commit(2)
+    w3 = {"a": changed(w2["a"], 0.01, 4), "b": w1["b"]}
+    (p3,) = iter_buckets(db.encode(w3.items()), 1 << 20)
+    # two patches on the same base tensor in one sync (a replay), then an abort
+    loaded = [store.rebuild(p.tensors, p.frame(), skip_same=True)[0] for p in (p2, p3)]
+    assert [[n for n, _ in ts] for ts in loaded] == [["a"], ["a"]]  # "b" unchanged, in the model
+    assert torch.equal(loaded[1][0][1].view(torch.int16), w3["a"].view(torch.int16))
+    store.discard()
+    got, part = store._get("a")
+    assert got is not None and torch.equal(got.view(torch.int16), w1["a"].view(torch.int16))
+    assert part == delta.part("a", w1["a"])
+    # the aborted sync may have left its tensors in the model: "b" is loaded again now
+    tensors, _, _ = store.rebuild(p2.tensors, p2.frame(), skip_same=True)
+    assert [n for n, _ in tensors] == ["a", "b"]
+    store.discard()
+    # a dense tensor is staged into the base's own memory; an abort then drops it whole
+    tensors, _, skip = store.rebuild(dense.tensors, dense.frame())
+    store.stage_loaded(tensors, None, skip)
+    store.discard()
+    assert store._get("a") == (None, None) and store._get("b") == (None, None)

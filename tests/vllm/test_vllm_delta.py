@@ -91,7 +91,7 @@ def test_a_corrupted_patch_never_reaches_vllm(vllm_delta, tiny_state):
         good = step(w, 5)[name]
         wrong = good.clone()
         wrong.view(-1)[3] -= 1.0
-        enc, _ = delta.encode(name, wrong, w[name], delta.part(name, w[name]))
+        enc, _ = delta.encode(name, wrong, w[name], lambda: delta.part(name, w[name]))
         lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
         items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in w.items()]
         sid = client.begin(v + 1, base=v)["sync_id"]
