@@ -49,7 +49,8 @@ def run_demo(
             f"model: random Llama '{size}', {nparams / 1e6:.1f}M parameters, "
             f"{len(base)} tensors, saved to {model_dir} ({time.perf_counter() - t0:.1f}s)"
         )
-        engine_args = ["--threads", "1"] if backend == "torch" else []
+        delta = backend == "torch"  # torch engines keep a base copy: pushes may be deltas
+        engine_args = ["--threads", "1", "--delta-base"] if delta else []
         cluster = Cluster(workdir, model_dir, engines=engines, backend=backend, engine_args=engine_args)
         all_ok = True
         console.print(f"starting the daemon and {engines} {backend} engine(s)...")
@@ -63,6 +64,7 @@ def run_demo(
                 "version",
                 "buckets",
                 "MB",
+                "sent as",
                 "sync s",
                 "MB/s",
                 "digest",
@@ -71,12 +73,21 @@ def run_demo(
             ):
                 table.add_column(col)
             with cluster.client(timeout=60.0) as client:
-                for v in range(1, versions + 1):
-                    weights = dict(perturbed(base, v))
+                weights: dict[str, Any] = {}
+                for v in range(1, versions + 2 if delta else versions + 1):
+                    # the last version is a small step on the one before: a delta push
+                    weights = dict(perturbed(base, v)) if v <= versions else small_step(weights)
                     trainer.load_state_dict(weights)
                     probes = make_probes(trainer, PROMPTS, 8)
                     expected = [p.expected for p in probes]
-                    r = client.push(weights.items(), v, bucket_bytes=bucket_bytes, probes=probes)
+                    r = client.push(weights.items(), v, bucket_bytes=bucket_bytes, probes=probes, delta=delta)
+                    d = r.detail.get("delta")
+                    if d is None or d["base"] is None:
+                        sent = "dense"
+                    elif d["bytes"] >= 0.9 * d["dense_bytes"]:
+                        sent = "dense (changed everywhere)"
+                    else:
+                        sent = f"delta on v{d['base']}"
                     engine_probes = {e["engine_id"]: [tuple(x) for x in e["probes"]] for e in r.engines}
                     match = (
                         all(ps == expected for ps in engine_probes.values()) and len(engine_probes) == engines
@@ -86,7 +97,8 @@ def run_demo(
                     table.add_row(
                         str(v),
                         str(r.buckets),
-                        f"{r.bytes / 1e6:.1f}",
+                        f"{r.bytes / 1e6:.3f}",
+                        sent,
                         f"{r.seconds:.3f}",
                         f"{r.throughput / 1e6:.0f}",
                         r.digest[:12] + ("" if digests_ok else " MISMATCH"),
@@ -94,7 +106,7 @@ def run_demo(
                         ",".join(str(e["finalize_count"]) for e in r.engines),
                     )
                     console.print(
-                        f"version {v}: READY in {r.seconds:.3f}s, {r.bytes / 1e6:.1f} MB, "
+                        f"version {v}: READY in {r.seconds:.3f}s, {r.bytes / 1e6:.3f} MB ({sent}), "
                         f"{r.throughput / 1e6:.0f} MB/s; every engine's probe matches the "
                         f"trainer: {'yes' if match else 'NO'}"
                     )
@@ -115,3 +127,15 @@ def run_demo(
                 else:  # files and the daemon's ipc sockets
                     child.unlink(missing_ok=True)
             console.print(f"logs kept in {workdir / 'logs'}")
+
+
+def small_step(weights: dict[str, Any]) -> dict[str, Any]:
+    """An RL step's typical change: a few values of a few tensors, the rest bit-identical."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    out = {k: v.clone() for k, v in weights.items()}
+    for name in sorted(out)[:4]:
+        flat = out[name].view(-1)
+        flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 1000),), generator=g)] += 0.01
+    return out

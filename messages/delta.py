@@ -37,6 +37,26 @@ def _ints(t: torch.Tensor) -> torch.Tensor:
     return as_bytes(t).view(_INT[t.element_size()])
 
 
+COMPARE_CHUNK = 1 << 22  # elements compared at a time: a small reused mask, no model-sized one
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Flat indices where `a` and `b` (same-width integers) differ, in order."""
+    n = a.numel()
+    if n <= COMPARE_CHUNK:
+        return (a != b).nonzero().reshape(-1)
+    mask = torch.empty(COMPARE_CHUNK, dtype=torch.bool)
+    found = []
+    for lo in range(0, n, COMPARE_CHUNK):
+        hi = min(n, lo + COMPARE_CHUNK)
+        m = mask[: hi - lo]
+        torch.ne(a[lo:hi], b[lo:hi], out=m)
+        idx = m.nonzero().reshape(-1)
+        if idx.numel():
+            found.append(idx + lo)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.long)
+
+
 def part(name: str, t: torch.Tensor) -> bytes:
     """The tensor's digest part: what the weight digest is made of (`Digester`)."""
     h = Digester.start(name, t)
@@ -72,7 +92,7 @@ def encode(
     if torch.equal(a, b):
         bp = base_part()
         return Encoded(Patch("same", bp, bp), torch.empty(0, dtype=torch.uint8), 0), bp
-    where = (a != b).nonzero().reshape(-1)
+    where = _changed(a, b)
     count = int(where.numel())
     index_dtype = torch.int32 if numel <= INDEX32_MAX else torch.int64
     sparse_size = count * (index_dtype.itemsize + item)
