@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with cluster, cluster.client(timeout=120.0) as client:
             engine_pid = next(p.popen.pid for p in cluster.procs if p.name == "engine-0")
 
-            def push(delta: bool, transport: str) -> tuple[float, int, dict[str, Any]]:
+            phases: dict[tuple[str, str], list[dict[str, float]]] = {}
+
+            def push(delta: bool, transport: str, main: bool = False) -> tuple[float, int, dict[str, Any]]:
                 nonlocal version
                 version += 1
                 t0 = time.perf_counter()
@@ -121,15 +123,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise SystemExit(f"push of version {version} ended {r.state}")
                 if not delta:  # the next delta is against this version, as a trainer's would be
                     client.delta_base.adopt(weights(), version)
+                where = {
+                    **{f"trainer_{k}": v for k, v in r.detail["trainer_phases"].items()},
+                    **{f"engine_{k}": v for k, v in r.engines[0].get("phases", {}).items()},
+                }
+                if main:  # the per-transport rows (not the fallback or the sweep)
+                    phases.setdefault(("delta" if delta else "dense", transport), []).append(where)
                 return seconds, r.bytes, r.detail.get("delta", {})
 
             push(True, "inline")  # warm-up; the first delta push is dense and keeps the copy
             for rep in range(args.repeats):
                 for t in transports:
                     train_step()
-                    ds, db, _ = push(False, t)
+                    ds, db, _ = push(False, t, main=True)
                     train_step()
-                    xs, xb, d = push(True, t)
+                    xs, xb, d = push(True, t, main=True)
                     if d.get("base") is None:
                         raise SystemExit(f"delta push on {t} went dense: {d}")
                     rows.append(
@@ -207,6 +215,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "density": statistics.median(r["density"] for r in mine),
         }
     every_ratio = statistics.median(x / d for d, x in every)
+    where_time = {
+        f"{kind} {t}": {
+            k: statistics.median(p.get(k, 0.0) for p in ps) for k in sorted({k for p in ps for k in p})
+        }
+        for (kind, t), ps in phases.items()
+        if t in transports
+    }
     breakeven = next((s["density"] for s in sweep if s["time_ratio"] >= 1.0), None)
     missed = []
     for t, s in summary.items():
@@ -224,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": rows,
         "every_element_ratio": every_ratio,
         "every_element_runs": [{"dense_s": d, "delta_s": x} for d, x in every],
+        "phases": where_time,
         "sweep": sweep,
         "time_breakeven_density": breakeven,
         "base_bytes": base_bytes,
@@ -241,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{s['dense_bytes'] / 1e6:9.1f} {s['delta_bytes'] / 1e6:9.2f} {s['bytes_ratio']:6.3f}x "
             f"{s['density']:8.4f}"
         )
+    print("where a push's time goes (medians, seconds; the trainer's and the engine's phases overlap):")
+    for key, ph in where_time.items():
+        print(f"  {key:>16}: " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items() if v >= 0.01))
     print(f"every element changed: delta push {every_ratio:.3f}x a dense push")
     print(
         f"delta stops paying (time) at density {breakeven if breakeven is not None else '> ' + str(densities[-1])}"

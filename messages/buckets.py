@@ -84,6 +84,13 @@ class Patched:
     def element_size(self) -> int:
         return 1
 
+    def covered(self) -> int:
+        """The bytes of the tensor it patches (what a bucket's size counts: see iter_buckets)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
 
 Item = torch.Tensor | Cast | Patched
 
@@ -203,7 +210,9 @@ def iter_buckets(
         if not isinstance(t, (torch.Tensor, Cast, Patched)):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
-        nbytes = t.numel() * t.element_size()
+        # A patch counts as the tensor it covers: a delta push is cut where the dense one
+        # would be, so its first bucket leaves (and engines start) while the rest encodes.
+        nbytes = t.covered() if isinstance(t, Patched) else t.numel() * t.element_size()
         if pending and _aligned(size) + nbytes > bucket_bytes:
             yield _pack(seq, pending, alloc, digester)
             seq += 1

@@ -269,3 +269,14 @@ def test_an_engines_in_place_patches_are_undone_exactly_and_unchanged_tensors_lo
     store.stage_loaded(tensors, None, skip)
     store.discard()
     assert store._get("a") == (None, None) and store._get("b") == (None, None)
+
+
+def test_a_delta_push_is_cut_into_buckets_where_the_dense_push_would_be():
+    w = {f"t{i}": tensor(torch.float32, 4096, i) for i in range(8)}  # 16 KiB each
+    db = DeltaBase()
+    dense = list(iter_buckets(db.record(w.items()), 40 << 10))
+    db.commit(1)
+    w2 = {k: changed(v, 0.001, 3) for k, v in w.items()}
+    patched = list(iter_buckets(db.encode(w2.items()), 40 << 10))
+    assert [[m.name for m in b.tensors] for b in patched] == [[m.name for m in b.tensors] for b in dense]
+    assert len(patched) == 4 and all(m.patch is not None for b in patched for m in b.tensors)
