@@ -281,9 +281,8 @@ class Applier(threading.Thread):
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds)
         if msg.shm is not None and isinstance(self.engine, LoadsShm) and not _patched(msg.tensors):
-            self.engine.load_shm(
-                msg.tensors, msg.shm, msg.checksum, parts=v.parts
-            )  # its workers read the slot
+            # its workers read the slot (a delta's patches are rebuilt here first, below)
+            self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
             if self.base.enabled:
                 self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return

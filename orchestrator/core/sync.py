@@ -140,7 +140,7 @@ def _check_base(m: Model, msg: Begin) -> None:
             why = "keeps no base copy (start it with --delta-base)"
         elif x.state != E.READY or x.version != served:
             why = f"is {x.state.value} at version {x.version}"
-        elif msg.transport == "collective" and not x.collective_stream:
+        elif msg.collective is not None and not x.collective_stream:  # may be planned collective
             why = "receives collective buckets in its own workers, which rebuild no patch"
         if why is not None:
             raise m.error(

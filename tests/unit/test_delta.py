@@ -210,6 +210,7 @@ def core_at(version: int, *, delta: bool = True, chain: int = 0, spool: bool = T
         ({"delta": False}, "engine e keeps no base copy"),
         ({"chain": 2}, "max_delta_chain 2"),
         ({"spooled_other": True}, "the spool does not hold version 5"),
+        ({"collective": True}, "engine e receives collective buckets in its own workers"),
     ],
 )
 def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(case, why):
@@ -217,8 +218,13 @@ def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(c
     if case.get("spooled_other"):
         o.spooled = Spooled(4, "d", 1)
     before = (o.state, o.last_ready_version, o.sync)
+    offer = (
+        schema.CollectiveOffer(host="127.0.0.1", port=29500, session="t") if case.get("collective") else None
+    )
     with pytest.raises(WeightSyncError) as ei:
-        o.handle(ev.BeginSync(Begin(sync_id="s2", version=6, base=case.get("base", 5))), 2.0)
+        o.handle(
+            ev.BeginSync(Begin(sync_id="s2", version=6, base=case.get("base", 5), collective=offer)), 2.0
+        )
     assert ei.value.code is ErrorCode.STALE_BASE and why in ei.value.message
     assert (o.state, o.last_ready_version, o.sync) == before
     ok = core_at(5)
