@@ -32,11 +32,11 @@ from engines.base import (
     ReportsPhases,
     TakesDigestParts,
 )
-from engines.delta import BaseStore, pack
+from engines.delta import BaseStore
 from engines.prefetch import Prefetcher
 from engines.verify import Verifier
 from messages import schema, stream
-from messages.buckets import unpack
+from messages.buckets import iter_buckets, unpack
 from messages.checksums import checksum
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
@@ -313,8 +313,8 @@ class Applier(threading.Thread):
             if not tensors:
                 pass  # every tensor unchanged and already in the model
             elif isinstance(self.engine, LoadsBuckets):
-                dense, data = pack(tensors)
-                self.engine.load_bucket(dense, data.numpy(), parts=parts)
+                (dense,) = iter_buckets(tensors, 2**62)  # all in one dense bucket
+                self.engine.load_bucket(dense.tensors, dense.frame(), parts=parts)
             else:
                 self.engine.load(tensors)
             self.base.stage_loaded(tensors, parts, skip)

@@ -19,9 +19,7 @@ from typing import Any
 import torch
 
 from messages import delta
-from messages.buckets import ALIGN, as_bytes, copy_bytes, flat_bytes
-from messages.dtypes import DTYPES, dtype_name
-from messages.schema import TensorMeta
+from messages.buckets import as_bytes, copy_bytes, flat_bytes, unpack
 
 
 class BaseStore:
@@ -110,8 +108,7 @@ class BaseStore:
         for m in metas:
             raw = flat[m.offset : m.offset + m.nbytes]
             if m.patch is None:
-                dtype = DTYPES[m.dtype]
-                out.append((m.name, (raw.view(dtype) if dtype != torch.uint8 else raw).reshape(m.shape)))
+                out.extend(unpack((m,), buf))
                 continue
             base, base_part = self._get(m.name)
             parts[m.name] = m.patch.result
@@ -143,19 +140,3 @@ class BaseStore:
         for name, t in tensors:
             if name not in skip:
                 self.stage(name, t, None if parts is None else parts.get(name))
-
-
-def pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[TensorMeta, ...], torch.Tensor]:
-    """Dense bucket bytes and metas of `tensors` (for engines that load whole buckets)."""
-    metas: list[TensorMeta] = []
-    offset = 0
-    flats = []
-    for name, t in tensors:
-        raw = as_bytes(t)
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, int(raw.numel())))
-        flats.append(raw)
-        offset = (offset + int(raw.numel()) + ALIGN - 1) // ALIGN * ALIGN
-    data = torch.zeros(offset, dtype=torch.uint8)
-    for m, raw in zip(metas, flats, strict=True):
-        copy_bytes(data[m.offset : m.offset + m.nbytes], raw)
-    return tuple(metas), data

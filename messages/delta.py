@@ -32,7 +32,7 @@ DENSE_SAMPLE_FRACTION = 0.5
 ZSTD_LEVEL = 1  # level 1: ~1 GB/s on the mostly-zero XOR of a small step; higher barely shrinks it
 
 
-def _ints(t: torch.Tensor) -> torch.Tensor:
+def ints(t: torch.Tensor) -> torch.Tensor:
     """`t`'s elements as integers of the same width, flat (a view, no copy)."""
     return as_bytes(t).view(_INT[t.element_size()])
 
@@ -84,7 +84,7 @@ def encode(
     "sparse" or "xor" force that encoding where it is smaller than dense (benchmarks)."""
     numel, item = new.numel(), new.element_size()
     dense = Encoded(None, new, numel)
-    a, b = _ints(new), _ints(base)
+    a, b = ints(new), ints(base)
     if numel > SAMPLE:  # changed nearly everywhere: dense, without a full comparison
         idx = torch.arange(0, numel, numel // SAMPLE)[:SAMPLE]  # integers: exact at any size
         if (a[idx] != b[idx]).float().mean().item() > DENSE_SAMPLE_FRACTION:
@@ -162,7 +162,7 @@ def rebuild(
                 f"{meta.name}: xor patch inflates to {len(xored)} bytes, not {numel * item}",
                 code=ErrorCode.BAD_MESSAGE,
             )
-        o = _ints(out)
+        o = ints(out)
         o.bitwise_xor_(torch.frombuffer(bytearray(xored), dtype=torch.uint8).view(o.dtype))
     if part(meta.name, out) != p.result:
         raise wrong_rebuild(meta)
@@ -191,7 +191,7 @@ def patch_in_place(meta: TensorMeta, raw: torch.Tensor, target: torch.Tensor) ->
     idx = raw[:cut].view(index_dtype).long()
     if p.count and (int(idx.min()) < 0 or int(idx.max()) >= numel):
         raise WeightSyncError(f"{meta.name}: sparse patch index out of range", code=ErrorCode.BAD_MESSAGE)
-    o = _ints(target)
+    o = ints(target)
     old = o[idx].clone()
     o[idx] = raw[cut:].view(o.dtype)
     return idx, old
@@ -200,4 +200,4 @@ def patch_in_place(meta: TensorMeta, raw: torch.Tensor, target: torch.Tensor) ->
 def undo(target: torch.Tensor, u: Undo) -> None:
     """Put back what `patch_in_place` overwrote."""
     idx, old = u
-    _ints(target)[idx] = old
+    ints(target)[idx] = old

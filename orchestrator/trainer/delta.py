@@ -23,7 +23,6 @@ from messages import delta
 from messages.buckets import Cast, Item, Patched, as_bytes, copy_bytes
 from messages.schema import INDEX32_MAX
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LOST = ("lost",)  # an undo marker: the old value was overwritten in place, drop the name
 
 
@@ -163,7 +162,7 @@ class DeltaBase:
         enc: delta.Encoded,
         part: bytes | None,
     ) -> None:
-        ints = as_bytes(old[0]).view(_INT[new.element_size()])
+        ints = delta.ints(old[0])
         index = _index_dtype(new.numel())
         where = enc.data[: enc.changed * index.itemsize].view(index).long()
         if name not in self._undo:
@@ -186,7 +185,7 @@ class DeltaBase:
             else:  # (indices, old values, old part): a sparse change made in place
                 where, values, part = was
                 t = self._t[name][0]
-                as_bytes(t).view(_INT[t.element_size()])[where] = values
+                delta.ints(t)[where] = values
                 self._t[name] = (t, part)
         self._undo = {}
 
