@@ -9,7 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from examples.launch import Cluster
+from messages import delta
+from messages.buckets import Patched, iter_buckets
+from messages.errors import WeightSyncError
+from messages.schema import Patch
 
 FAST_DAEMON = ["--engine-timeout", "3", "--log-level", "debug"]
 
@@ -72,3 +79,37 @@ def slow():
         yield item
 c.push(slow(), version, bucket_bytes=64 * 1024, transport=transport)
 """
+
+
+def small_step(
+    weights: dict[str, Any], seed: int, tensors: int = 3, elements: int = 50, by: float = 0.01
+) -> dict[str, Any]:
+    """A small optimizer step: `elements` values of `tensors` tensors change, the rest not."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in weights.items()}
+    for n in [n for n in sorted(out) if out[n].numel() > 1000][:tensors]:
+        flat = out[n].view(-1)
+        flat[torch.randint(0, flat.numel(), (elements,), generator=g)] += by
+    return out
+
+
+def push_lying_delta(
+    client: Any, weights: dict[str, Any], version: int, seed: int, at: int, by: float
+) -> WeightSyncError:
+    """Push `version + 1` as a delta on `version` (which the fleet serves as `weights`) whose
+    one patch claims to rebuild a small step of a tensor but rebuilds that step with
+    element `at` moved by `by`: bucket checksums right, rebuild wrong. Returns the error."""
+    name = sorted(n for n in weights if weights[n].numel() > 1000)[0]
+    good = small_step(weights, seed)[name]
+    wrong = good.clone()
+    wrong.view(-1)[at] += by
+    enc, _ = delta.encode(name, wrong, weights[name], lambda: delta.part(name, weights[name]))
+    assert enc.patch is not None and enc.patch.kind == "sparse"
+    lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
+    items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in weights.items()]
+    sid = client.begin(version + 1, base=version)["sync_id"]
+    with pytest.raises(WeightSyncError) as ei:
+        for b in iter_buckets(items, 1 << 20):
+            client.send_bucket(sid, b)
+        client.finish(sid, 1)
+    return ei.value

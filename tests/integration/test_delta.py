@@ -8,16 +8,14 @@ import json
 import time
 
 import pytest
-import torch
 
 from engines.torch_engine import greedy, load_model
 from examples.tiny import perturbed
-from messages import delta
-from messages.buckets import Patched, digest, iter_buckets
+from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
-from messages.schema import Patch, Probe
+from messages.schema import Probe
 
-from .helpers import running_daemon, ws
+from .helpers import push_lying_delta, running_daemon, small_step, ws
 
 PROMPTS = [(1, 17, 42, 99), (1, 250, 3)]
 _versions = itertools.count(1)
@@ -27,18 +25,6 @@ def probes_for(model_dir, weights):
     m = load_model(model_dir)
     m.load_state_dict(weights)
     return [Probe(p, 6, greedy(m, p, 6)) for p in PROMPTS]
-
-
-def step(weights, seed, tensors=3, elements=50):
-    """A small optimizer step: `elements` values of `tensors` tensors change, the rest not."""
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v.clone() for k, v in weights.items()}
-    names = [n for n in sorted(out) if out[n].numel() > 1000][:tensors]
-    for n in names:
-        flat = out[n].view(-1)
-        idx = torch.randint(0, flat.numel(), (elements,), generator=g)
-        flat[idx] += 0.01
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +74,7 @@ def test_a_delta_push_serves_the_digest_and_generation_of_the_same_weights(
         assert first.detail["delta"]["base"] is None and first.detail["delta"]["tensors"] == {"dense": len(w)}
         for mode, kind in (("auto", "sparse"), ("xor", "xor")):
             v2 = v + 1
-            w2 = step(w, v2)
+            w2 = small_step(w, v2)
             probes = probes_for(tiny_model_dir, w2)
             r = client.push(list(w2.items()), v2, delta=True, delta_mode=mode, probes=probes)
             d = r.detail["delta"]
@@ -108,21 +94,9 @@ def test_a_corrupted_patch_fails_the_sync_with_nothing_finalized(cluster, tiny_s
         w = dict(perturbed(tiny_state, v))
         client.push(list(w.items()), v, delta=True)
         before = {e["engine_id"]: e for e in client.status()["engines"]}
-        name = sorted(n for n in w if w[n].numel() > 1000)[0]
-        good = step(w, 7)[name]
-        wrong = good.clone()
-        wrong.view(-1)[0] += 1.0  # the patch carries this, but claims to rebuild `good`
-        enc, _ = delta.encode(name, wrong, w[name], lambda: delta.part(name, w[name]))
-        assert enc.patch is not None and enc.patch.kind == "sparse"
-        lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
-        items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in w.items()]
-        sid = client.begin(v + 1, base=v)["sync_id"]
-        with pytest.raises(WeightSyncError) as ei:
-            for b in iter_buckets(items, 1 << 20):
-                client.send_bucket(sid, b)
-            client.finish(sid, 1)
-        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
-        assert "rebuilt a tensor that is not the trainer's" in ei.value.message
+        err = push_lying_delta(client, w, v, seed=7, at=0, by=1.0)
+        assert err.code is ErrorCode.CHECKSUM_MISMATCH
+        assert "rebuilt a tensor that is not the trainer's" in err.message
         st = wait_ready(client, v)
         for e in st["engines"]:  # still at v, digest unchanged: v + 1 finalized nowhere
             assert (e["version"], e["digest"]) == (v, before[e["engine_id"]]["digest"])
@@ -138,11 +112,11 @@ def test_a_delta_against_a_stale_base_is_refused_then_pushed_dense(cluster, tiny
             a.begin(v + 2, base=v)
         assert ei.value.code is ErrorCode.STALE_BASE
         assert f"the delta applies to version {v}, the fleet serves {v + 1}" in ei.value.message
-        w = step(dict(perturbed(tiny_state, v + 1)), 3)
+        w = small_step(dict(perturbed(tiny_state, v + 1)), 3)
         r = a.push(list(w.items()), v + 2, delta=True)  # refused, then dense
         assert r.state == "READY" and r.detail["delta"]["base"] is None
         assert r.digest == digest(w.items())
-        r = a.push(list(step(w, 4).items()), v + 3, delta=True)  # the dense push is the new base
+        r = a.push(list(small_step(w, 4).items()), v + 3, delta=True)  # the dense push is the new base
         assert r.detail["delta"]["base"] == v + 2 and "sparse" in r.detail["delta"]["tensors"]
 
 
@@ -161,15 +135,15 @@ def test_a_delta_sync_failing_half_way_is_rolled_back_to_the_exact_previous_vers
         v = fresh_version(cluster)
         w = dict(perturbed(tiny_state, v))
         client.push(list(w.items()), v, delta=True)
-        w1 = step(w, 11)
+        w1 = small_step(w, 11)
         client.push(list(w1.items()), v + 1, delta=True)  # the spool: v dense + one delta
-        w2 = step(w1, 12, tensors=8)
+        w2 = small_step(w1, 12, tensors=8)
         with pytest.raises(RuntimeError, match="crashed"):
             client.push(Breaks(w2.items()), v + 2, delta=True, bucket_bytes=64 * 1024)
         st = wait_ready(client, v + 1)
         assert {e["digest"] for e in st["engines"]} == {digest(w1.items())}
         # the trainer's copy was put back exactly: the next delta rebuilds right everywhere
-        w3 = step(w1, 13)
+        w3 = small_step(w1, 13)
         r = client.push(list(w3.items()), v + 2, delta=True)
         assert r.detail["delta"]["base"] == v + 1 and r.digest == digest(w3.items())
 
@@ -180,7 +154,7 @@ def test_an_engine_rejoining_after_three_delta_versions_serves_the_right_digest(
         w = dict(perturbed(tiny_state, v))
         client.push(list(w.items()), v, delta=True)
         for k in (1, 2, 3):
-            w = step(w, 20 + k)
+            w = small_step(w, 20 + k)
             r = client.push(list(w.items()), v + k, delta=True)
             assert r.detail["delta"]["base"] == v + k - 1
         assert client.status()["spool"]["chain"] >= 3
@@ -195,7 +169,7 @@ def test_an_engine_rejoining_after_three_delta_versions_serves_the_right_digest(
             time.sleep(0.2)
         assert (rejoined["pid"], rejoined["version"], rejoined["digest"]) == (pid, v + 3, digest(w.items()))
         # its base came from the replay: the next delta rebuilds there too
-        w = step(w, 30)
+        w = small_step(w, 30)
         r = client.push(list(w.items()), v + 4, delta=True)
         assert r.detail["delta"]["base"] == v + 3 and {e["digest"] for e in r.engines} == {digest(w.items())}
 
@@ -207,7 +181,7 @@ def test_an_engine_without_a_base_copy_is_named_and_the_push_goes_dense(tmp_path
         with pytest.raises(WeightSyncError) as ei:
             client.begin(2, base=1)
         assert ei.value.code is ErrorCode.STALE_BASE and "engine-0 keeps no base copy" in ei.value.message
-        w = step(w, 2)
+        w = small_step(w, 2)
         r = client.push(list(w.items()), 2, delta=True)
         assert r.state == "READY" and r.detail["delta"]["base"] is None and r.digest == digest(w.items())
 
@@ -219,39 +193,22 @@ def test_the_cli_pushes_a_checkpoint_as_a_delta_against_the_one_the_fleet_serves
 
     v = fresh_version(cluster)
     w = dict(perturbed(tiny_state, v))
-    w2 = step(w, 40)
+    w2 = small_step(w, 40)
     for name, weights in (("old", w), ("new", w2)):
         (tmp_path / name).mkdir()
         save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp_path / name / "model.safetensors"))
-    r = ws("push", str(tmp_path / "old"), "--version", str(v), "--addr", cluster.addr, "--json")
-    assert r.returncode == 0, r.stderr
-    r = ws(
-        "push",
-        str(tmp_path / "new"),
-        "--version",
-        str(v + 1),
-        "--addr",
-        cluster.addr,
-        "--delta-from",
-        str(tmp_path / "old"),
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+
+    def push(ckpt: str, version: int, *extra: str) -> dict:
+        r = ws(
+            "push", str(tmp_path / ckpt), "--version", str(version), "--addr", cluster.addr, "--json", *extra
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    push("old", v)
+    out = push("new", v + 1, "--delta-from", str(tmp_path / "old"))
     assert out["delta"]["base"] == v and out["delta"]["tensors"]["sparse"] == 3
     assert out["bytes"] < out["delta"]["dense_bytes"] / 50 and out["digest"] == digest(w2.items())
     # against a checkpoint the fleet does not serve: the engines refuse it, the push goes dense
-    r = ws(
-        "push",
-        str(tmp_path / "old"),
-        "--version",
-        str(v + 2),
-        "--addr",
-        cluster.addr,
-        "--delta-from",
-        str(tmp_path / "old"),
-        "--json",
-    )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = push("old", v + 2, "--delta-from", str(tmp_path / "old"))
     assert out["delta"]["base"] is None and out["digest"] == digest(w.items())

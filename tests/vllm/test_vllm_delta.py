@@ -7,16 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engines.torch_engine import load_model
 from examples.launch import Cluster
 from examples.tiny import perturbed
-from messages import delta
-from messages.buckets import Patched, digest, iter_buckets
+from messages.buckets import digest
 from messages.canary import make_probes
-from messages.errors import ErrorCode, WeightSyncError
-from messages.schema import Patch
+from messages.errors import ErrorCode
+from tests.integration.helpers import push_lying_delta, small_step
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -25,15 +23,6 @@ def probes_for(model_dir, weights, n=6):
     m = load_model(model_dir)
     m.load_state_dict(weights)
     return make_probes(m, PROMPTS, n)
-
-
-def step(weights, seed, tensors=3, elements=50):
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v.clone() for k, v in weights.items()}
-    for n in [n for n in sorted(out) if out[n].numel() > 1000][:tensors]:
-        flat = out[n].view(-1)
-        flat[torch.randint(0, flat.numel(), (elements,), generator=g)] += 0.05
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +58,7 @@ def test_a_delta_push_into_vllm_serves_the_digest_and_generation_of_the_same_wei
         v = (client.status()["last_ready_version"] or 0) + 1
         w = dict(perturbed(tiny_state, v))
         client.push(list(w.items()), v, delta=True, transport=transport)
-        w2 = step(w, v)
+        w2 = small_step(w, v, by=0.05)
         probes = probes_for(tiny_model_dir, w2)
         r = client.push(list(w2.items()), v + 1, delta=True, transport=transport, probes=probes)
         d = r.detail["delta"]
@@ -87,19 +76,8 @@ def test_a_corrupted_patch_never_reaches_vllm(vllm_delta, tiny_state):
         w = dict(perturbed(tiny_state, v))
         client.push(list(w.items()), v, delta=True)
         before = client.status()["engines"][0]
-        name = sorted(n for n in w if w[n].numel() > 1000)[0]
-        good = step(w, 5)[name]
-        wrong = good.clone()
-        wrong.view(-1)[3] -= 1.0
-        enc, _ = delta.encode(name, wrong, w[name], lambda: delta.part(name, w[name]))
-        lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
-        items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in w.items()]
-        sid = client.begin(v + 1, base=v)["sync_id"]
-        with pytest.raises(WeightSyncError) as ei:
-            for b in iter_buckets(items, 1 << 20):
-                client.send_bucket(sid, b)
-            client.finish(sid, 1)
-        assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
+        err = push_lying_delta(client, w, v, seed=5, at=3, by=-1.0)
+        assert err.code is ErrorCode.CHECKSUM_MISMATCH
         st = client.wait_ready(v, timeout=120)
         after = client.status()["engines"][0]
         assert st == {"vllm-0": v} and (after["version"], after["digest"]) == (v, before["digest"])
