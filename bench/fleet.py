@@ -170,7 +170,8 @@ class SimFleet:
         while True:
             st = self.cluster.status(timeout=5.0)
             live = [e for e in st["engines"] if e["state"] != "LOST"]
-            if len(live) >= n:
+            subscribed = not st["daemon"].get("fanout_addr") or st["daemon"]["fanout_subscribers"] >= n
+            if len(live) >= n and subscribed:  # and, with a fan-out, subscribed to it
                 return st
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(live)}/{n} simulated engines registered in {timeout}s")

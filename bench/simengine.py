@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from messages import codec, schema, stream
+from messages import codec, fanout, schema, stream
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError
 from messages.progress import Progress
@@ -71,6 +71,7 @@ class SimEngine:
     last_report: float = 0.0
     reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
     stream: schema.OpenStream | None = None  # the collective stream it takes part in, until it answers
+    fan: fanout.Receiver | None = None  # its subscription to the daemon's fan-out
 
     def unreported(self) -> bool:
         return self.progress is not None and self.progress.unreported()
@@ -93,6 +94,7 @@ class Fleet:
         faults: dict[str, str] | None = None,
         ctx: zmq.Context[Any] | None = None,
         data_plane: str = "",
+        use_fanout: bool = True,
     ) -> None:
         self.connect = connect
         self.digests = digests
@@ -100,6 +102,8 @@ class Fleet:
         self.ctx = ctx or zmq.Context.instance()
         self.engines = [SimEngine(i, (faults or {}).get(i, "")) for i in ids]
         self.by_sock: dict[Any, SimEngine] = {}
+        self.by_sub: dict[Any, SimEngine] = {}
+        self.use_fanout = use_fanout
         self.poller = zmq.Poller()
         self.stopped = False
         self.host = pysocket.gethostname()
@@ -125,6 +129,10 @@ class Fleet:
         self._send(e, self._register(e))
 
     def _close(self, e: SimEngine) -> None:
+        if e.fan is not None and e.fan.sock is not None:
+            self.poller.unregister(e.fan.sock)
+            del self.by_sub[e.fan.sock]
+            e.fan.close()
         if e.sock is None:
             return
         self.poller.unregister(e.sock)
@@ -147,6 +155,7 @@ class Fleet:
             collective_ranks=1,
             collective_backends=("gloo",),
             collective_stream=self.sub is not None,
+            fanout=self.use_fanout,
         )
 
     @staticmethod
@@ -168,10 +177,15 @@ class Fleet:
             now = time.monotonic()
             wait = min(next_hb) - now
             if any(e.unreported() for e in self.engines):
-                wait = min(wait, REPORT_INTERVAL)
+                wait = min(wait, min(self._interval(e) for e in self.engines if e.unreported()))
             for sock, _ in self.poller.poll(max(0, int(min(wait, 0.2) * 1000))):
                 if sock is self.sub:
                     self._headers()
+                    continue
+                sub_of = self.by_sub.get(sock)
+                if sub_of is not None and sub_of.fan is not None:
+                    for load, payload in sub_of.fan.recv_all():
+                        self._load(sub_of, load, payload)
                     continue
                 e = self.by_sock.get(sock)
                 while e is not None and e.sock is sock:
@@ -182,7 +196,7 @@ class Fleet:
                     self._on_message(e, frames)
             now = time.monotonic()
             for i, e in enumerate(self.engines):
-                if e.unreported() and now - e.last_report >= REPORT_INTERVAL:
+                if e.unreported() and now - e.last_report >= self._interval(e):
                     self._report(e, now)
                 if e.dead_until is not None and now >= e.dead_until:
                     e.dead_until = None
@@ -192,6 +206,13 @@ class Fleet:
                 if now >= next_hb[i]:
                     next_hb[i] = now + self.heartbeat
                     self._send(e, schema.Heartbeat(engine_id=e.engine_id, id=self._id(e)))
+
+    @staticmethod
+    def _interval(e: SimEngine) -> float:
+        """Seconds between two reports of `e` in its running sync (the fan-out's, if any)."""
+        if e.fan is None or e.progress is None:
+            return REPORT_INTERVAL
+        return e.fan.report_interval(e.progress.sync_id)
 
     def stop(self) -> None:
         self.stopped = True
@@ -296,6 +317,8 @@ class Fleet:
         elif isinstance(msg, schema.Finalize):
             self._finalize(e, msg)
         elif isinstance(msg, schema.Abort):
+            if e.fan is not None:
+                e.fan.end(msg.sync_id)
             e.version, e.digest = None, None
             if e.stream is not None and e.stream.sync_id == msg.sync_id:
                 e.stream = None
@@ -305,6 +328,12 @@ class Fleet:
                 self._send(e, self._register(e))
         elif isinstance(msg, schema.Ok) and "daemon_state" in msg.body:
             e.reregister_sent = False
+            if isinstance(msg.body.get("fanout"), str) and (e.fan is None or e.fan.sock is None):
+                e.fan = e.fan or fanout.Receiver(self.ctx, e.engine_id)
+                sub = e.fan.open(msg.body["fanout"], self.connect)
+                if sub is not None:
+                    self.by_sub[sub] = e
+                    self.poller.register(sub, zmq.POLLIN)
         elif isinstance(msg, schema.Error) and msg.code == ErrorCode.DUPLICATE_ENGINE.value:
             self._close(e)
 
@@ -325,6 +354,8 @@ class Fleet:
             self._failed(e, msg, ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq} arrived corrupted")
             return
         if e.progress is None or e.progress.sync_id != msg.sync_id:
+            if e.progress is not None and e.fan is not None:
+                e.fan.end(e.progress.sync_id)  # superseded: its published buckets come no more
             e.progress = Progress(msg.sync_id)
         if (msg.sender, msg.seq) in e.progress.applied:  # a resend: say again that it is applied
             self._send(e, e.progress.again(msg.sender, msg.seq))
@@ -388,10 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     ap.add_argument("--fault", action="append", default=[], help="ENGINE_ID=KIND[:ARG]")
     ap.add_argument("--data-plane", default="", help="the trainer's PUB address of stream headers")
+    ap.add_argument("--no-fanout", action="store_true", help="take every bucket one send at a time")
     args = ap.parse_args(argv)
     faults = dict(f.split("=", 1) for f in args.fault)
     fleet = Fleet(
-        args.connect, args.ids.split(","), args.digests, args.heartbeat, faults, data_plane=args.data_plane
+        args.connect,
+        args.ids.split(","),
+        args.digests,
+        args.heartbeat,
+        faults,
+        data_plane=args.data_plane,
+        use_fanout=not args.no_fanout,
     )
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop())
     signal.signal(signal.SIGINT, lambda *_: fleet.stop())

@@ -10,7 +10,7 @@ Rules:
   run again. A resent bucket (same sync_id, sender, seq) is acknowledged, not re-applied.
 - A new sync_id starts the engine's `begin` lazily, on the first message of that sync.
 - Progress is cumulative and coalesced: `loaded {sender, seq: k}` says every bucket of
-  that sender up to seq k is applied, sent at most once per REPORT_INTERVAL (a failure
+  that sender up to seq k is applied, sent at most once per report interval (a failure
   goes at once), so the daemon reads a few reports per window, not one per bucket.
 - Every received frame is verified against its checksum again (end to end) before use.
 """
@@ -33,12 +33,11 @@ import zmq
 
 from engines.applier import Applier
 from engines.base import Engine, LabelsOutputs, ReceivesCollective
-from messages import codec, schema
+from messages import codec, fanout, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError
 from messages.link import Link
 from messages.progress import Progress
-from messages.schema import REPORT_INTERVAL
 from messages.shm import shm_available
 
 log = structlog.get_logger()
@@ -104,6 +103,8 @@ class Worker:
         self._reregister_sent = False
         self._outq: deque[list[Any]] = deque()
         self._last_report = 0.0
+        self.fanout = fanout.Receiver(self.ctx, self.engine_id, self.keys)
+        self.poller = zmq.Poller()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -137,6 +138,7 @@ class Worker:
             collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
             labels=isinstance(self.engine, LabelsOutputs),
             delta=self.delta_base,
+            fanout=True,
         )
 
     def _backends(self) -> tuple[Backend, ...]:
@@ -158,7 +160,7 @@ class Worker:
         link = Link(sock, self.connect, connect_timeout=0.0, reconnect_timeout=0.0)
         sock.connect(self.connect)
         self.sock = sock
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(sock, zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
         poller.register(link.monitor, zmq.POLLIN)
@@ -206,7 +208,8 @@ class Worker:
                     next_wait_note = time.monotonic() + 10.0
                 timeout = max(0.0, next_hb - time.monotonic())
                 if self._unreported():
-                    timeout = min(timeout, max(0.0, self._last_report + REPORT_INTERVAL - time.monotonic()))
+                    due = self._last_report + self._report_interval() - time.monotonic()
+                    timeout = min(timeout, max(0.0, due))
                 events = dict(poller.poll(int(min(timeout, 0.5) * 1000)))
                 if rfd in events:
                     try:
@@ -214,6 +217,9 @@ class Worker:
                     except BlockingIOError:
                         pass
                     self._drain_results(applier)
+                if self.fanout.sock is not None and self.fanout.sock in events:
+                    for load, payload in self.fanout.recv_all():
+                        self._on_load(load, payload, applier)
                 if sock in events:
                     for _ in range(256):
                         try:
@@ -231,6 +237,7 @@ class Worker:
             applier.join(timeout=30)
             applier.shutdown_collective()
             link.close()
+            self.fanout.close()
             sock.close(linger=1000)
             os.close(rfd)
             os.close(wfd)
@@ -286,14 +293,17 @@ class Worker:
     def _unreported(self) -> bool:
         return self.current is not None and self.current.progress.unreported()
 
+    def _report_interval(self) -> float:
+        return self.fanout.report_interval(self.current.sync_id) if self.current is not None else 0.0
+
     def _report(self) -> None:
         """Send how far each sender's buckets are applied, if that moved and the last
-        report is REPORT_INTERVAL old."""
+        report is a report interval old (REPORT_INTERVAL, or the fan-out's for a fleet)."""
         t = self.current
         if t is None or t.failed:
             return
         now = time.monotonic()
-        if now - self._last_report < REPORT_INTERVAL:
+        if now - self._last_report < self._report_interval():
             return
         for loaded in t.progress.reports():
             self._last_report = now
@@ -304,12 +314,25 @@ class Worker:
         if t is None:
             if self.current is not None:  # one sync at a time: a new one supersedes (a
                 applier.cancel_stream(self.current.sync_id)  # restarted daemon never aborts it)
+                self.fanout.end(self.current.sync_id)  # its published buckets come no more
             t = SyncTrack(msg.sync_id, msg.version, Progress(msg.sync_id))
             self.syncs = {msg.sync_id: t}  # only the running sync matters
             self.current = t
             self.version, self.digest = None, None  # weights are about to change
             applier.submit("begin", msg)
         return t
+
+    def _on_load(self, msg: schema.Load, payload: list[Any], applier: Applier) -> None:
+        """A bucket, sent to this engine or published to all."""
+        t = self._track(msg, applier)
+        key = (msg.sender, msg.seq)
+        if key in t.progress.applied:  # a resend: say again that it is applied
+            self._send(t.progress.again(msg.sender, msg.seq))
+            return
+        if key in t.queued or t.failed:
+            return
+        t.queued.add(key)
+        applier.accept(msg, payload[0] if payload else None)
 
     def _on_message(self, frames: list[Any], applier: Applier) -> None:
         try:
@@ -319,15 +342,7 @@ class Worker:
             return
         msg = decoded.msg
         if isinstance(msg, schema.Load):
-            t = self._track(msg, applier)
-            key = (msg.sender, msg.seq)
-            if key in t.progress.applied:  # a resend: say again that it is applied
-                self._send(t.progress.again(msg.sender, msg.seq))
-                return
-            if key in t.queued or t.failed:
-                return
-            t.queued.add(key)
-            applier.accept(msg, decoded.payload[0] if decoded.payload else None)
+            self._on_load(msg, decoded.payload, applier)
         elif isinstance(msg, schema.OpenStream):
             if msg.sync_id in self.syncs:  # a repeated open: the stream runs already
                 return
@@ -358,6 +373,7 @@ class Worker:
         elif isinstance(msg, schema.Commit):
             applier.submit("commit", msg)
         elif isinstance(msg, schema.Abort):
+            self.fanout.end(msg.sync_id)  # a published bucket arriving late starts nothing
             if msg.sync_id in self.syncs:
                 applier.cancel_stream(msg.sync_id)  # a stream in progress stops receiving now
                 applier.submit("abort", msg)
@@ -371,6 +387,17 @@ class Worker:
                     applier.cancel_stream(self.current.sync_id)
                 self._send(self._register_msg())
             elif "daemon_state" in msg.body:
+                if isinstance(msg.body.get("fanout"), str):
+                    old = self.fanout.sock
+                    if (
+                        old is not None
+                        and fanout.connect_address(msg.body["fanout"], self.connect) != self.fanout.addr
+                    ):
+                        self.poller.unregister(old)  # the daemon moved its fan-out
+                    sub = self.fanout.open(msg.body["fanout"], self.connect)
+                    if sub is not None:
+                        self.poller.register(sub, zmq.POLLIN)
+                        log.info("fanout_subscribed", engine_id=self.engine_id, addr=self.fanout.addr)
                 self.registered = True
                 self._reregister_sent = False
                 log.info(

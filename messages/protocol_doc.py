@@ -39,7 +39,7 @@ SECTIONS = [
     ),
     (
         "Orchestrator -> engine",
-        (schema.Load, schema.OpenStream, schema.Finalize, schema.Commit, schema.Abort),
+        (schema.Load, schema.OpenStream, schema.FanoutOpen, schema.Finalize, schema.Commit, schema.Abort),
     ),
     (
         "Nested",

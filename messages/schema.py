@@ -19,7 +19,7 @@ from msgspec import Meta
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
@@ -40,6 +40,7 @@ MAX_ID_LEN = 128
 MAX_NAME_LEN = 1024
 MAX_TEXT_LEN = 4096
 MAX_TENSORS_PER_BUCKET = 65536
+MAX_FLEET = 65536  # engines named in one message
 MAX_SPEC = 1 << 20
 MAX_RANK = 16
 MAX_SENDERS = 1024
@@ -339,6 +340,9 @@ class Register(Message, frozen=True, tag="register"):
     labels: bool = False
     # keeps a base copy of the served version's tensors and rebuilds delta patches on it
     delta: bool = False
+    # v4: takes inline and shm buckets from the daemon's fan-out (one publish per bucket
+    # for the whole fleet); the register reply then names the address (`fanout`)
+    fanout: bool = False
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
@@ -434,6 +438,21 @@ class OpenStream(Message, frozen=True, tag="stream"):
     id: RequestId = 0
 
 
+class FanoutOpen(Message, frozen=True, tag="fanout"):
+    """v4, orchestrator -> engines on the fan-out, the first message of a sync there: who
+    takes this sync's published buckets, inline (bytes attached) or by shared memory. An
+    engine named in neither takes none of them (it gets its buckets one by one, if any)."""
+
+    sync_id: Id
+    version: Version
+    inline: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = ()
+    shm: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = ()
+    # seconds between two progress reports of one engine during this sync: longer for a
+    # larger fleet, so that the daemon's report load stays bounded
+    report_interval: Annotated[float, Meta(ge=REPORT_INTERVAL, le=1.0)] = REPORT_INTERVAL
+    id: RequestId = 0
+
+
 class Finalize(Message, frozen=True, tag="finalize"):
     sync_id: Id
     version: Version
@@ -469,6 +488,7 @@ for _cls in (
     Committed,
     Load,
     OpenStream,
+    FanoutOpen,
     Finalize,
     Commit,
 ):

@@ -102,6 +102,11 @@ def config_show(
 def serve(
     bind: Optional[str] = typer.Option(None, help=f"trainer socket (default {DEFAULT_ADDR})"),
     engine_bind: Optional[str] = typer.Option(None, help=f"engine socket (default {DEFAULT_ENGINE_ADDR})"),
+    fanout_bind: Optional[str] = typer.Option(
+        None,
+        help="where engines take published buckets (default beside the engine socket: "
+        "its TCP port + 1, or PATH.fanout; 'off': one send per engine)",
+    ),
     state_db: Optional[str] = typer.Option(
         None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
     ),
@@ -140,6 +145,7 @@ def serve(
     s = _settings(
         bind=bind,
         engine_bind=engine_bind,
+        fanout_bind=fanout_bind,
         state_db=state_db,
         min_engines=min_engines,
         engine_timeout=engine_timeout,

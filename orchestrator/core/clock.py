@@ -59,7 +59,10 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
     if m.state == S.LOADING_BUCKETS:
         late = [k for k, b in s.buckets.items() if not b.done and now - b.forwarded_at > lim.bucket_timeout]
         if late:
-            slow = sorted(set(s.participants) - s.buckets[late[0]].acked_by)
+            (sender, seq), rec = late[0], s.buckets[late[0]]
+            slow = sorted(
+                x for x in s.participants if s.through.get((x, sender), -1) < seq and x not in rec.acked_by
+            )
             return m.error(
                 ErrorCode.TIMEOUT,
                 f"bucket seq {late[0][1]} not applied within {lim.bucket_timeout}s by {slow}",

@@ -15,6 +15,7 @@ Rules: as in `sync`: refuse first (changing nothing), then act.
 from __future__ import annotations
 
 from messages.errors import ErrorCode
+from messages.schema import ParamSpec
 from orchestrator.core.events import EngineGone, EngineRegistered, Heartbeat
 from orchestrator.core.model import Model
 from orchestrator.core.records import EngineRecord
@@ -68,7 +69,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         digest=msg.digest,
         finalize_count=msg.finalize_count,
         last_seen=m.now,
-        spec={p.name: p for p in msg.spec},
+        spec=_shared_spec(m, msg.spec),
         cast_ok=msg.cast_ok,
         collective_ranks=msg.collective_ranks,
         collective_backends=tuple(msg.collective_backends),
@@ -89,6 +90,13 @@ def register(m: Model, event: EngineRegistered) -> None:
         "daemon_state": m.state.value,
         "version": m.served_version,
     }
+
+
+def _shared_spec(m: Model, spec: tuple[ParamSpec, ...]) -> dict[str, ParamSpec]:
+    """The spec as a dict, the same object for every engine that sent the same spec."""
+    if len(m.specs) > 256:  # engines of many models (or one re-registering oddly): start over
+        m.specs.clear()
+    return m.specs.setdefault(tuple(spec), {p.name: p for p in spec})
 
 
 def heartbeat(m: Model, event: Heartbeat) -> None:

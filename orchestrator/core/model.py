@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.schema import Probe
+from messages.schema import ParamSpec, Probe
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     CatchUpDone,
@@ -59,6 +59,9 @@ class Model:
         self.served_digest = served_digest
         self.dirty = dirty
         self.engines: dict[str, EngineRecord] = {}
+        # one dict per distinct registered spec, shared by the engines that sent it, so a
+        # bucket is checked once per model, not once per engine
+        self.specs: dict[tuple[ParamSpec, ...], dict[str, ParamSpec]] = {}
         self.sync: SyncRecord | None = None
         self.last_sync: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(history, maxlen=self.limits.history)
@@ -92,7 +95,7 @@ class Model:
     def participant(self, engine_id: str, sync_id: str) -> SyncRecord | None:
         """The running sync, if `engine_id` takes part in it (and is not lost)."""
         s = self.sync
-        if s is None or s.sync_id != sync_id or engine_id not in s.participants:
+        if s is None or s.sync_id != sync_id or engine_id not in s.members:
             return None
         x = self.engines.get(engine_id)
         return None if x is None or x.state == E.LOST else s

@@ -11,6 +11,14 @@ from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
 
 
+class Epoch:
+    """Bumped whenever an engine record is made or changes state: a sync's cache of its
+    live participants is good while the count it was made at holds (it only grows, so a
+    stale cache is never taken for a fresh one)."""
+
+    value = 0
+
+
 @dataclass(eq=False, slots=True)
 class EngineRecord:
     engine_id: str
@@ -35,9 +43,13 @@ class EngineRecord:
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
 
+    def __post_init__(self) -> None:
+        Epoch.value += 1
+
     def move(self, trigger: str) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
         self.state = engine_move(self.state, trigger)
+        Epoch.value += 1
 
     def view(self) -> dict[str, Any]:
         return {
@@ -133,6 +145,41 @@ class SyncRecord:
     # and answer once with `prepared`; the daemon sees no bucket of it (unless it spools).
     stream: bool = False
     prepared: dict[str, Prepared] = field(default_factory=dict)
+    members: frozenset[str] = field(init=False)  # the participants, for membership tests
+    forwarded: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it forwarded
+    low: dict[int, int] = field(default_factory=dict)  # sender -> the lowest live engine's mark
+    _marks: dict[int, dict[int, int]] = field(default_factory=dict)  # sender -> {mark: engines}
+    _marks_at: int = field(init=False, default=-1)  # the Epoch `_marks` was counted at
+    _alive: tuple[tuple[str, ...], frozenset[str]] = field(init=False)
+    _alive_at: int = field(init=False, default=-1)  # the Epoch `_alive` was made at
+
+    def __post_init__(self) -> None:
+        self.members = frozenset(self.participants)
+
+    def marks(self, sender: int, alive: frozenset[str]) -> tuple[dict[int, int], int]:
+        """How many live participants stand at each of `sender`'s marks (every bucket up
+        to it applied; -1: none), and the lowest mark the buckets are done through. Counted
+        again only after an engine changed (Epoch); a lowest mark never moves down."""
+        if self._marks_at != Epoch.value:
+            self._marks, self._marks_at = {}, Epoch.value
+        counts = self._marks.get(sender)
+        low = self.low.get(sender, -1)
+        if counts is None:
+            counts = self._marks[sender] = {}
+            for x in alive:
+                k = self.through.get((x, sender), -1)
+                counts[k] = counts.get(k, 0) + 1
+            low = max(low, min(counts, default=low))
+        return counts, low
+
+    def alive(self, engines: dict[str, EngineRecord]) -> tuple[tuple[str, ...], frozenset[str]]:
+        """The participants not lost, in order and as a set: made again only after an
+        engine changed (Epoch), so a fleet's per-bucket and per-report work stays O(1)."""
+        if self._alive_at != Epoch.value:
+            live = tuple(x for x in self.participants if engines[x].state != EngineState.LOST)
+            self._alive, self._alive_at = (live, frozenset(live)), Epoch.value
+        return self._alive
+
     chain: int | None = None  # the trainer's, from its finish
     finished_at: float | None = None  # when the last sender finished (the prepare deadline runs)
 

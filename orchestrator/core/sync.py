@@ -199,6 +199,10 @@ def bucket(m: Model, event: BucketIn) -> None:
     _check_spec(m, s, msg)
     s.last_activity, s.trainer_lost_at = m.now, None
     s.buckets[key] = BucketRecord(event.nbytes, m.now)
+    k = s.forwarded.get(msg.sender, -1)
+    while (msg.sender, k + 1) in s.buckets:
+        k += 1
+    s.forwarded[msg.sender] = k
     s.nbytes += event.nbytes
     s.names.update(t.name for t in msg.tensors)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
@@ -206,7 +210,7 @@ def bucket(m: Model, event: BucketIn) -> None:
         m.outbox.append(ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True))
         m.outbox.append(AckBucket(s.sync_id, key, _advance_acked(s, msg.sender)))
         return
-    alive = tuple(x for x in s.participants if m.engines[x].state != E.LOST)
+    alive = s.alive(m.engines)[0]
     m.outbox.append(
         ForwardBucket(
             s.sync_id,
@@ -263,11 +267,14 @@ def _check_route(m: Model, s: SyncRecord, event: BucketIn) -> None:
 
 
 def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
-    """Refuse a bucket some participant would refuse, before any engine sees it."""
+    """Refuse a bucket some participant would refuse, before any engine sees it (once
+    per distinct spec and cast rule: a fleet of one model costs one check)."""
+    seen: set[tuple[int, bool]] = set()
     for eid in s.participants:
         x = m.engines[eid]
-        if not x.spec:
+        if not x.spec or (id(x.spec), x.cast_ok) in seen:
             continue
+        seen.add((id(x.spec), x.cast_ok))
         for t in msg.tensors:
             spec = x.spec.get(t.name)
             if spec is None:
@@ -290,9 +297,11 @@ def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
 def loaded(m: Model, event: Loaded) -> None:
     """`loaded {seq: k, also}` is cumulative: every bucket of that sender up to seq k is
     applied, and so are those in `also` (ahead of a gap). Engines coalesce their reports;
-    the daemon keeps a high-water mark per engine and sender, so a report costs what it
-    newly covers, and a bucket is compared with the live participants only once enough of
-    them applied it. Acknowledgements to the trainer are cumulative too (`AckBucket.through`)."""
+    the daemon keeps a high-water mark per engine and sender, and how many live engines
+    stand at each mark (`SyncRecord.marks`): a bucket is done once the lowest mark passes
+    it, so a report costs O(1) plus the buckets it completes, whatever the fleet's size
+    (only a seq in `also` is compared with every live participant). Acknowledgements to
+    the trainer are cumulative too (`AckBucket.through`)."""
     eid, (sender, through) = event.engine_id, event.key
     c = m.catchup_of(eid, event.sync_id)
     if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
@@ -308,25 +317,34 @@ def loaded(m: Model, event: Loaded) -> None:
         return  # late: nothing to do
     mark = (eid, sender)
     prev = s.through.get(mark, -1)
-    if through <= prev and not event.also:
+    new = min(through, s.forwarded.get(sender, -1))  # never forwarded: the mark stops before it
+    if new <= prev and not event.also:
         return  # a repeated report
     m.engines[eid].last_seen = m.now
-    covered: list[int] = []
-    for seq in range(prev + 1, through + 1):
-        if (sender, seq) not in s.buckets:  # never forwarded: the mark stops before it
-            break
-        s.through[mark] = seq
-        covered.append(seq)
-    covered.extend(q for q in event.also if q > s.through.get(mark, -1))
-    alive: set[str] | None = None
-    for seq in covered:
-        rec = s.buckets.get((sender, seq))
-        if rec is None or rec.done or eid in rec.acked_by:
+    alive = s.alive(m.engines)[1]
+    counts, low = s.marks(sender, alive)
+    if new > prev:
+        s.through[mark] = new
+        counts[prev] -= 1
+        if not counts[prev]:
+            del counts[prev]
+        counts[new] = counts.get(new, 0) + 1
+    cur = max(new, prev)
+    ahead: list[int] = []
+    for q in event.also:
+        rec = s.buckets.get((sender, q))
+        if q <= cur or rec is None or rec.done or eid in rec.acked_by:
             continue
         rec.acked_by.add(eid)
-        if alive is None:
-            alive = {x for x in s.participants if m.engines[x].state != E.LOST}
-        if len(rec.acked_by) >= len(alive) and alive <= rec.acked_by:
+        if all(s.through.get((x, sender), -1) >= q or x in rec.acked_by for x in alive):
+            ahead.append(q)
+    lowest = low
+    while lowest < cur and lowest not in counts:  # up to the next mark someone stands at
+        lowest += 1
+    s.low[sender] = lowest
+    for seq in [*range(low + 1, lowest + 1), *ahead]:
+        rec = s.buckets[(sender, seq)]
+        if not rec.done:
             rec.done = True
             m.outbox.append(AckBucket(s.sync_id, (sender, seq), _advance_acked(s, sender)))
 

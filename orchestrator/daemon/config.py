@@ -22,6 +22,9 @@ class ConfigError(ValueError):
 class Settings:
     bind: str = DEFAULT_ADDR
     engine_bind: str = DEFAULT_ENGINE_ADDR
+    # the fan-out engines take inline and shm buckets from (one publish per bucket):
+    # "" = beside the engine socket (ipc://P.fanout, or tcp port + 1), "off" = none
+    fanout_bind: str = ""
     state_db: str = "weightsync-state.db"
     min_engines: int = 1
     engine_timeout: float = 15.0

@@ -305,8 +305,9 @@ class Dispatcher:
     def _count_applied(self, engine_id: str, buckets: int, seconds: float) -> None:
         """Buckets an engine reports applied (coalesced `loaded`, or a stream's `prepared`)."""
         if buckets:
-            self.metrics.apply_seconds.labels(engine_id).inc(seconds)
-            self.metrics.buckets_applied.labels(engine_id).inc(buckets)
+            seconds_c, buckets_c = self.metrics.applied(engine_id)
+            seconds_c.inc(seconds)
+            buckets_c.inc(buckets)
 
     async def register(self, ident: bytes, msg: schema.Register) -> None:
         event = ev.EngineRegistered(
@@ -342,7 +343,10 @@ class Dispatcher:
             version=msg.version,
             state=res.reply.get("state") if res.reply else None,
         )
-        self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply or {}))
+        body = dict(res.reply or {})
+        if msg.fanout and "fanout" in self.transport.bound:  # v4: where to take published buckets
+            body["fanout"] = self.transport.bound["fanout"]
+        self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=body))
         await self.effects.execute(res.commands, trigger="register")
 
     async def engine_disconnected(self, ident: bytes) -> None:

@@ -20,11 +20,13 @@ import msgspec
 import structlog
 
 from messages import codec, schema
+from messages import fanout as messages_fanout
 from messages.errors import ErrorCode, MessageError, make_error
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.core.records import GroupPlan, Spooled
+from orchestrator.daemon import fanout
 from orchestrator.daemon.inflight import Inflight
 from orchestrator.daemon.journal import Journal
 from orchestrator.daemon.metrics import Metrics
@@ -71,6 +73,7 @@ class Effects:
         self._tasks: set[asyncio.Task[None]] = set()
         self._refs_of = ""  # the group whose per-engine GroupRefs `_refs` holds
         self._refs: dict[str, schema.GroupRef] = {}
+        self._fanout: dict[str, fanout.Plan] = {}  # sync id -> who takes its buckets published
 
     @property
     def batches(self) -> int:
@@ -84,6 +87,8 @@ class Effects:
         (`then` is this input's own reply). A batch with something to persist continues
         in a task once the storage thread is done, so the loop serves on meanwhile; batches
         keep their order (each waits for the one before)."""
+        if not commands and then is None:  # most progress reports: nothing to do
+            return
         persist = [self._persist_job(c) for c in commands if isinstance(c, cmd.PERSIST)]
         persist += [job for c in commands if isinstance(c, cmd.ForwardBucket) for job in self._spool_job(c)]
         rest: list[cmd.Command] = [c for c in commands if not isinstance(c, cmd.PERSIST)]
@@ -293,7 +298,12 @@ class Effects:
         shm_engines = set(c.shm_engines)
         inline = codec.encode_header(load)
         by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
-        for eid in c.engine_ids:
+        pub_inline, pub_shm, rest = self._fanout_plan(c, shm_engines).route(c.engine_ids, shm_engines)
+        t = self.transport
+        if (pub_inline and not t.publish([inline, p.frame])) or (pub_shm and not t.publish([by_ref])):
+            self._fanout[m.sync_id].broken = True  # the socket failed: one send each from now
+            rest = list(c.engine_ids)  # (a bucket taken twice is applied once)
+        for eid in rest:
             if eid in shm_engines:
                 self.transport.send_engine(eid, [by_ref])
             else:
@@ -305,7 +315,28 @@ class Effects:
             nbytes=m.shm.size if m.shm else len(p.frame),
             engines=len(c.engine_ids),
             shm_engines=len(shm_engines),
+            published=pub_inline or pub_shm,
         )
+
+    def _fanout_plan(self, c: cmd.ForwardBucket, shm_engines: set[str]) -> fanout.Plan:
+        """The sync's fan-out plan, made (and its open published) at its first bucket."""
+        fan = self._fanout.get(c.sync_id)
+        if fan is not None:
+            return fan
+        fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)
+        while len(self._fanout) > 16:  # a sync that never completed here
+            self._fanout.pop(next(iter(self._fanout)))
+        if fan.used:
+            opening = schema.FanoutOpen(
+                sync_id=c.sync_id,
+                version=c.version,
+                inline=tuple(sorted(fan.inline)),
+                shm=tuple(sorted(fan.shm)),
+                report_interval=messages_fanout.report_interval(len(c.engine_ids)),
+            )
+            fan.broken = not self.transport.publish([codec.encode_header(opening)])
+            log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))
+        return fan
 
     def _ref(self, g: GroupPlan, eid: str) -> schema.GroupRef:
         """Engine `eid`'s GroupRef in `g` (made once per group and engine)."""
@@ -364,6 +395,7 @@ class Effects:
             log.info("shm_segments_swept", segments=len(swept))
         if self.publish is not None:
             self.publish()
+        self._fanout.pop(c.sync_id, None)
         route = self.inflight.routes.get(c.sync_id)
         owners = set(self.inflight.owners.get(c.sync_id, ()))
         buckets, finishes = self.inflight.close(c.sync_id)

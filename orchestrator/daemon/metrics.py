@@ -130,6 +130,7 @@ class Metrics:
             "Bucket bytes that passed through the daemon (inline frames, spool copies)",
             registry=r,
         )
+        self._applied: dict[str, tuple[Any, Any]] = {}  # engine id -> its two counters above
         self.snapshot: dict[str, Any] = {}
         self.snapshot_mono = time.monotonic()
         r.register(_Snapshot(self))
@@ -149,6 +150,17 @@ class Metrics:
     def publish(self, status: dict[str, Any]) -> None:
         """The loop hands over a fresh status dict (never mutated afterwards)."""
         self.snapshot, self.snapshot_mono = status, time.monotonic()
+
+    def applied(self, engine_id: str) -> tuple[Any, Any]:
+        """An engine's (apply seconds, buckets applied) counters, looked up once (a fleet's
+        progress reports come thousands a second)."""
+        c = self._applied.get(engine_id)
+        if c is None:
+            c = self._applied[engine_id] = (
+                self.apply_seconds.labels(engine_id),
+                self.buckets_applied.labels(engine_id),
+            )
+        return c
 
     def sync_ended(self, summary: dict[str, Any] | None) -> None:
         if not summary:

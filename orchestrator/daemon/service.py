@@ -27,7 +27,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from messages import schema
+from messages import fanout, schema
 from messages.errors import ErrorCode
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import Core, Limits, State
@@ -193,6 +193,10 @@ class Service:
         self.transport.bind(
             s.bind, s.engine_bind, 2 * max(s.max_frame_bytes, s.max_header_bytes), 2 * s.max_header_bytes
         )
+        if s.fanout_bind != "off":
+            self.transport.bind_fanout(
+                s.fanout_bind or fanout.bind_address(s.engine_bind), bool(s.fanout_bind)
+            )
         if s.metrics_bind:
             self.transport.bound["metrics"] = self.metrics.serve(s.metrics_bind)
             self.metrics.publish(self.status())
@@ -200,6 +204,7 @@ class Service:
             "daemon_started",
             trainer=self.transport.bound["trainer"],
             engine=self.transport.bound["engine"],
+            fanout=self.transport.bound.get("fanout"),
             metrics=self.transport.bound.get("metrics"),
             auth="curve" if self.transport.auth else "none",
             spool=s.spool or None,
@@ -246,6 +251,9 @@ class Service:
         monitors = [zmq.asyncio.Socket.from_socket(p.monitor) for p in (t.trainer_peers, t.engine_peers)]
         for m in monitors:
             poller.register(m, zmq.POLLIN)
+        subs = zmq.asyncio.Socket.from_socket(t.fanout) if t.fanout is not None else None
+        if subs is not None:
+            poller.register(subs, zmq.POLLIN)
         # Quiet (no sync, no recovery): the trainer socket wakes the loop at once, the
         # engines' (a fleet's heartbeats) are read every IDLE_COALESCE seconds in a batch,
         # so an idle daemon does not wake once per engine message.
@@ -253,6 +261,8 @@ class Service:
         quiet_poller.register(trainer_wait, zmq.POLLIN)
         for m in monitors:
             quiet_poller.register(m, zmq.POLLIN)
+        if subs is not None:
+            quiet_poller.register(subs, zmq.POLLIN)
         tick_ms = int(self.settings.tick_interval * 1000)
         last_tick = last_engines = time.monotonic()
         while not self._stop.is_set():
@@ -266,6 +276,8 @@ class Service:
                     events[engine_wait] = zmq.POLLIN
             else:
                 events = dict(await poller.poll(tick_ms))
+            if subs is not None and subs in events:  # engines' fan-out subscriptions
+                t.fanout_subscriptions()
             # Engines first: their acks free window slots the trainer is waiting on.
             if engine_wait in events:
                 last_engines = time.monotonic()
@@ -380,6 +392,9 @@ class Service:
             "uptime_s": round(time.time() - self.started, 3),
             "trainer_addr": bound.get("trainer"),
             "engine_addr": bound.get("engine"),
+            "fanout_addr": bound.get("fanout"),
+            # engines whose fan-out subscription is in place (they take published buckets)
+            "fanout_subscribers": len(self.transport.fanout_subs),
             "metrics_addr": bound.get("metrics"),
             "state_db": self.settings.state_db,
             "buckets_received": self.stats.buckets,

@@ -1,4 +1,5 @@
-"""The daemon's sockets: two ROUTERs, their peers, and the only code that sends on them.
+"""The daemon's sockets: two ROUTERs, their peers, the engines' fan-out (an XPUB, see
+messages/fanout.py), and the only code that sends on them.
 
 Rules: every method runs on the daemon's one event-loop task, which owns both sockets and
 their monitors (pyzmq sockets are not thread-safe). Sends never block: HWMs are 0 and
@@ -19,7 +20,7 @@ from typing import Any
 import structlog
 import zmq
 
-from messages import codec, schema
+from messages import codec, fanout, schema
 from messages.errors import WeightSyncError
 from orchestrator.daemon.auth import ServerAuth
 from orchestrator.daemon.peers import PeerTracker
@@ -76,6 +77,8 @@ class Transport:
         self.engine_ident: dict[str, bytes] = {}  # engine id -> the routing id it registered on
         self.ident_engine: dict[bytes, str] = {}
         self.bound: dict[str, str] = {}
+        self.fanout: zmq.Socket[Any] | None = None
+        self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
         self.trainer = self._router(trainer_addr, max_trainer_msg, "trainer")
@@ -102,11 +105,67 @@ class Transport:
             raise
         return sock
 
+    def bind_fanout(self, addr: str, explicit: bool) -> None:
+        """The fan-out's XPUB. A default address that cannot be bound (a port taken) leaves
+        the daemon without one, said in the log: engines then get one send each."""
+        if not addr:
+            return
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
+        if self.auth is not None:
+            self.auth.apply(sock, "engine")
+        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the trainers' windows, never a drop
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every engine's subscription, not only the first
+        sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription (a closed connection)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions only
+        sock.setsockopt(zmq.LINGER, 500)
+        try:
+            refuse_live_ipc(addr)
+            sock.bind(addr)
+        except (zmq.ZMQError, OSError) as exc:
+            sock.close(linger=0)
+            if explicit:
+                raise
+            log.warning("fanout_unavailable", addr=addr, error=str(exc))
+            return
+        self.fanout = sock
+        self.bound["fanout"] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def fanout_subscriptions(self) -> int:
+        """Read the subscriptions waiting on the fan-out: which engines can take published
+        buckets. Returns how many were read."""
+        n = 0
+        while self.fanout is not None:
+            try:
+                frame = self.fanout.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            sub = fanout.subscription(frame)
+            if sub is None:
+                continue
+            on, eid = sub
+            self.fanout_subs[eid] += 1 if on else -1
+            if self.fanout_subs[eid] <= 0:
+                del self.fanout_subs[eid]
+        return n
+
+    def fanout_live(self, engine_id: str) -> bool:
+        return self.fanout is not None and self.fanout_subs.get(engine_id, 0) > 0
+
+    def publish(self, frames: list[Any]) -> bool:
+        """One message to every engine subscribed to the fan-out (`DATA` prepended)."""
+        try:
+            self._send_now(self.fanout, [fanout.DATA, *frames])
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("fanout_unpublishable", error=str(exc))
+            return False
+
     def close(self) -> None:
         for peers in (self.trainer_peers, self.engine_peers):
             if peers is not None:
                 peers.close()
-        for sock in (self.trainer, self.engine):
+        for sock in (self.trainer, self.engine, self.fanout):
             if sock is not None:
                 sock.close(linger=500)
 

@@ -71,6 +71,40 @@ def test_listed_trainer_pushes_through_listed_engine(secured, tiny_state):
         assert r.state == "READY" and [e["digest"] for e in r.engines] == [digest(w.items())]
 
 
+def test_the_fanout_publishes_only_to_listed_engines(secured, tiny_state):
+    """The fan-out is CURVE like the engine socket: the listed engine subscribes and takes
+    the published buckets; a subscriber without keys, or with a trainer's, gets nothing."""
+    import zmq
+
+    addr = secured.status()["daemon"]["fanout_addr"]
+    subs = []
+    for keys in (None, client_keys(secured.keys, "trainer")):
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(sub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(addr)
+        subs.append(sub)
+    try:
+        deadline = time.monotonic() + 20
+        while secured.status()["daemon"]["fanout_subscribers"] < 1:  # the listed engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with secured.client(timeout=30.0) as c:
+            w = dict(perturbed(tiny_state, 1))
+            r = c.push(w.items(), (c.status()["last_ready_version"] or 0) + 1, transport="inline")
+            assert r.state == "READY" and [e["digest"] for e in r.engines] == [digest(w.items())]
+            assert c.status()["daemon"]["fanout_subscribers"] == 1
+        opened = [ln for ln in secured.procs[0].log_path.read_text().splitlines() if "fanout_opened" in ln]
+        assert any(r.sync_id in ln for ln in opened)  # the engine took this sync's buckets published
+        for sub in subs:
+            assert sub.poll(200) == 0  # nothing reached an unlisted subscriber
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+
+
 def test_plain_and_unlisted_peers_get_nothing(secured, tmp_path):
     assert refused(secured).code is ErrorCode.UNAUTHORIZED  # no CURVE at all
     generate(tmp_path / "other", ["intruder"], [])

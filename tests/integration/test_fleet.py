@@ -62,6 +62,7 @@ def test_the_collective_stream_costs_the_daemon_messages_per_engine_not_per_buck
     "transport,fault,code",
     [
         ("inline", "fail_at:120", ErrorCode.ENGINE_FAILED),
+        ("inline", "exit_at:120", ErrorCode.TIMEOUT),  # its bucket, named (the fan-out loses a member)
         ("inline", "wrong_digest", ErrorCode.ENGINE_FAILED),
         ("collective", "fail_at:120", ErrorCode.ENGINE_FAILED),
         ("collective", "exit_at:120", ErrorCode.ENGINE_FAILED),
@@ -130,3 +131,23 @@ def test_a_rejoin_storm_catches_every_engine_up(tmp_path):
         r = push(fleet, client, 2, "inline")
         assert r.state == "READY" and len(r.engines) == N
         assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("fan", [True, False], ids=["fanout", "fanout_off"])
+def test_inline_buckets_cost_the_daemon_one_publish_each_not_one_send_per_engine(tmp_path, fan):
+    """Inline: each bucket is published once on the fan-out, whatever the fleet's size
+    (libzmq copies it to each engine); `--fanout-bind off` sends it to each engine."""
+    args = [] if fan else ["--fanout-bind", "off"]
+    buckets = 400
+    with SimFleet(tmp_path, N, daemon_args=args) as fleet, fleet.client(timeout=60.0) as client:
+        weights = tiny_weights(buckets, 1)
+        fleet.write_digest(1, weights)
+        before = client.status()["daemon"]
+        r = client.push(weights, 1, bucket_bytes=64, window=32, transport="inline")
+        after = client.status()["daemon"]
+        assert r.state == "READY" and r.buckets == buckets and {e["digest"] for e in r.engines} == {r.digest}
+        sent = after["messages_sent"] - before["messages_sent"]
+        if fan:  # a publish per bucket, the trainer's acks, a few messages per engine
+            assert sent <= 2 * buckets + 4 * N + 16, sent
+        else:
+            assert sent >= N * buckets, sent

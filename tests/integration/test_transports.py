@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -125,3 +126,39 @@ def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_d
             time.sleep(0.1)
             leftover = [s for s in trainer_segments() if f".{p.pid}." in s]
         assert not leftover  # swept by the daemon
+
+
+def fanout_opens(cluster) -> list[dict]:
+    lines = cluster.procs[0].log_path.read_text(errors="replace").splitlines()
+    return [d for d in map(_json, lines) if d.get("event") == "fanout_opened"]
+
+
+def _json(line: str) -> dict:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return {}
+
+
+def test_each_bucket_is_published_once_per_kind_for_every_engine(tmp_path, tiny_model_dir, tiny_state):
+    """Two engines read shared memory, one takes frames: each bucket goes out once by
+    reference and once with its bytes, not once per engine; all three end on one digest."""
+    with running_daemon(tmp_path, tiny_model_dir, engines=2, min_engines=3) as cluster:
+        cluster.start_engine("engine-inline", ["--no-shm"])
+        cluster.wait_engines(3)
+        with cluster.client() as client:
+            deadline = time.monotonic() + 20
+            while client.status()["daemon"]["fanout_subscribers"] < 3:
+                assert time.monotonic() < deadline, client.status()["daemon"]
+                time.sleep(0.05)
+            for v, transport, per_bucket in ((1, "auto", 3), (2, "inline", 2)):
+                w = dict(perturbed(tiny_state, v))
+                before = client.status()["daemon"]["messages_sent"]
+                r = client.push(w.items(), v, bucket_bytes=16 * 1024, transport=transport)
+                sent = client.status()["daemon"]["messages_sent"] - before
+                assert r.detail["transport"] == ("mixed" if transport == "auto" else "inline")
+                assert {e["digest"] for e in r.engines} == {digest(w.items())} and len(r.engines) == 3
+                # publishes and the trainer's acks per bucket; finalize and replies per engine
+                assert r.buckets > 10 and sent <= per_bucket * r.buckets + 2 * 3 + 4, (sent, r.buckets)
+        opens = fanout_opens(cluster)
+        assert [(o["inline"], o["shm"]) for o in opens] == [(1, 2), (3, 0)], opens

@@ -1,0 +1,181 @@
+"""The daemon's fan-out (protocol v4): one publish per bucket for a whole fleet.
+
+On inline and shm syncs the daemon used to send every bucket to every engine, one send
+each: O(engines x buckets) of its CPU. With the fan-out it publishes each bucket once on
+an XPUB socket beside its engine socket, and libzmq's I/O thread copies it onto each
+engine's connection.
+
+Rules:
+- An engine subscribes its SUB to DATA (every published message) and then to LIVE + its
+  id. The XPUB passes each subscription up to the daemon, so the second one tells it that
+  this engine's subscription is in place: a bucket published from then on reaches it.
+- A sync's first published message is a `FanoutOpen` naming its participants (inline and
+  shm). An engine takes a published bucket only if that open named it for the bucket's
+  kind; the daemon sends one by one to every other engine (joined late, no fan-out) and,
+  once a named participant drops out of a bucket's targets, to everyone for the rest of
+  the sync.
+- The fan-out and the engine socket are two connections: the order between them is not
+  kept. An engine therefore drops published buckets of a sync it saw end (an `abort`, or
+  a newer sync begun), so a bucket that arrives late never starts a sync again.
+- The daemon's sends never drop (SNDHWM 0, bounded by each trainer's window, as on the
+  engine socket); a connection that breaks loses what was queued on it, like a ROUTER
+  peer's, and the sync's deadlines handle it.
+
+Torch-free: the engine worker and the fleet benchmark's simulated engines use `Receiver`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Any, Literal
+
+import zmq
+
+from messages import codec, schema
+from messages.errors import MessageError
+from messages.schema import REPORT_INTERVAL
+
+DATA = b"F"  # the topic of every published message
+LIVE = b"E"  # LIVE + engine id: "this engine's subscription is in place"
+ALLOWED = ("fanout", "load")
+KEPT = 8  # syncs whose open an engine remembers
+ENDED = 64  # syncs an engine remembers as ended
+REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, about
+REPORT_INTERVAL_MAX = 0.05
+
+Kind = Literal["inline", "shm"]
+
+
+def bind_address(engine_bind: str) -> str:
+    """The fan-out's default address beside the engine socket: `ipc://P` -> `ipc://P.fanout`,
+    `tcp://H:P` -> `tcp://H:P+1` (`tcp://H:0` -> `tcp://H:0`, a free port)."""
+    if engine_bind.startswith("ipc://"):
+        return engine_bind + ".fanout"
+    head, _, port = engine_bind.rpartition(":")
+    if engine_bind.startswith("tcp://") and port.isdigit():
+        return f"{head}:{int(port) + 1 if int(port) else 0}"
+    return ""
+
+
+def connect_address(announced: str, daemon: str) -> str:
+    """Where an engine connects for the fan-out the daemon announced: over TCP the host it
+    reaches the daemon by (the daemon may be bound to 0.0.0.0 or known by another name)
+    and the announced port; over IPC the announced path."""
+    if announced.startswith("tcp://") and daemon.startswith("tcp://"):
+        return f"{daemon.rpartition(':')[0]}:{announced.rpartition(':')[2]}"
+    return announced
+
+
+def report_interval(participants: int) -> float:
+    """Seconds between two progress reports of each of `participants` engines: REPORT_INTERVAL
+    up to 8 engines, then longer, so the fleet sends about REPORTS_PER_SECOND at most (each
+    costs the daemon tens of microseconds), capped at REPORT_INTERVAL_MAX."""
+    return min(REPORT_INTERVAL_MAX, max(REPORT_INTERVAL, participants / REPORTS_PER_SECOND))
+
+
+def live_topic(engine_id: str) -> bytes:
+    return LIVE + engine_id.encode()
+
+
+def subscription(frame: bytes) -> tuple[bool, str] | None:
+    """An XPUB subscription message -> (subscribed?, engine id), or None if it is not a
+    LIVE topic (DATA, or anything else a peer subscribed to)."""
+    if len(frame) < 2 or frame[0] not in (0, 1) or frame[1:2] != LIVE:
+        return None
+    try:
+        return frame[0] == 1, frame[2:].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def kind_of(msg: schema.Load) -> Kind:
+    return "shm" if msg.shm is not None else "inline"
+
+
+class Receiver:
+    """One engine's SUB socket on the daemon's fan-out, and which published buckets it
+    takes. Used by the thread that owns the engine's other sockets."""
+
+    def __init__(self, ctx: zmq.Context[Any], engine_id: str, keys: Any = None) -> None:
+        self.ctx = ctx
+        self.engine_id = engine_id
+        self.keys = keys  # messages.keys.ClientKeys, or None
+        self.sock: zmq.Socket[Any] | None = None
+        self.addr = ""
+        self.takes: OrderedDict[str, Kind | None] = OrderedDict()  # sync id -> what it takes
+        self.intervals: dict[str, float] = {}  # sync id -> its report interval (the open's)
+        self.ended: deque[str] = deque(maxlen=ENDED)
+        self.refused = 0  # published messages that did not decode
+        self.dropped = 0  # published buckets this engine does not take
+
+    def open(self, announced: str, daemon: str) -> zmq.Socket[Any] | None:
+        """Subscribe at the announced fan-out; a new socket only if the address changed.
+        Returns the socket when it is new (the caller polls it), else None."""
+        addr = connect_address(announced, daemon)
+        if self.sock is not None and addr == self.addr:
+            return None
+        self.close()
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.apply(sock)
+        sock.setsockopt(zmq.SUBSCRIBE, DATA)
+        sock.setsockopt(zmq.SUBSCRIBE, live_topic(self.engine_id))  # after DATA: see Rules
+        sock.connect(addr)
+        self.sock, self.addr = sock, addr
+        return sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock, self.addr = None, ""
+
+    def report_interval(self, sync_id: str) -> float:
+        """The sync's report interval: its open's, else REPORT_INTERVAL."""
+        return self.intervals.get(sync_id, REPORT_INTERVAL)
+
+    def end(self, sync_id: str) -> None:
+        """The sync is over for this engine (aborted, or superseded by a newer one)."""
+        if sync_id not in self.ended:
+            self.ended.append(sync_id)
+
+    def take(self, frames: list[Any]) -> tuple[schema.Load, list[Any]] | None:
+        """A published message -> the bucket to apply (a `load`), or None (an open,
+        recorded; a bucket this engine does not take; something that does not decode)."""
+        try:
+            decoded = codec.decode(frames[1:], allowed=ALLOWED)
+        except MessageError:
+            self.refused += 1
+            return None
+        msg = decoded.msg
+        if isinstance(msg, schema.FanoutOpen):
+            me = self.engine_id
+            self.takes[msg.sync_id] = "inline" if me in msg.inline else "shm" if me in msg.shm else None
+            self.intervals[msg.sync_id] = msg.report_interval
+            while len(self.takes) > KEPT:
+                self.intervals.pop(self.takes.popitem(last=False)[0], None)
+            return None
+        if not isinstance(msg, schema.Load) or msg.sync_id in self.ended:
+            self.dropped += 1
+            return None
+        if self.takes.get(msg.sync_id) != kind_of(msg):
+            self.dropped += 1
+            return None
+        return msg, decoded.payload
+
+    def recv_all(self, budget: int = 256) -> list[tuple[schema.Load, list[Any]]]:
+        """The buckets waiting on the socket that this engine takes (at most `budget`
+        messages read)."""
+        out: list[tuple[schema.Load, list[Any]]] = []
+        if self.sock is None:
+            return out
+        for _ in range(budget):
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            d = self.take(frames)
+            if d is not None:
+                out.append(d)
+        return out
