@@ -14,15 +14,18 @@ def _recv(router: zmq.Socket) -> tuple[bytes, zmq.Frame]:
     return ident.bytes, body
 
 
-def test_a_reused_fd_does_not_report_the_new_connection_gone(tmp_path):
+def _reused_fd_scenario(tmp_path, n: int) -> bool:
+    """A connection closes and a new one takes its fd before the daemon reads the monitor.
+    False when the kernel gave the new connection another fd (another thread of this
+    process took the free one first): nothing was shown, the caller tries again."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    router.bind(f"ipc://{tmp_path}/r.sock")
+    router.bind(f"ipc://{tmp_path}/r{n}.sock")
     peers = PeerTracker(router)
     try:
         a = ctx.socket(zmq.DEALER)
         a.setsockopt(zmq.IDENTITY, b"a")
-        a.connect(f"ipc://{tmp_path}/r.sock")
+        a.connect(f"ipc://{tmp_path}/r{n}.sock")
         a.send(b"hello")
         ident, frame = _recv(router)
         peers.seen(ident, frame)
@@ -32,10 +35,13 @@ def test_a_reused_fd_does_not_report_the_new_connection_gone(tmp_path):
 
         b = ctx.socket(zmq.DEALER)
         b.setsockopt(zmq.IDENTITY, b"b")
-        b.connect(f"ipc://{tmp_path}/r.sock")
+        b.connect(f"ipc://{tmp_path}/r{n}.sock")
         b.send(b"hello")
         ident, frame = _recv(router)  # the loop reads the socket before the monitor
-        assert ident == b"b" and frame.get(zmq.SRCFD) == fd_a, "the kernel did not reuse the fd"
+        assert ident == b"b"
+        if frame.get(zmq.SRCFD) != fd_a:
+            b.close(linger=0)
+            return False
         peers.seen(ident, frame)
 
         assert peers.drain() == [b"a"]
@@ -44,7 +50,14 @@ def test_a_reused_fd_does_not_report_the_new_connection_gone(tmp_path):
         b.close(linger=0)
         assert peers.monitor.poll(5000)
         assert peers.drain() == [b"b"]
+        return True
     finally:
         peers.close()
         router.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_a_reused_fd_does_not_report_the_new_connection_gone(tmp_path):
+    # the fd is reused almost always; in a process whose other threads open files (a
+    # suite in random order) an attempt can miss it, and then the next one is made
+    assert any(_reused_fd_scenario(tmp_path, n) for n in range(10)), "the kernel never reused the fd"
