@@ -328,12 +328,12 @@ class Fleet:
                 self._send(e, self._register(e))
         elif isinstance(msg, schema.Ok) and "daemon_state" in msg.body:
             e.reregister_sent = False
-            if isinstance(msg.body.get("fanout"), str) and (e.fan is None or e.fan.sock is None):
+            if isinstance(msg.body.get("fanout"), str):
                 e.fan = e.fan or fanout.Receiver(self.ctx, e.engine_id)
-                sub = e.fan.open(msg.body["fanout"], self.connect)
-                if sub is not None:
-                    self.by_sub[sub] = e
-                    self.poller.register(sub, zmq.POLLIN)
+                old = e.fan.sock
+                if e.fan.open(msg.body["fanout"], self.connect, self.poller) is not None:
+                    self.by_sub.pop(old, None)
+                    self.by_sub[e.fan.sock] = e
         elif isinstance(msg, schema.Error) and msg.code == ErrorCode.DUPLICATE_ENGINE.value:
             self._close(e)
 

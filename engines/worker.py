@@ -388,15 +388,7 @@ class Worker:
                 self._send(self._register_msg())
             elif "daemon_state" in msg.body:
                 if isinstance(msg.body.get("fanout"), str):
-                    old = self.fanout.sock
-                    if (
-                        old is not None
-                        and fanout.connect_address(msg.body["fanout"], self.connect) != self.fanout.addr
-                    ):
-                        self.poller.unregister(old)  # the daemon moved its fan-out
-                    sub = self.fanout.open(msg.body["fanout"], self.connect)
-                    if sub is not None:
-                        self.poller.register(sub, zmq.POLLIN)
+                    if self.fanout.open(msg.body["fanout"], self.connect, self.poller) is not None:
                         log.info("fanout_subscribed", engine_id=self.engine_id, addr=self.fanout.addr)
                 self.registered = True
                 self._reregister_sent = False

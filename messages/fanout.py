@@ -108,12 +108,15 @@ class Receiver:
         self.refused = 0  # published messages that did not decode
         self.dropped = 0  # published buckets this engine does not take
 
-    def open(self, announced: str, daemon: str) -> zmq.Socket[Any] | None:
-        """Subscribe at the announced fan-out; a new socket only if the address changed.
-        Returns the socket when it is new (the caller polls it), else None."""
+    def open(self, announced: str, daemon: str, poller: zmq.Poller) -> zmq.Socket[Any] | None:
+        """Subscribe at the announced fan-out, polled by `poller` (the old socket leaves
+        it); a new socket only if the address changed. Returns the socket when it is new,
+        else None."""
         addr = connect_address(announced, daemon)
         if self.sock is not None and addr == self.addr:
             return None
+        if self.sock is not None:
+            poller.unregister(self.sock)
         self.close()
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -123,6 +126,7 @@ class Receiver:
         sock.setsockopt(zmq.SUBSCRIBE, DATA)
         sock.setsockopt(zmq.SUBSCRIBE, live_topic(self.engine_id))  # after DATA: see Rules
         sock.connect(addr)
+        poller.register(sock, zmq.POLLIN)
         self.sock, self.addr = sock, addr
         return sock
 
@@ -156,10 +160,11 @@ class Receiver:
             while len(self.takes) > KEPT:
                 self.intervals.pop(self.takes.popitem(last=False)[0], None)
             return None
-        if not isinstance(msg, schema.Load) or msg.sync_id in self.ended:
-            self.dropped += 1
-            return None
-        if self.takes.get(msg.sync_id) != kind_of(msg):
+        if (
+            not isinstance(msg, schema.Load)
+            or msg.sync_id in self.ended
+            or self.takes.get(msg.sync_id) != kind_of(msg)
+        ):
             self.dropped += 1
             return None
         return msg, decoded.payload

@@ -20,7 +20,6 @@ import msgspec
 import structlog
 
 from messages import codec, schema
-from messages import fanout as messages_fanout
 from messages.errors import ErrorCode, MessageError, make_error
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
@@ -327,13 +326,7 @@ class Effects:
         while len(self._fanout) > 16:  # a sync that never completed here
             self._fanout.pop(next(iter(self._fanout)))
         if fan.used:
-            opening = schema.FanoutOpen(
-                sync_id=c.sync_id,
-                version=c.version,
-                inline=tuple(sorted(fan.inline)),
-                shm=tuple(sorted(fan.shm)),
-                report_interval=messages_fanout.report_interval(len(c.engine_ids)),
-            )
+            opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
             log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))
         return fan

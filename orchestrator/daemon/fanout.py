@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from messages import schema
+from messages.fanout import report_interval
+
 
 @dataclass(slots=True)
 class Plan:
@@ -15,6 +18,17 @@ class Plan:
     inline: frozenset[str]
     shm: frozenset[str]
     broken: bool = False  # a participant dropped out: one send each for the rest of the sync
+
+    def opening(self, sync_id: str, version: int, participants: int) -> schema.FanoutOpen:
+        """The sync's first published message: who takes its buckets, and how often the
+        `participants` engines report."""
+        return schema.FanoutOpen(
+            sync_id=sync_id,
+            version=version,
+            inline=tuple(sorted(self.inline)),
+            shm=tuple(sorted(self.shm)),
+            report_interval=report_interval(participants),
+        )
 
     @property
     def used(self) -> bool:
