@@ -17,9 +17,12 @@ Rules:
 - The fan-out and the engine socket are two connections: the order between them is not
   kept. An engine therefore drops published buckets of a sync it saw end (an `abort`, or
   a newer sync begun), so a bucket that arrives late never starts a sync again.
-- The daemon's sends never drop (SNDHWM 0, bounded by each trainer's window, as on the
-  engine socket); a connection that breaks loses what was queued on it, like a ROUTER
-  peer's, and the sync's deadlines handle it.
+- Each fan-out connection queues at most the daemon's `fanout_queue` messages (SNDHWM);
+  past it the XPUB drops for that connection alone. A frozen engine or a subscriber that
+  never reads so costs the daemon that many messages, whatever it does. A participant
+  never reaches it: the daemon keeps every trainer's window below it, and a participant's
+  queue holds at most its sync's open and the window. A connection that breaks loses what
+  was queued on it, like a ROUTER peer's, and the sync's deadlines handle it.
 
 Torch-free: the engine worker and the fleet benchmark's simulated engines use `Receiver`.
 """

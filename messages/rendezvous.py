@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import hmac
+import math
 import secrets
 import threading
 import time
@@ -45,6 +46,7 @@ OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete", "num_keys"
 MAX_KEY = 1024
 MAX_VALUE = 1 << 20
 MAX_KEYS = 1 << 16
+MAX_WAIT = 86400.0  # seconds a request may wait for its keys
 
 
 class StoreError(RuntimeError):
@@ -113,6 +115,13 @@ class StoreServer:
                 return self._reply(sock, route, "refused", "wrong token")
             if op not in OPS:
                 return self._reply(sock, route, "error", f"unknown op {op!r}")
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, int | float)
+                or not math.isfinite(timeout)
+                or not 0 <= timeout <= MAX_WAIT
+            ):
+                return self._reply(sock, route, "error", f"bad timeout {timeout!r} (0 to {MAX_WAIT} s)")
             keys = key if op in ("check", "wait") else [key]
             if (
                 not isinstance(keys, list)

@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_origin
 
 from orchestrator.daemon.config import Settings
 
@@ -77,6 +77,11 @@ def _convert(cmd: Command, p: Any, value: Any, where: str, from_env: bool = Fals
     value came from: click's own conversion, as a run would do it."""
     if isinstance(value, dict) or (isinstance(value, list) and not p.multiple):
         raise ConfigFileError(f"{where}: a table or list is not a value for --{key_of(p).replace('_', '-')}")
+    if not from_env and not isinstance(value, str | list) and _takes_text(p):
+        # `spool = 5` would silently become the directory ./5
+        raise ConfigFileError(
+            f"{where}: --{key_of(p).replace('_', '-')} takes a string; quote it if you mean {str(value)!r}"
+        )
     if from_env and p.multiple:
         value = p.split_envvar_value(value)
     elif p.multiple and not isinstance(value, list):
@@ -86,6 +91,12 @@ def _convert(cmd: Command, p: Any, value: Any, where: str, from_env: bool = Fals
     except Exception as exc:  # click's BadParameter (typer carries its own click)
         message = getattr(exc, "message", None) or str(exc)
         raise ConfigFileError(f"{where}: {message}") from None
+
+
+def _takes_text(p: Any) -> bool:
+    """The option's value is a string, a path or one of named strings (not a number)."""
+    ann = getattr(getattr(p, "type_descriptor", None), "annotation", None)
+    return ann is str or ann is Path or get_origin(ann) is Literal
 
 
 def _check_tables(cfg: dict[str, Any], group: Command, where: str) -> None:

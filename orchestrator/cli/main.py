@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -46,6 +46,8 @@ from orchestrator.daemon.config import (
     set_process_env,
     vllm_process_env,
 )
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 # rich_markup_mode=None: plain click help and errors (help text keeps its [brackets], a
 # usage error is the one line main() prints, never a panel).
@@ -107,6 +109,11 @@ def serve(
         help="where engines take published buckets (default beside the engine socket: "
         "its TCP port + 1, or PATH.fanout; 'off': one send per engine)",
     ),
+    fanout_queue: Optional[int] = typer.Option(
+        None,
+        help="published messages queued per fan-out connection (default 16): what a frozen "
+        "engine or idle subscriber can cost the daemon; trainers' windows stay within half of it",
+    ),
     state_db: Optional[str] = typer.Option(
         None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
     ),
@@ -131,7 +138,7 @@ def serve(
         None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
     ),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
-    log_level: Optional[str] = typer.Option(None),
+    log_level: Optional[LogLevel] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
     """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
@@ -146,6 +153,7 @@ def serve(
         bind=bind,
         engine_bind=engine_bind,
         fanout_bind=fanout_bind,
+        fanout_queue=fanout_queue,
         state_db=state_db,
         min_engines=min_engines,
         engine_timeout=engine_timeout,
@@ -232,7 +240,9 @@ def vllm_server(
 
 @app.command()
 def engine(
-    backend: str = typer.Option("torch", help="torch | vllm | vllm-server | sink (benchmarks)"),
+    backend: Literal["torch", "vllm", "vllm-server", "sink"] = typer.Option(
+        "torch", help="the engine (sink: benchmarks)"
+    ),
     model: Path = typer.Option(..., exists=True, file_okay=False, help="local model directory"),
     connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
     engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
@@ -244,7 +254,9 @@ def engine(
         [], "--vllm-arg", help="KEY=VALUE passed to vllm.LLM (VALUE parsed as JSON if it can be)"
     ),
     url: Optional[str] = typer.Option(None, help="vllm-server backend: the server's base URL"),
-    pause_mode: str = typer.Option("keep", help="vllm-server: keep | wait | abort in-flight requests"),
+    pause_mode: Literal["keep", "wait", "abort"] = typer.Option(
+        "keep", help="vllm-server: what happens to in-flight requests during a sync"
+    ),
     heartbeat_interval: Optional[float] = typer.Option(None),
     shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
@@ -276,7 +288,7 @@ def engine(
         "trainer may push deltas (push --delta)",
     ),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
-    log_level: Optional[str] = typer.Option(None),
+    log_level: Optional[LogLevel] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
 ) -> None:
     """Run an engine process that applies weights pushed through the orchestrator."""
@@ -460,7 +472,7 @@ def push(
         help="unacknowledged buckets in flight [default: sized from measured acks, 2 to 8]",
     ),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
-    transport: str = typer.Option("auto", help="auto | shm | inline | collective"),
+    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
     collective_host: str = typer.Option(
         "", help="collective: this host's address for the group's store [default: the route to the daemon]"
     ),
@@ -495,8 +507,6 @@ def push(
     from messages import shm
     from messages.checkpoint import CheckpointError, iter_safetensors
 
-    if transport not in ("auto", "shm", "inline", "collective"):
-        _usage(f"--transport must be auto, shm, inline or collective, got {transport!r}")
     shm.configure(_settings(shm_dir=shm_dir).shm_dir)
     canaries = _read_probes(probes) if probes is not None else []
     try:
@@ -528,6 +538,7 @@ def push(
                 probes=canaries,
             )
         except WeightSyncError as err:
+            _settle(c, err, timeout)
             _fail(err, "push", as_json)
             return
         except KeyboardInterrupt:  # the client aborted the sync it began on the way out
@@ -579,14 +590,39 @@ class _Reread:
         return iter(iter_safetensors(self.path))
 
 
+def _settle(c: Any, err: WeightSyncError, wait: float) -> None:
+    """A failed push reports the state the daemon settles in: a dirty daemon with a spool
+    rolls the engines back right after the failure, so the state in the error (IDLE,
+    version None) is not what the fleet serves a moment later. Waits up to `wait` seconds
+    for no sync and no rollback pending, then puts that state and version on `err`
+    (`details.settled`: whether it did settle)."""
+    if err.state in (None, "READY"):
+        return
+    deadline = time.monotonic() + wait
+    settled = False
+    while not settled:
+        try:
+            st = c.status()
+        except WeightSyncError:
+            break
+        settled = st.get("sync") is None and not st.get("rollback_pending")
+        if settled:
+            err.state, err.version = st.get("state"), st.get("version")
+        elif time.monotonic() > deadline:
+            break
+        else:
+            time.sleep(0.1)
+    err.details["settled"] = settled
+
+
 @app.command()
 def demo(
     versions: int = typer.Option(3, help="versions to push"),
     engines: int = typer.Option(2, help="torch engine processes"),
-    size: str = typer.Option("small", help="tiny | small"),
+    size: Literal["tiny", "small"] = typer.Option("small"),
     bucket_bytes: int = typer.Option(4 * 1024 * 1024),
     workdir: Optional[Path] = typer.Option(None, help="keep files here [default: a temp dir]"),
-    backend: str = typer.Option("torch", help="torch | vllm"),
+    backend: Literal["torch", "vllm"] = typer.Option("torch"),
 ) -> None:
     """Everything on this machine: daemon, engines, a trainer pushing VERSIONS versions."""
     try:

@@ -15,7 +15,7 @@ Rules: as in `sync`: find the facts first, then act.
 from __future__ import annotations
 
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.core.commands import Journal, StartRollback, SyncOpened
+from orchestrator.core.commands import EngineLost, Journal, StartRollback, SyncOpened
 from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick, TrainerGone
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
@@ -34,6 +34,7 @@ def tick(m: Model, event: Tick) -> None:
     overdue = _overdue(m, s, lost) if s is not None else None
     rollback = s is None and m.state == S.IDLE and _rollback_due(m, lost)
     for eid in lost:
+        m.outbox.append(EngineLost(eid, _lost_cause(m, eid)))
         m.engines[eid].move("lose")
         m.leave_group(eid)
     if overdue is not None:
@@ -44,17 +45,19 @@ def tick(m: Model, event: Tick) -> None:
         _expire_catchups(m)
 
 
+def _lost_cause(m: Model, eid: str) -> str:
+    x = m.engines[eid]
+    if x.closed:
+        return "its connection closed"
+    return f"no heartbeat for {m.now - x.last_seen:.1f}s (--engine-timeout {m.limits.engine_timeout}s)"
+
+
 def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None:
     """Why the running sync must fail now, or None."""
     lim, now = m.limits, m.now
     gone = [x for x in lost if x in s.participants]
     if gone:  # whatever the state: a participant is gone
-        why = [
-            f"{x}: its connection closed"
-            if m.engines[x].closed
-            else f"{x}: no heartbeat for {now - m.engines[x].last_seen:.1f}s (--engine-timeout {lim.engine_timeout}s)"
-            for x in gone
-        ]
+        why = [f"{x}: {_lost_cause(m, x)}" for x in gone]
         return m.error(ErrorCode.ENGINE_FAILED, f"engine(s) lost: {'; '.join(why)}", engine_ids=gone)
     if m.state == S.LOADING_BUCKETS:
         late = [k for k, b in s.buckets.items() if not b.done and now - b.forwarded_at > lim.bucket_timeout]

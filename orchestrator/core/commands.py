@@ -81,6 +81,14 @@ class SendAbort:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLost:
+    """An engine was counted lost, and why (logged: an operator sees it happen)."""
+
+    engine_id: str
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
 class CompleteSync:
     """Answer every deferred request of the sync (finish, pending buckets)."""
 
@@ -164,6 +172,7 @@ Command = (
     | SendFinalize
     | SendCommit
     | SendAbort
+    | EngineLost
     | CompleteSync
     | Journal
     | SpoolBegin

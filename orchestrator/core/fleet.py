@@ -6,8 +6,8 @@ either already serves the daemon's version (same version and digest) or is broug
 from the spool (a catch-up, `Model.start_catchup`). A participant that registers again
 mid-sync restarted and lost its buckets: the sync fails. An engine id held by another
 live process on an open connection is refused (DUPLICATE_ENGINE). Lost engines are found
-by the clock (`clock.tick`); a closed connection of a collective participant makes it
-lost at the next tick without waiting out its heartbeats.
+by the clock (`clock.tick`); a closed connection makes an engine lost at the next tick
+without waiting out its heartbeats.
 
 Rules: as in `sync`: refuse first (changing nothing), then act.
 """
@@ -109,12 +109,13 @@ def heartbeat(m: Model, event: Heartbeat) -> None:
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:
-    """Counted lost at the next tick, without waiting out its heartbeats: a collective
-    group cannot go on without a member. A live process re-registers and catches up."""
-    s, x = m.sync, m.engines.get(event.engine_id)
-    if x is not None:
-        x.closed = True  # said when it is counted lost
-    if s is None or s.group is None or event.engine_id not in s.participants:
+    """Counted lost at the next tick (the service ticks right after this input), without
+    waiting out its heartbeats, on every transport: a closed connection lost whatever was
+    queued on it, so the running sync cannot complete for it, and a sync that begins
+    after it must not wait for it. A live process (a reconnect) is told it is unknown at
+    its next heartbeat, registers again and catches up."""
+    x = m.engines.get(event.engine_id)
+    if x is None or x.state == E.LOST:
         return
-    if x is not None:
-        x.last_seen = float("-inf")
+    x.closed = True  # said when it is counted lost
+    x.last_seen = float("-inf")

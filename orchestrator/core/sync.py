@@ -84,7 +84,14 @@ def begin(m: Model, event: BeginSync) -> None:
         )
     live = len(m.live_engines())
     if live < m.limits.min_engines:
-        raise m.error(ErrorCode.NO_ENGINES, f"{live} engine(s) registered, {m.limits.min_engines} required")
+        lost = sorted(x.engine_id for x in m.engines.values() if x.state == E.LOST)
+        raise m.error(
+            ErrorCode.NO_ENGINES,
+            f"{live} live engine(s) of {len(m.engines)} registered, {m.limits.min_engines} required"
+            + (f" (lost: {', '.join(lost[:8])}{', ...' if len(lost) > 8 else ''})" if lost else ""),
+            live=live,
+            registered=len(m.engines),
+        )
     if msg.base is not None:
         _check_base(m, msg)
     # taken: every live engine takes part; the transport is planned for all of them
@@ -173,13 +180,14 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"bucket frame of {event.nbytes} bytes exceeds "
             f"max_frame_bytes {lim.max_frame_bytes}; use smaller buckets",
         )
-    if event.pending >= lim.max_pending:
+    s = m.require_sync(msg.sync_id, "bucket")
+    limit = max(1, lim.max_pending // s.senders)  # the senders share the fan-out's queue
+    if event.pending >= limit:
         raise m.error(
             ErrorCode.TOO_LARGE,
             f"{event.pending} bucket requests already pending on "
-            f"this connection (max_pending {lim.max_pending}); lower the window",
+            f"this connection (max_pending {limit}); lower the window",
         )
-    s = m.require_sync(msg.sync_id, "bucket")
     if m.state != S.LOADING_BUCKETS:
         raise m.error(ErrorCode.INVALID_STATE, f"bucket is not allowed in state {m.state.value}")
     _check_route(m, s, event)

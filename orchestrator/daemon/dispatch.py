@@ -109,12 +109,11 @@ class Dispatcher:
                     },
                 )
             elif isinstance(msg, schema.Begin):
-                # max_pending: what the trainer's automatic window must stay within
+                # max_pending: what the trainer's window must stay within (per sender)
+                pending = self.core.limits.max_pending // max(1, msg.senders)
                 await self.feed(
                     ev.BeginSync(msg),
-                    lambda r: self.transport.reply_ok(
-                        w, {**(r.reply or {}), "max_pending": self.settings.max_pending}
-                    ),
+                    lambda r: self.transport.reply_ok(w, {**(r.reply or {}), "max_pending": max(1, pending)}),
                 )
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)

@@ -251,6 +251,8 @@ class Effects:
             header = codec.encode_header(schema.Abort(sync_id=c.sync_id))
             for eid in c.engine_ids:
                 self.transport.send_engine(eid, [header])
+        elif isinstance(c, cmd.EngineLost):
+            log.warning("engine_lost", engine_id=c.engine_id, cause=c.cause)
         else:
             self._recovery_command(c)
 

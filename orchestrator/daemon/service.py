@@ -34,13 +34,14 @@ from orchestrator.core import Core, Limits, State
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.daemon.auth import ServerAuth
-from orchestrator.daemon.config import Settings, parse_failpoints
+from orchestrator.daemon.config import Settings, parse_failpoints, pending_limit
 from orchestrator.daemon.dispatch import DAEMON_VERSION, Dispatcher
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight
 from orchestrator.daemon.journal import Journal
 from orchestrator.daemon.locks import StateLock, lock_state
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.peers import PeerTracker
 from orchestrator.daemon.recovery import Recovery
 from orchestrator.daemon.spool import Spool
 from orchestrator.daemon.storage import Storage
@@ -124,7 +125,7 @@ class Service:
             spool=bool(settings.spool),
             trainer_grace=settings.trainer_grace,
             max_frame_bytes=settings.max_frame_bytes,
-            max_pending=settings.max_pending,
+            max_pending=pending_limit(settings),
         )
         self.core = Core(
             limits,
@@ -195,7 +196,7 @@ class Service:
         )
         if s.fanout_bind != "off":
             self.transport.bind_fanout(
-                s.fanout_bind or fanout.bind_address(s.engine_bind), bool(s.fanout_bind)
+                s.fanout_bind or fanout.bind_address(s.engine_bind), bool(s.fanout_bind), s.fanout_queue
             )
         if s.metrics_bind:
             self.transport.bound["metrics"] = self.metrics.serve(s.metrics_bind)
@@ -282,10 +283,15 @@ class Service:
             if engine_wait in events:
                 last_engines = time.monotonic()
                 await self._drain(t.engine, self.dispatch.on_engine, "engine")
+            # Engines' closed connections before a trainer's request (a begin that follows
+            # an engine's exit must not count it in); trainers' after their own messages.
+            closed = any(m in events for m in monitors) or t.trainer_peers.pending or t.engine_peers.pending
+            if closed or trainer_wait in events:
+                await self._guarded("connections", self._on_disconnects, t.engine_peers)
             if trainer_wait in events:
                 await self._drain(t.trainer, self.dispatch.on_trainer, "trainer")
-            if any(m in events for m in monitors) or t.trainer_peers.pending or t.engine_peers.pending:
-                await self._guarded("connections", self._on_disconnects)
+            if closed:
+                await self._guarded("connections", self._on_disconnects, t.trainer_peers)
             now = time.monotonic()
             if now - last_tick >= self.settings.tick_interval:
                 last_tick = now
@@ -322,14 +328,14 @@ class Service:
         if self.metrics.server is not None:
             self.metrics.publish(self.status())
 
-    async def _on_disconnects(self) -> None:
-        t = self.transport
-        if t.trainer_peers is not None:
-            for ident in t.trainer_peers.drain():
-                await self.dispatch.trainer_disconnected(ident)
-        if t.engine_peers is not None:
-            for ident in t.engine_peers.drain():
-                await self.dispatch.engine_disconnected(ident)
+    async def _on_disconnects(self, peers: PeerTracker) -> None:
+        on_closed = (
+            self.dispatch.engine_disconnected
+            if peers is self.transport.engine_peers
+            else self.dispatch.trainer_disconnected
+        )
+        for ident in peers.drain():
+            await on_closed(ident)
 
     async def _guarded(self, src: str, handler: Callable[..., Awaitable[None]], *args: Any) -> None:
         """The exception boundary of one input (a message or a timer): a bug fails the

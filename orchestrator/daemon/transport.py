@@ -2,8 +2,9 @@
 messages/fanout.py), and the only code that sends on them.
 
 Rules: every method runs on the daemon's one event-loop task, which owns both sockets and
-their monitors (pyzmq sockets are not thread-safe). Sends never block: HWMs are 0 and
-traffic is bounded by each trainer's window, so a send completes at once;
+their monitors (pyzmq sockets are not thread-safe). Sends never block: the ROUTERs' HWMs
+are 0 and traffic to them is bounded by each trainer's window, so a send completes at once;
+the fan-out's XPUB queues a bounded number per connection and drops past it;
 ROUTER_MANDATORY turns an unknown peer into an error here, not a silent drop. A reply
 that cannot be delivered is logged: the peer's deadline (heartbeats, the sync's) handles
 the rest.
@@ -105,15 +106,21 @@ class Transport:
             raise
         return sock
 
-    def bind_fanout(self, addr: str, explicit: bool) -> None:
+    def bind_fanout(self, addr: str, explicit: bool, queue: int) -> None:
         """The fan-out's XPUB. A default address that cannot be bound (a port taken) leaves
-        the daemon without one, said in the log: engines then get one send each."""
+        the daemon without one, said in the log: engines then get one send each.
+
+        Each connection queues at most `queue` published messages (SNDHWM; the XPUB drops
+        for that connection alone past it): a frozen engine or a subscriber that never
+        reads holds that many, not a model per push. Participants never reach it: their
+        queue is bounded by the trainers' windows, which the daemon keeps below it
+        (config.pending_limit)."""
         if not addr:
             return
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
         if self.auth is not None:
             self.auth.apply(sock, "engine")
-        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the trainers' windows, never a drop
+        sock.setsockopt(zmq.SNDHWM, queue)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every engine's subscription, not only the first
         sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription (a closed connection)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions only

@@ -274,9 +274,8 @@ class Stream:
     ) -> Streamed:
         # slots: bucket seq goes to slot seq % limit (an shm ring may have fewer than asked)
         limit = ring.slots if ring is not None else window_limit(window, bucket_bytes)
-        sizer = WindowSizer(
-            None if window is None else min(window, limit), min(limit, max_pending or limit)
-        )  # the daemon's cap too
+        cap = min(limit, max_pending or limit)  # the daemon's cap too, for a fixed window as well
+        sizer = WindowSizer(None if window is None else min(window, cap), cap)
         key = coll.mac_key(sync_id) if coll is not None else None  # with keys: a MAC per bucket
         inflight: dict[int, _InFlight] = {}  # seq -> bucket
         by_id: dict[int, int] = {}  # request id -> seq

@@ -62,7 +62,7 @@ def test_the_collective_stream_costs_the_daemon_messages_per_engine_not_per_buck
     "transport,fault,code",
     [
         ("inline", "fail_at:120", ErrorCode.ENGINE_FAILED),
-        ("inline", "exit_at:120", ErrorCode.TIMEOUT),  # its bucket, named (the fan-out loses a member)
+        ("inline", "exit_at:120", ErrorCode.ENGINE_FAILED),  # its closed connection, at once
         ("inline", "wrong_digest", ErrorCode.ENGINE_FAILED),
         ("collective", "fail_at:120", ErrorCode.ENGINE_FAILED),
         ("collective", "exit_at:120", ErrorCode.ENGINE_FAILED),

@@ -69,6 +69,10 @@ def sample(p, tmp_path):
             f.write_text("[]")
             return str(f), str(f), str(f)
         return str(tmp_path), str(tmp_path), str(tmp_path)
+    if typing.get_origin(base) is typing.Literal:  # one every command sharing the variable takes
+        shared = [typing.get_args(o.type_descriptor.annotation) for o in sharing(p)]
+        v = [c for c in typing.get_args(base) if all(c in choices for choices in shared)][-1]
+        return v, v, v
     if p.multiple:
         return "alpha", ["alpha"], ["alpha"]
     return "alpha", "alpha", "alpha"
@@ -156,3 +160,40 @@ def test_a_bad_value_in_the_file_is_refused_naming_the_file(tmp_path, text):
 def test_a_bad_value_in_the_environment_is_refused_naming_the_variable(tmp_path, args):
     code, out, err = run(args, env={"WEIGHTSYNC_MIN_ENGINES": "two"})
     assert code == 2 and "WEIGHTSYNC_MIN_ENGINES='two'" in err and "config" not in err.split(":")[0], err
+
+
+CHOICES = [
+    ("push", "transport", "inlin"),
+    ("engine", "backend", "torhc"),
+    ("engine", "pause-mode", "kep"),
+    ("serve", "log-level", "verbose"),
+    ("demo", "size", "huge"),
+]
+
+
+@pytest.mark.parametrize("command,key,bad", CHOICES)
+def test_a_choice_outside_its_options_is_refused_up_front_naming_file_or_variable(
+    tmp_path, command, key, bad
+):
+    """Every choice-valued option is checked before anything runs: in the config file
+    (naming it; `config show` too) and in its WEIGHTSYNC_* variable (naming it), exit 2.
+    (`transport = "inlin"` was reported without its source, and `backend = "torhc"`
+    exited 3 at engine startup.)"""
+    cfg = tmp_path / "choice.toml"
+    cfg.write_text(f'[{command}]\n{key} = "{bad}"\n')
+    code, out, err = run(["--config", str(cfg), "config", "show"])
+    assert code == 2 and str(cfg) in err and bad in err, err
+    var = "WEIGHTSYNC_" + key.replace("-", "_").upper()
+    code, out, err = run(["config", "show"], env={var: bad})
+    assert code == 2 and f"{var}={bad!r}" in err, err
+    code, out, err = run([command, f"--{key}", bad])
+    assert code == 2 and bad in err, err
+
+
+def test_a_number_for_a_string_option_in_the_file_is_refused(tmp_path):
+    """`spool = 5` silently created the directory ./5."""
+    cfg = tmp_path / "num.toml"
+    cfg.write_text("[serve]\nspool = 5\n")
+    code, out, err = run(["--config", str(cfg), "config", "show"])
+    assert code == 2 and str(cfg) in err and "--spool takes a string" in err, err
+    assert not (Path.cwd() / "5").exists()

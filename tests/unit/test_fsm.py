@@ -280,6 +280,21 @@ def test_begin_without_enough_engines_is_no_engines():
     assert ei.value.code is ErrorCode.NO_ENGINES and o.state == S.IDLE
 
 
+def test_no_engines_says_live_against_registered_and_names_the_lost():
+    """Three registered, one lost: the refusal says 2 live of 3 registered (it said
+    '2 engine(s) registered', which an operator who sees 3 in status cannot square)."""
+    o = new(engines=("e0", "e1", "e2"))
+    o.limits = Limits(min_engines=3, engine_timeout=5.0)
+    for e in ("e0", "e1"):
+        o.handle(ev.Heartbeat(e), 9.0)
+    o.handle(ev.Tick(), 10.0)  # e2 silent since 0.0: lost
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1)
+    assert ei.value.code is ErrorCode.NO_ENGINES
+    assert ei.value.message == "2 live engine(s) of 3 registered, 3 required (lost: e2)"
+    assert o.state == S.IDLE
+
+
 def test_repeated_begin_is_idempotent():
     o = new()
     begin(o, 1)

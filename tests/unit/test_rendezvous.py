@@ -123,3 +123,27 @@ def test_a_per_bucket_mac_binds_the_key_the_sender_the_seq_and_the_bytes():
         with pytest.raises(MessageError) as ei:
             check_load_mac(*args)
         assert ei.value.code.value == "UNAUTHORIZED"
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), -1.0, "soon", True])
+def test_a_bad_timeout_is_answered_with_an_error_and_the_store_keeps_serving(timeout):
+    """An infinite or NaN wait used to kill the store's thread (its deadline did not
+    convert to milliseconds); now it is refused and the next request is served."""
+    import msgspec
+
+    server = StoreServer("127.0.0.1")
+    good = StoreClient("127.0.0.1", server.port, server.token, timeout=2)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        raw.send(msgspec.msgpack.encode([server.token, "wait", ["never"], None, timeout]))
+        assert raw.poll(5000), "no answer: the store's thread died"
+        status, value = msgspec.msgpack.decode(raw.recv())
+        assert status == "error" and "bad timeout" in value
+        good.set("k", b"v")
+        assert good.get("k") == b"v"
+    finally:
+        raw.close()
+        good.close()
+        server.close()

@@ -1,0 +1,102 @@
+"""The fan-out's memory is bounded whatever a subscriber does: a frozen engine, or a SUB
+that connects and never reads, costs the daemon at most the fan-out's per-connection
+bound, not a model per push (real processes, 256 MiB sink model)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import zmq
+
+from engines.sink import random_weights, synthetic_spec, write_spec
+from examples.launch import Cluster
+
+MODEL_BYTES = 256 << 20
+BOUND = 300 << 20  # the issue's bound on the daemon's growth over four pushes
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def _engine(cluster: Cluster, eid: str) -> dict:
+    return next(e for e in cluster.status()["engines"] if e["engine_id"] == eid)
+
+
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+@pytest.mark.slow
+def test_frozen_engine_and_idle_subscriber_cost_the_daemon_a_bounded_amount(tmp_path):
+    spec = synthetic_spec(MODEL_BYTES, tensor_bytes=16 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(
+        tmp_path / "d",
+        model,
+        engines=2,
+        backend="sink",
+        min_engines=1,
+        daemon_args=["--engine-timeout", "2", "--log-level", "info", "--spool", str(tmp_path / "spool")],
+        engine_args=["--heartbeat-interval", "0.5"],
+    )
+    version = 0
+
+    def push(client) -> None:
+        nonlocal version
+        version += 1
+        r = client.push(random_weights(spec, seed=version), version, transport="inline")
+        assert r.state == "READY", r
+
+    with c, c.client(timeout=60.0) as client:
+        push(client)
+        daemon = c.daemon.popen.pid
+        frozen = next(p for p in c.procs if p.name == "engine-1")
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: _engine(c, "engine-1")["state"] == "LOST", 30, "engine-1 LOST")
+            before = _rss(daemon)
+            for _ in range(4):
+                push(client)
+            grew = _rss(daemon) - before
+            print(f"frozen engine: the daemon grew {grew >> 20} MiB over four pushes")
+            assert grew < BOUND, f"daemon grew {grew >> 20} MiB with a frozen engine"
+
+            # a SUB that subscribes to everything and never reads
+            fan = c.status()["daemon"]["fanout_addr"]
+            ctx = zmq.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, 1)
+            sub.setsockopt(zmq.RCVBUF, 4096)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(fan)
+            try:
+                _wait(lambda: c.status()["daemon"]["fanout_subscribers"] >= 1, 10, "subscribed")
+                before = _rss(daemon)
+                for _ in range(4):
+                    push(client)
+                grew = _rss(daemon) - before
+                print(f"idle subscriber: the daemon grew {grew >> 20} MiB over four pushes")
+                assert grew < BOUND, f"daemon grew {grew >> 20} MiB with an idle subscriber"
+            finally:
+                sub.close(linger=0)
+                ctx.term()
+        finally:
+            os.kill(frozen.popen.pid, signal.SIGCONT)
+        # resumed, the engine rejoins and the spool brings it to the fleet's version
+        _wait(
+            lambda: (e := _engine(c, "engine-1"))["state"] == "READY" and e["version"] == version,
+            60,
+            f"engine-1 READY at v{version}",
+        )
+        assert c.status()["state"] == "READY"
