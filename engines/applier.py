@@ -152,6 +152,8 @@ class Applier(threading.Thread):
             if msg.group is not None:
                 self._release(pending)
             return  # already reported; the orchestrator is aborting this sync
+        if msg.hold:  # a replay of base + deltas: keep what it loads until it ends
+            self.base.hold()
         t0 = time.perf_counter()
         try:
             if msg.group is not None:
@@ -283,7 +285,7 @@ class Applier(threading.Thread):
         if msg.shm is not None and isinstance(self.engine, LoadsShm) and not _patched(msg.tensors):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
             self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
-            if self.base.enabled:
+            if self.base.keeping:
                 self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
@@ -321,7 +323,7 @@ class Applier(threading.Thread):
             return
         if isinstance(self.engine, LoadsBuckets):
             self.engine.load_bucket(metas, buf, parts=parts)
-            if self.base.enabled:
+            if self.base.keeping:
                 self.base.stage_loaded(list(unpack(metas, buf)), parts, set())
             return
         tensors = list(unpack(metas, buf))

@@ -7,8 +7,11 @@ where it can, patched there in place with an undo); its finalize makes that the 
 an abort undoes the patches and drops what was overwritten whole (the model is then
 rolled back by a replay that stages again). Patches of a sync apply to what that sync staged before them, else to the base:
 a spool replay (a full version, then its deltas in order) rebuilds in one sync. Off
-(`--no-delta-base`), nothing is kept and the engine registers without `delta`. Memory:
-`nbytes` (one copy of the checkpoint, plus the tensors a sync changed until it ends).
+(`--no-delta-base`), nothing is kept and the engine registers without `delta`, except
+for a replay whose buckets say `hold` (the daemon's rollback or catch-up to a version
+the spool keeps as base + deltas): that sync stages what it loads, its patches rebuild
+on it, and all of it is dropped when the sync ends. Memory: `nbytes` (one copy of the
+checkpoint, plus the tensors a sync changed until it ends; off, only during a held replay).
 Used by the applier thread only.
 """
 
@@ -33,6 +36,17 @@ class BaseStore:
         # the engine's model holds exactly the base (it finalized the base's version and
         # nothing was loaded since): an unchanged tensor need not be loaded again
         self.clean = False
+        self.holding = False  # off, but this sync is a replay whose patches need what it loads
+
+    @property
+    def keeping(self) -> bool:
+        """Whatever this sync loads is staged: a base is kept, or this sync holds one."""
+        return self.enabled or self.holding
+
+    def hold(self) -> None:
+        """This sync replays a base and then its deltas: stage what it loads even without
+        a base of our own (dropped when the sync ends)."""
+        self.holding = True
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +70,7 @@ class BaseStore:
         the tensor that holds `name` already when the shape allows (a fresh model-sized
         allocation per sync costs more in page faults than the copy), which a sync that
         does not finalize then drops from the base (a later patch of it is STALE_BASE)."""
-        if not self.enabled:
+        if not self.keeping:
             return
         held = self._staged.get(name) or self._base.get(name)
         if held is not None and held[0].shape == t.shape and held[0].dtype == t.dtype:
@@ -70,10 +84,12 @@ class BaseStore:
         self._staged[name] = (own, part)
 
     def commit(self) -> None:
-        """The sync finalized: what it loaded is the base, and the model holds it."""
-        self._base.update(self._staged)
+        """The sync finalized: what it loaded is the base, and the model holds it (off:
+        a held replay's tensors are dropped)."""
+        if self.enabled:
+            self._base.update(self._staged)
         self._staged, self._undo, self._lost = {}, {}, set()
-        self.clean = self.enabled
+        self.clean, self.holding = self.enabled, False
 
     def discard(self) -> None:
         """The sync ended without finalizing here: the base is put back exactly; the
@@ -87,6 +103,7 @@ class BaseStore:
         if self._staged or self._undo:
             self.clean = False
         self._staged, self._undo, self._lost = {}, {}, set()
+        self.holding = False
 
     def invalidate(self) -> None:
         """This sync loads bytes the store never sees: no base is left to patch."""
@@ -117,7 +134,7 @@ class BaseStore:
                 if not (skip_same and self.clean and m.name not in self._staged):
                     out.append((m.name, base))  # type: ignore[arg-type]  # check_base refused None
                 continue
-            if m.patch.kind == "sparse" and self.enabled:
+            if m.patch.kind == "sparse" and self.keeping:
                 t = delta.check_base(m, base, base_part)
                 u = delta.patch_in_place(m, raw, t)
                 if delta.part(m.name, t) != m.patch.result:
@@ -128,7 +145,7 @@ class BaseStore:
                     self._undo.setdefault(m.name, []).append(u)
             else:
                 t = delta.rebuild(m, raw, base, base_part)
-            if self.enabled:
+            if self.keeping:
                 self._staged[m.name] = (t, m.patch.result)
             out.append((m.name, t))
         return out, parts, set(parts)

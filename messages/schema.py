@@ -426,6 +426,9 @@ class Load(Message, frozen=True, tag="load"):
     group: GroupRef | None = None  # collective: receive `size` bytes by broadcast
     size: Size | None = None
     mac: Mac | None = None  # collective, with keys: the trainer's tag of those bytes
+    # a replay (rollback, catch-up) of a version kept as base + deltas: later buckets of
+    # this sync patch what this one loads, so an engine without a base keeps it meanwhile
+    hold: bool = False
 
 
 class OpenStream(Message, frozen=True, tag="stream"):

@@ -292,6 +292,7 @@ class Effects:
             checksum=m.checksum,
             sender=m.sender,
             mac=m.mac,
+            hold=self.recovery is not None and self.recovery.holds(m.sync_id),
         )
         if m.size is not None and c.group is not None:
             self._forward_collective(c, msgspec.structs.replace(load, size=m.size))

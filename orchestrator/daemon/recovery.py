@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import msgspec
@@ -57,6 +58,12 @@ class Feed:
     next: int = 0
     inflight: set[tuple[int, int]] = field(default_factory=set)
     finishing: bool = False
+
+    @cached_property
+    def hold(self) -> bool:
+        """The version is kept as base + deltas: engines keep what the replay loads until
+        it ends (`Load.hold`), so one without a base of its own rebuilds it too."""
+        return any(e.gen > 0 for e in self.entries)
 
     def due(self) -> list[int]:
         n: list[int] = []
@@ -113,6 +120,10 @@ class Recovery:
                 "engine_catchup_failed", engine_id=cmd.engine_id, sync_id=cmd.sync_id, reason=cmd.reason
             )
 
+    def holds(self, sync_id: str) -> bool:
+        """`sync_id` is a rollback whose engines must hold what it loads (`Feed.hold`)."""
+        return self.rollback is not None and self.rollback.sync_id == sync_id and self.rollback.hold
+
     def sync_closed(self, sync_id: str) -> None:
         if self.rollback is not None and self.rollback.sync_id == sync_id:
             self.rollback = None
@@ -150,6 +161,7 @@ class Recovery:
                 )
             )
             return
+        hold = f.hold
         for i, e, frame in due:
             header = codec.encode_header(
                 schema.Load(
@@ -159,6 +171,7 @@ class Recovery:
                     tensors=tensor_metas(e),
                     checksum=e.checksum,
                     sender=0,
+                    hold=hold,
                 )
             )
             self.engines.send_engine(f.engine_id, [header, frame])

@@ -14,12 +14,14 @@ import sys
 import pytest
 
 from messages.shm import list_segments
+from tests.faults.soak import ours_or_orphaned
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
+    segments_before = set(list_segments())
     r = subprocess.run(
         [
             sys.executable,
@@ -93,7 +95,9 @@ def test_bench_writes_every_point_with_ratios_to_its_baselines(tmp_path):
         assert p["daemon_bytes_received"] == 0 and p["world_size"] == p["engines"] + 1
     assert coll["wall_vs_one_engine"]["1"] == 1.0
     assert "x raw" in r.stdout
-    assert not [s for s in list_segments() if s.startswith("weightsync.trainer.")]
+    # the bench's own segments only (its trainer, a child of this test, has exited): another
+    # suite's live trainers on this machine keep theirs
+    assert not [s for s in set(list_segments()) - segments_before if ours_or_orphaned(s)]
 
 
 def test_daemon_never_imports_torch():

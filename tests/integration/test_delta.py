@@ -212,3 +212,35 @@ def test_the_cli_pushes_a_checkpoint_as_a_delta_against_the_one_the_fleet_serves
     # against a checkpoint the fleet does not serve: the engines refuse it, the push goes dense
     out = push("old", v + 2, "--delta-from", str(tmp_path / "old"))
     assert out["delta"]["base"] is None and out["digest"] == digest(w.items())
+
+
+def test_an_engine_without_a_base_copy_reaches_a_delta_version_by_catch_up_and_rollback(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """A fleet with base copies serves a delta version (the spool: v1 dense + one delta);
+    an engine started WITHOUT --delta-base catches up to it (the replay says `hold`, so it
+    keeps what the replay loads until the patches are rebuilt) with the fleet's digest;
+    then a dense push that fails mid-way is rolled back on all three, READY. (Before, the
+    new engine stayed STALE with STALE_BASE, and the failed rollback left the whole fleet
+    STALE, IDLE-dirty.)"""
+    args = ["--engine-timeout", "5", "--spool", str(tmp_path / "spool"), "--min-engines", "1"]
+    with running_daemon(tmp_path / "d", tiny_model_dir, daemon_args=args, engine_args=["--delta-base"]) as c:
+        with c.client(timeout=30.0) as client:
+            w1 = dict(perturbed(tiny_state, 1))
+            client.push(list(w1.items()), 1, delta=True)
+            w2 = small_step(w1, 5)
+            r = client.push(list(w2.items()), 2, delta=True)
+            assert r.detail["delta"]["base"] == 1 and client.status()["spool"]["chain"] == 1
+            pid = c.start_engine("engine-2", ["--no-delta-base"]).popen.pid
+            c.wait_engines(3)
+            st = wait_ready(client, 2)
+            new = {e["engine_id"]: e for e in st["engines"]}["engine-2"]
+            assert (new["pid"], new["delta"], new["digest"]) == (pid, False, digest(w2.items()))
+            assert new["finalize_count"] == 1  # finalized once, by its catch-up
+            with pytest.raises(RuntimeError, match="crashed"):
+                client.push(Breaks(dict(perturbed(tiny_state, 3)).items()), 3, bucket_bytes=64 * 1024)
+            st = wait_ready(client, 2)
+            assert len(st["engines"]) == 3 and not st["dirty"]
+            assert {e["digest"] for e in st["engines"]} == {digest(w2.items())}
+            new = {e["engine_id"]: e for e in st["engines"]}["engine-2"]
+            assert new["finalize_count"] == 2  # the catch-up, then the rollback

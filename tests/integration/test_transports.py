@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,8 +20,11 @@ from messages.shm import list_segments
 from .helpers import STALLING_TRAINER, running_daemon
 
 
-def trainer_segments():
-    return [s for s in list_segments() if s.startswith("weightsync.trainer.")]
+def trainer_segments(pid: int | None = None):
+    """The trainer segments of process `pid` (this test process by default): another
+    suite's trainers on the same machine have their own."""
+    mine = f"weightsync.trainer.{os.getpid() if pid is None else pid}."
+    return [s for s in list_segments() if s.startswith(mine)]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +115,7 @@ def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_d
             text=True,
         )
         assert p.stdout.readline().strip() == "STREAMING"
-        assert any(f".{p.pid}." in s for s in trainer_segments())
+        assert trainer_segments(p.pid)
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 10
@@ -121,10 +125,10 @@ def test_trainer_killed_mid_sync_leaves_no_segment_behind(tmp_path, tiny_model_d
         assert last["code"] == "ABORTED" and "connection closed" in last["reason"], last
         # The sweep is one of the ended sync's effects, which follow its journal write: the
         # state is IDLE a moment before; give the effects the same bounded wait.
-        leftover = [s for s in trainer_segments() if f".{p.pid}." in s]
+        leftover = trainer_segments(p.pid)
         while leftover and time.monotonic() < deadline:
             time.sleep(0.1)
-            leftover = [s for s in trainer_segments() if f".{p.pid}." in s]
+            leftover = trainer_segments(p.pid)
         assert not leftover  # swept by the daemon
 
 
