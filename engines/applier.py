@@ -430,6 +430,7 @@ class Applier(threading.Thread):
                 probes=probes,
                 seconds=seconds,
                 phases=phases,
+                delta=self.base.held if self.base.enabled else None,
             )
         )
         log.info(

@@ -39,6 +39,11 @@ class BaseStore:
         self.holding = False  # off, but this sync is a replay whose patches need what it loads
 
     @property
+    def held(self) -> bool:
+        """A base of this engine's own is kept (a delta may be rebuilt on it)."""
+        return self.enabled and bool(self._base)
+
+    @property
     def keeping(self) -> bool:
         """Whatever this sync loads is staged: a base is kept, or this sync holds one."""
         return self.enabled or self.holding

@@ -22,6 +22,7 @@ from orchestrator.core.commands import (
     CatchUpDone,
     Command,
     CompleteSync,
+    EngineLost,
     Journal,
     SendAbort,
     SpoolCommit,
@@ -290,8 +291,19 @@ class Model:
         if s.kind == "sync":
             if self.limits.spool:
                 self.outbox.append(SpoolDiscard(s.sync_id))
-            # A rollback that fails is not retried by itself (no loop); the next sync repairs.
             self.want_rollback = not rolled_back and self.can_roll_back()
+        elif s.kind == "rollback":
+            # A rollback that fails at named engines fails those engines, not the fleet:
+            # they are counted lost (a live one registers again and catches up, or stays
+            # STALE, named) and the others are rolled back again. Each retry has fewer
+            # engines, so this ends; a rollback failing with no engine named is not retried.
+            blamed = [x for x in _blamed(err) if x in touched]
+            for eid in blamed:
+                self.outbox.append(EngineLost(eid, f"its rollback failed: {err.code.value}: {err.message}"))
+                self.engines[eid].move("lose")
+                self.leave_group(eid)
+            live = any(x.state != E.LOST for x in self.engines.values())
+            self.want_rollback = bool(blamed) and live and self.can_roll_back()
         status = "ABORTED" if trigger == "abort" else "FAILED"
         self.last_sync = {
             **syncs.summary(s, status, self.now),
@@ -442,3 +454,11 @@ class Model:
         g = self.group
         if g is not None and any(eid == engine_id for eid, _, _ in g.members):
             self.group = None  # the next collective sync plans a new group without stale ranks
+
+
+def _blamed(err: WeightSyncError) -> list[str]:
+    """The engines a failure names (`engine_id`, `engine_ids`)."""
+    d = err.details or {}
+    one = d.get("engine_id")
+    many = d.get("engine_ids") or []
+    return sorted({*([one] if isinstance(one, str) else []), *(x for x in many if isinstance(x, str))})

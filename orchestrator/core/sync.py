@@ -144,7 +144,10 @@ def _check_base(m: Model, msg: Begin) -> None:
     for x in m.live_engines():
         why = None
         if not x.delta:
-            why = "keeps no base copy (start it with --delta-base)"
+            why = (
+                "keeps no base copy (start it with --delta-base; a collective sync its own "
+                "workers received leaves none until a sync it sees)"
+            )
         elif x.state != E.READY or x.version != served:
             why = f"is {x.state.value} at version {x.version}"
         elif msg.collective is not None and not x.collective_stream:  # may be planned collective
@@ -492,6 +495,9 @@ def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:
 
 def finalized(m: Model, event: EngineFinalized) -> None:
     eid, msg, s = event.engine_id, event.msg, m.sync
+    x = m.engines.get(eid)
+    if x is not None and msg.delta is not None:
+        x.delta = msg.delta  # what it holds now decides whether the next delta may begin
     c = m.catchup_of(eid, msg.sync_id)
     if c is not None:  # a catch-up's finalize
         mismatch = syncs.canary_mismatch(m.spooled_probes, msg.probes)

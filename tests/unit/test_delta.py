@@ -84,6 +84,7 @@ def _sparse_case():
 
 def test_a_patch_on_another_base_is_stale_base_and_a_wrong_rebuild_is_a_checksum_mismatch():
     base, new, bp, enc, meta = _sparse_case()
+    before = base.clone()  # taken before any rebuild: the base must come out of them unchanged
     other = changed(base, 0.001, 9)
     with pytest.raises(WeightSyncError) as ei:
         delta.rebuild(meta, enc.data, other, delta.part("w", other))
@@ -101,7 +102,7 @@ def test_a_patch_on_another_base_is_stale_base_and_a_wrong_rebuild_is_a_checksum
     with pytest.raises(WeightSyncError) as ei:
         delta.rebuild(meta, bad, base, bp)
     assert ei.value.code is ErrorCode.BAD_MESSAGE
-    assert torch.equal(base, base.clone())  # the base is never written
+    assert torch.equal(base, before)  # the base is never written
 
 
 def test_the_codec_refuses_a_patch_whose_size_does_not_follow_from_its_kind():
@@ -286,3 +287,42 @@ def test_a_delta_push_is_cut_into_buckets_where_the_dense_push_would_be():
     patched = list(iter_buckets(db.encode(w2.items()), 40 << 10))
     assert [[m.name for m in b.tensors] for b in patched] == [[m.name for m in b.tensors] for b in dense]
     assert len(patched) == 4 and all(m.patch is not None for b in patched for m in b.tensors)
+
+
+def test_an_engine_without_a_base_rebuilds_a_held_replay_and_keeps_nothing_after_it():
+    """Off (no --delta-base): a replay of base + deltas is refused unless its buckets say
+    `hold`; held, the chain rebuilds in one sync, and nothing is kept once it ends (the
+    engine still holds no base, so it still registers without `delta`)."""
+    w = {"a": tensor(torch.float32, 2000, 1), "b": tensor(torch.float32, 2000, 2)}
+    db = DeltaBase()
+    dense = list(iter_buckets(db.record(w.items()), 1 << 20))
+    db.commit(1)
+    w2 = {"a": changed(w["a"], 0.01, 3), "b": w["b"]}
+    patches = list(iter_buckets(db.encode(w2.items()), 1 << 20))
+    store = BaseStore(False)
+    for b in dense:
+        store.stage_loaded(list(store.rebuild(b.tensors, b.frame())[0]), None, set())
+    with pytest.raises(WeightSyncError) as ei:  # not held: nothing was kept to patch
+        store.rebuild(patches[0].tensors, patches[0].frame())
+    assert ei.value.code is ErrorCode.STALE_BASE
+    store.discard()
+    store.hold()
+    out = []
+    for b in dense + patches:
+        tensors, _, skip = store.rebuild(b.tensors, b.frame())
+        store.stage_loaded(tensors, None, skip)
+        out += tensors
+    assert torch.equal(dict(out)["a"], w2["a"]) and not torch.equal(w2["a"], w["a"])
+    assert store.nbytes > 0
+    store.commit()
+    assert store.nbytes == 0 and not store.held and not store.holding
+
+
+def test_a_base_emptied_by_bytes_the_store_never_saw_is_not_held():
+    store = BaseStore(True)
+    store.stage("a", tensor(torch.float32, 100, 1))
+    store.commit()
+    assert store.held
+    store.invalidate()  # a collective sync the engine's own workers received
+    store.commit()
+    assert not store.held

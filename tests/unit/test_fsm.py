@@ -662,3 +662,41 @@ def test_labelling_engines_are_told_the_version_once_every_participant_finalized
     finalized(o, "e1")
     o.handle(ev.EngineCommitted("e0", Committed(sync_id="s3", version=2, label="2")), 3.0)
     assert o.state == S.IDLE and o.last_sync["code"] == "ENGINE_FAILED" and o.dirty
+
+
+def test_an_engine_that_finalized_without_its_base_is_refused_a_delta_at_begin():
+    """A --delta-base engine whose base a sync emptied (vLLM workers that received a
+    collective sync themselves) says so in `finalized`: the next delta is refused at
+    begin with STALE_BASE naming it, before any engine loads a byte; a later finalize
+    with its base held makes deltas possible again."""
+    o = Orchestrator(Limits(min_engines=2))
+    for e in ENGINES:
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="vllm", delta=True)), 0.0)
+    to_finalizing(o, 1)
+    finalized(o, "e0")
+    s = o.sync
+    o.handle(
+        ev.EngineFinalized(
+            "e1", Finalized(sync_id=s.sync_id, version=1, digest="d", finalize_count=1, delta=False)
+        ),
+        1.0,
+    )
+    assert o.state == S.READY and not o.engines["e1"].delta and o.engines["e0"].delta
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle(ev.BeginSync(Begin(sync_id="d2", version=2, base=1)), 2.0)
+    assert ei.value.code is ErrorCode.STALE_BASE and "engine e1 keeps no base copy" in ei.value.message
+    assert o.state == S.READY and o.sync is None
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)  # dense: the base comes back
+    bucket(o, 0)
+    ack(o, 0)
+    finish(o, 1)
+    for e in ENGINES:
+        o.handle(
+            ev.EngineFinalized(
+                e, Finalized(sync_id="s2", version=2, digest="d2", finalize_count=2, delta=True)
+            ),
+            3.0,
+        )
+    assert o.state == S.READY and o.engines["e1"].delta
+    o.handle(ev.BeginSync(Begin(sync_id="d3", version=3, base=2)), 4.0)
+    assert o.state == S.LOADING_BUCKETS

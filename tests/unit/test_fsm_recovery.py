@@ -75,9 +75,42 @@ def test_no_rollback_without_a_matching_spool_and_no_second_try_after_a_failed_o
     o.handle(ev.SpoolChanged(Spooled(1, "d", 1)), o.now)
     o.want_rollback = True
     o.handle(ev.Tick(), 3.0)
-    o.handle(ev.EngineFailed("e0", Failed(sync_id=o.sync.sync_id, code="ENGINE_FAILED", message="x")), 4.0)
-    assert o.state is State.IDLE and not o.want_rollback  # no loop of rollbacks
+    o.handle(ev.AbortSync(o.sync.sync_id, "spool unreadable", by="daemon"), 4.0)
+    assert o.state is State.IDLE and not o.want_rollback  # no engine named: no loop of rollbacks
     assert o.last_sync["rollback"] == "failed"
+
+
+def test_a_rollback_failing_at_one_engine_fails_that_engine_and_rolls_the_others_back():
+    """The engine that refused the rollback is counted lost, named in an EngineLost; the
+    rollback is opened again over the others and completes: the fleet does not end
+    IDLE-dirty because one engine refused. Each retry has fewer engines, so it ends."""
+    o = ready_v1_spooled()
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    o.handle(ev.Tick(), 3.0)
+    first = o.sync.sync_id
+    res = o.handle(ev.EngineFailed("e0", Failed(sync_id=first, code="STALE_BASE", message="no base")), 4.0)
+    lost = cmds(res, fsm.EngineLost)
+    assert [c.engine_id for c in lost] == ["e0"] and "its rollback failed: STALE_BASE" in lost[0].cause
+    assert o.engines["e0"].state.value == "LOST" and o.want_rollback and o.state is State.IDLE
+    o.handle(ev.Heartbeat("e1"), 4.5)
+    o.handle(ev.Tick(), 5.0)
+    assert o.sync.kind == "rollback" and o.sync.sync_id != first and o.sync.participants == ("e1",)
+    bucket(o, 0)
+    ack(o, 0, engines=("e1",))
+    finish(o, 1)
+    finalized(o, "e1", digest="d")
+    assert (o.state, o.served_version, o.dirty) == (State.READY, 1, False)
+    # and when the last engine refuses too, nothing is left to roll back: no further try
+    o.limits = Limits(min_engines=1, spool=True)
+    o.handle(ev.BeginSync(Begin(sync_id="s3", version=3)), 6.0)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s3", "test"), 6.0)
+    o.handle(ev.Heartbeat("e1"), 6.5)
+    o.handle(ev.Tick(), 7.0)
+    o.handle(ev.EngineFailed("e1", Failed(sync_id=o.sync.sync_id, code="ENGINE_FAILED", message="x")), 7.0)
+    assert o.state is State.IDLE and not o.want_rollback and o.last_sync["rollback"] == "failed"
 
 
 def test_engine_registering_at_ready_catches_up_privately_and_counts_once_finalized():
