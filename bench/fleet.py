@@ -105,8 +105,10 @@ class SimFleet:
         daemon_args: Sequence[str] = (),
         faults: dict[str, str] | None = None,
         heartbeat: float = 1.0,
+        digest_bytes: bool = True,
     ) -> None:
         self.workdir = Path(workdir)
+        self.digest_bytes = digest_bytes  # engines digest what they received (tests), or not (timing)
         self.n = engines
         self.digests = self.workdir / "digests"
         self.digests.mkdir(parents=True, exist_ok=True)
@@ -155,6 +157,7 @@ class SimFleet:
                 str(self.heartbeat),
                 "--data-plane",
                 self.data_plane,
+                *([] if self.digest_bytes else ["--no-digest-bytes"]),
                 *faults,
             ],
             stdout=log,
@@ -238,7 +241,8 @@ def measure(
     workdir: Path, transport: str, engines: int, buckets: int, repeats: int, window: int = 32
 ) -> dict[str, Any]:
     """One point: medians of `repeats` syncs after a warm-up."""
-    with SimFleet(workdir, engines) as fleet, fleet.client(timeout=120.0) as client:
+    # the simulated engines hash nothing: the benchmark times the daemon, not their Python
+    with SimFleet(workdir, engines, digest_bytes=False) as fleet, fleet.client(timeout=120.0) as client:
         samples: list[dict[str, float]] = []
         for v in range(1, repeats + 2):
             weights = tiny_weights(buckets, v)
@@ -278,7 +282,7 @@ def measure(
 
 def fleet_wide(workdir: Path, engines: int, idle_s: float = 5.0) -> dict[str, float]:
     """Registration, idle heartbeats and `status` with the whole fleet up."""
-    fleet = SimFleet(workdir, engines)
+    fleet = SimFleet(workdir, engines, digest_bytes=False)
     try:
         register_s = fleet.start(timeout=120.0)
         proc = psutil.Process(fleet.daemon_pid)

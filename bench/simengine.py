@@ -8,9 +8,12 @@ Each engine registers (inline and collective, one collective rank, gloo), heartb
 verifies every inline frame against its checksum, reports its progress as a real engine
 does (cumulative `loaded`, at most one per REPORT_INTERVAL), finalizes
 once per sync (a second `finalize` is refused as a real engine does), answers canary
-probes with their expected tokens and reports the digest the trainer wrote for that
-version to `--digests/<version>` (a collective bucket's bytes never reach a simulated
-engine: the data plane is simulated, the control plane is real). With `--data-plane`,
+probes with their expected tokens and reports the digest of the tensors it received
+inline in that sync (each tensor's part hashed from the bytes that arrived, as a real
+engine's digest is), or, for a sync whose bytes never reached it (a collective bucket's:
+the data plane is simulated, the control plane is real), the digest the trainer wrote
+for that version to `--digests/<version>`. `--no-digest-bytes` (the fleet benchmark)
+skips the hashing and reports the file's digest for every sync. With `--data-plane`,
 the engines take the collective stream: they subscribe to the frame headers the
 trainer publishes there, chain their checksums as a real engine does, and answer
 `prepared` at the END header.
@@ -36,7 +39,7 @@ from typing import Any
 import zmq
 
 from messages import codec, fanout, schema, stream
-from messages.checksums import checksum
+from messages.checksums import checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
 from messages.progress import Progress
 from messages.schema import REPORT_INTERVAL
@@ -72,6 +75,7 @@ class SimEngine:
     reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
     stream: schema.OpenStream | None = None  # the collective stream it takes part in, until it answers
     fan: fanout.Receiver | None = None  # its subscription to the daemon's fan-out
+    parts: dict[str, bytes] = field(default_factory=dict)  # the running sync's received tensors
 
     def unreported(self) -> bool:
         return self.progress is not None and self.progress.unreported()
@@ -95,8 +99,10 @@ class Fleet:
         ctx: zmq.Context[Any] | None = None,
         data_plane: str = "",
         use_fanout: bool = True,
+        digest_bytes: bool = True,
     ) -> None:
         self.connect = connect
+        self.digest_bytes = digest_bytes
         self.digests = digests
         self.heartbeat = heartbeat
         self.ctx = ctx or zmq.Context.instance()
@@ -357,9 +363,16 @@ class Fleet:
             if e.progress is not None and e.fan is not None:
                 e.fan.end(e.progress.sync_id)  # superseded: its published buckets come no more
             e.progress = Progress(msg.sync_id)
+            e.parts = {}
         if (msg.sender, msg.seq) in e.progress.applied:  # a resend: say again that it is applied
             self._send(e, e.progress.again(msg.sender, msg.seq))
             return
+        if payload and self.digest_bytes:  # the digest is of what arrived
+            buf = memoryview(payload[0].buffer).cast("B")
+            for t in msg.tensors:
+                h = part_hasher(t.name, t.dtype, tuple(t.shape))
+                h.update(buf[t.offset : t.offset + t.nbytes])
+                e.parts[t.name] = h.digest()
         e.progress.apply(msg.sender, msg.seq)
 
     def _report(self, e: SimEngine, now: float) -> None:
@@ -389,7 +402,8 @@ class Fleet:
             return
         e.finalized.add(msg.sync_id)
         e.finalize_count += 1
-        digest = self._digest_of(msg.version)
+        received = e.progress is not None and e.progress.sync_id == msg.sync_id and e.parts
+        digest = combine(e.parts) if received else self._digest_of(msg.version)
         if e.fault == "wrong_digest":
             digest = format(int(digest, 16) ^ 1, f"0{len(digest)}x")  # one bit off
         e.version, e.digest = msg.version, digest
@@ -420,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", action="append", default=[], help="ENGINE_ID=KIND[:ARG]")
     ap.add_argument("--data-plane", default="", help="the trainer's PUB address of stream headers")
     ap.add_argument("--no-fanout", action="store_true", help="take every bucket one send at a time")
+    ap.add_argument(
+        "--no-digest-bytes", action="store_true", help="report --digests' digest, hash nothing received"
+    )
     args = ap.parse_args(argv)
     faults = dict(f.split("=", 1) for f in args.fault)
     fleet = Fleet(
@@ -430,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         faults,
         data_plane=args.data_plane,
         use_fanout=not args.no_fanout,
+        digest_bytes=not args.no_digest_bytes,
     )
     signal.signal(signal.SIGTERM, lambda *_: fleet.stop())
     signal.signal(signal.SIGINT, lambda *_: fleet.stop())

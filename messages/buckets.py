@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from messages.checksums import checksum
+from messages.checksums import checksum, combine, part_hasher
 from messages.dtypes import DTYPES, dtype_name
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
@@ -295,11 +295,7 @@ class Digester:
 
     @staticmethod
     def start_meta(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
-        h = xxhash.xxh3_128()
-        h.update(name.encode())
-        h.update(b"\0" + dtype.encode() + b"\0")
-        h.update(repr(tuple(shape)).encode())
-        return h
+        return part_hasher(name, dtype, shape)
 
     def finish(self, name: str, h: Any) -> None:
         self._parts[name] = h.digest()
@@ -316,11 +312,7 @@ class Digester:
         self.finish(name, h)
 
     def hexdigest(self) -> str:
-        h = xxhash.xxh3_128()
-        for name in sorted(self._parts):
-            h.update(name.encode() + b"\0")
-            h.update(self._parts[name])
-        return h.hexdigest()
+        return combine(self._parts)
 
     def __len__(self) -> int:
         return len(self._parts)

@@ -408,6 +408,8 @@ class Service:
             "bytes_announced": self.stats.bytes_announced,
             "messages_received": self.stats.received,
             "messages_sent": self.stats.sent,
+            # of those, published once on the fan-out for every subscribed engine
+            "messages_published": self.stats.published,
             "heartbeats_received": self.stats.heartbeats,
             "errors": dict(self.stats.errors),
         }

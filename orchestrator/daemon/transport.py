@@ -47,6 +47,7 @@ class Stats:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: int = 0  # messages received on both sockets
     sent: int = 0  # messages sent on both sockets
+    published: int = 0  # of `sent`, published on the fan-out (one for every subscriber)
     heartbeats: int = 0  # engines' heartbeats among `received` (answered only when unknown)
 
 
@@ -163,6 +164,7 @@ class Transport:
         """One message to every engine subscribed to the fan-out (`DATA` prepended)."""
         try:
             self._send_now(self.fanout, [fanout.DATA, *frames])
+            self.stats.published += 1
             return True
         except zmq.ZMQError as exc:
             log.warning("fanout_unpublishable", error=str(exc))

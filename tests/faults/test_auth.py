@@ -13,6 +13,7 @@ import pytest
 from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
+from messages.checksums import checksum
 from messages.errors import ErrorCode, WeightSyncError
 from messages.keys import client_keys, generate
 from orchestrator.trainer.client import TrainerClient
@@ -176,18 +177,22 @@ def test_with_keys_the_collective_store_is_curve_and_every_bucket_carries_a_mac(
         counts = [e["finalize_count"] for e in status["engines"]]
 
         real = wire_stream.bucket_mac
-        forged = []
+        tampered = []
 
-        def forge(key, h, data, metas):
-            if h.seq == 1 and not forged:  # the attacker's key is not this sync's
-                forged.append(h.seq)
-                return real(b"\x00" * 32, h, data, metas)
-            return real(key, h, data, metas)
+        def tamper(key, h, data, metas):
+            tag = real(key, h, data, metas)  # the trainer's own tag, over the bytes it packed
+            if h.seq == 1 and not tampered:  # then, in flight: other bytes, a checksum to match
+                data[0] ^= 0xFF  # the slot the broadcast sends (data views it)
+                object.__setattr__(h, "checksum", checksum(data))
+                tampered.append(h.seq)
+            return tag
 
-        monkeypatch.setattr(trainer_stream, "bucket_mac", forge)
+        monkeypatch.setattr(trainer_stream, "bucket_mac", tamper)
         v += 1
         with pytest.raises(WeightSyncError) as ei:
             c.push(dict(perturbed(tiny_state, v)).items(), v, transport="collective", bucket_bytes=128 * 1024)
+        # the checksum matched the replaced bytes: only the MAC can have refused them
+        assert tampered == [1]
         assert ei.value.code is ErrorCode.UNAUTHORIZED and "MAC" in ei.value.message, ei.value
         monkeypatch.setattr(trainer_stream, "bucket_mac", real)
         assert [e["finalize_count"] for e in c.status()["engines"]] == counts  # nothing finalized

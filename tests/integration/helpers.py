@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -79,6 +80,20 @@ def slow():
         yield item
 c.push(slow(), version, bucket_bytes=64 * 1024, transport=transport)
 """
+
+
+def finalized_syncs(proc: Any) -> list[str]:
+    """The sync ids an engine process ran its post-load step for, from its own log (one
+    `engine_finalized` line each): what a test that says "nothing finalized" checks."""
+    out = []
+    for line in Path(proc.log_path).read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "engine_finalized":
+            out.append(event.get("sync_id"))
+    return out
 
 
 def small_step(

@@ -15,7 +15,7 @@ from messages.buckets import digest
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Probe
 
-from .helpers import push_lying_delta, running_daemon, small_step, ws
+from .helpers import finalized_syncs, push_lying_delta, running_daemon, small_step, ws
 
 PROMPTS = [(1, 17, 42, 99), (1, 250, 3)]
 _versions = itertools.count(1)
@@ -98,9 +98,13 @@ def test_a_corrupted_patch_fails_the_sync_with_nothing_finalized(cluster, tiny_s
         assert err.code is ErrorCode.CHECKSUM_MISMATCH
         assert "rebuilt a tensor that is not the trainer's" in err.message
         st = wait_ready(client, v)
-        for e in st["engines"]:  # still at v, digest unchanged: v + 1 finalized nowhere
+        for e in st["engines"]:  # still at v, digest unchanged
             assert (e["version"], e["digest"]) == (v, before[e["engine_id"]]["digest"])
         assert st["last_sync"]["status"] != "READY"
+        # and v + 1's post-load step ran on no engine (a rollback's may have: another sync)
+        engines = [p for p in cluster.procs if p.name.startswith("engine-")]
+        assert err.sync_id and all(err.sync_id not in finalized_syncs(p) for p in engines)
+        assert all(finalized_syncs(p) for p in engines)  # the log is read: v's finalize is there
 
 
 def test_a_delta_against_a_stale_base_is_refused_then_pushed_dense(cluster, tiny_state):

@@ -22,7 +22,10 @@ def counts(fleet: SimFleet) -> dict[str, int]:
 
 def push(fleet: SimFleet, client, version: int, transport: str):
     weights = tiny_weights(BUCKETS, version)
-    fleet.write_digest(version, weights)
+    # inline, the simulated engines digest the bytes they received: the digest file holds
+    # other weights' (were they to report it, the sync would fail); a collective bucket's
+    # bytes never reach them, so there they report the file's
+    fleet.write_digest(version, tiny_weights(BUCKETS, version + 1000) if transport == "inline" else weights)
     return client.push(weights, version, bucket_bytes=64, window=32, transport=transport)
 
 

@@ -155,14 +155,19 @@ def test_each_bucket_is_published_once_per_kind_for_every_engine(tmp_path, tiny_
             while client.status()["daemon"]["fanout_subscribers"] < 3:
                 assert time.monotonic() < deadline, client.status()["daemon"]
                 time.sleep(0.05)
-            for v, transport, per_bucket in ((1, "auto", 3), (2, "inline", 2)):
+            for v, transport, kinds in ((1, "auto", 2), (2, "inline", 1)):
                 w = dict(perturbed(tiny_state, v))
-                before = client.status()["daemon"]["messages_sent"]
+                before = client.status()["daemon"]
                 r = client.push(w.items(), v, bucket_bytes=16 * 1024, transport=transport)
-                sent = client.status()["daemon"]["messages_sent"] - before
+                after = client.status()["daemon"]
+                sent = after["messages_sent"] - before["messages_sent"]
+                published = after["messages_published"] - before["messages_published"]
                 assert r.detail["transport"] == ("mixed" if transport == "auto" else "inline")
                 assert {e["digest"] for e in r.engines} == {digest(w.items())} and len(r.engines) == 3
-                # publishes and the trainer's acks per bucket; finalize and replies per engine
-                assert r.buckets > 10 and sent <= per_bucket * r.buckets + 2 * 3 + 4, (sent, r.buckets)
+                # every bucket published once per kind (shm by reference, inline with its
+                # bytes) after the sync's open, none sent to an engine one by one: what is not
+                # published is the trainer's acks and, per engine, finalize and its replies
+                assert r.buckets > 10 and published == kinds * r.buckets + 1, (published, r.buckets)
+                assert sent - published <= r.buckets + 2 * 3 + 4, (sent, published, r.buckets)
         opens = fanout_opens(cluster)
         assert [(o["inline"], o["shm"]) for o in opens] == [(1, 2), (3, 0)], opens

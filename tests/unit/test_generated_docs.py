@@ -66,3 +66,17 @@ def test_reliability_doc_cites_only_tests_that_exist():
     for name in set(re.findall(r"\b(test_\w+)\b", text)):
         is_file = any((root / "tests").rglob(f"{name}.py"))
         assert is_file or f"def {name}(" in sources, name
+
+
+def test_the_readmes_manual_vllm_install_is_what_make_test_runs():
+    """README's two install-by-hand commands are the Makefile's (which CI runs), so the
+    documented manual install is the tested one: the extra, then the builds that break
+    transformers removed."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    makefile = (root / "Makefile").read_text()
+    assert "pip install -e '.[vllm]'\npip uninstall -y torchvision torchaudio torchcodec\n" in readme
+    recipe = makefile.split("$(VENV)/.test:", 1)[1].split("\n\n", 1)[0]
+    install, uninstall = (ln.strip() for ln in recipe.splitlines()[1:3])
+    assert install.startswith("$(PIP) install -e '.[") and "vllm" in install.split("'")[1]
+    assert uninstall == "-$(PIP) uninstall -y torchvision torchaudio torchcodec"

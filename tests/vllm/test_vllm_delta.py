@@ -14,7 +14,7 @@ from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.canary import make_probes
 from messages.errors import ErrorCode
-from tests.integration.helpers import push_lying_delta, small_step
+from tests.integration.helpers import finalized_syncs, push_lying_delta, small_step
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -81,3 +81,6 @@ def test_a_corrupted_patch_never_reaches_vllm(vllm_delta, tiny_state):
         st = client.wait_ready(v, timeout=120)
         after = client.status()["engines"][0]
         assert st == {"vllm-0": v} and (after["version"], after["digest"]) == (v, before["digest"])
+        # vLLM's post-load step never ran for the lying sync (a rollback's may have)
+        [proc] = [p for p in vllm_delta.procs if p.name == "vllm-0"]
+        assert err.sync_id and err.sync_id not in finalized_syncs(proc) and finalized_syncs(proc)
