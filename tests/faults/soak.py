@@ -4,15 +4,19 @@ A daemon with a spool and two torch engines; a trainer pushes version after vers
 a transport drawn each time (inline, shm, collective); for some syncs a fault is drawn
 among those that transport can suffer (trainer abort, corrupted bucket, resent bucket,
 engine SIGKILL, engine SIGSTOP past its deadline, daemon SIGKILL and restart) and
-injected halfway through. After each sync the daemon must settle at READY (or IDLE when
-nothing could be repaired), and every READY engine must hold the digest of the version
-the daemon says it serves.
+injected halfway through. After each sync the daemon must settle at READY (IDLE-dirty only
+before any version was served: after that it counts as unsettled), and every READY
+engine must hold the digest of the version the daemon says it serves. Every failure that
+touched engines (the daemon answered IDLE, or it was killed mid-sync) must be rolled back,
+and only those: rolled back == failed after touching engines.
 
 A failure is explained only by the code its fault must produce (`EXPECTED`): a fault-free
 sync that fails, an INTERNAL, or any other code is unexplained, and so is a corrupted
 bucket the daemon did not refuse with CHECKSUM_MISMATCH. Prints: syncs ok / failed /
 rolled back, double finalizes, READY with a wrong digest, leaked processes and /dev/shm
-segments, unsettled and unexplained; all of those must be 0 (exit code 1 otherwise).
+segments, unsettled and unexplained; all of those must be 0, and rolled back equal to
+failed after touching (exit code 1 otherwise). `faults drawn` counts the faults drawn; one
+drawn may not take effect (an abort after the sync completed: `ok_despite`).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class Soak:
         self.version = 0
         self.counts: Counter[str] = Counter()
         self.wrong_digest = 0
+        self.served: int | None = None  # the version the fleet last settled READY at
         self.failures: list[dict[str, Any]] = []  # each failed sync: fault, code and cause
 
     # -- one sync -----------------------------------------------------------------------
@@ -123,6 +128,10 @@ class Soak:
         except WeightSyncError as err:
             self.counts["failed"] += 1
             self.counts[f"code:{err.code.value}"] += 1
+            # A failure that left engines touched (the daemon said IDLE, or it was killed
+            # mid-sync and restarts dirty) must be rolled back when a version was served.
+            if self.served is not None and (err.state == "IDLE" or fault == "daemon_kill"):
+                self.counts["failed_touching"] += 1
             explained = err.code.value in EXPECTED[(transport, fault)]
             self.failures.append(
                 {
@@ -275,7 +284,14 @@ class Soak:
             if last.get("sync_id") != getattr(self, "_last_rollback", None):
                 self._last_rollback = last.get("sync_id")
                 self.counts["rolled_back"] += 1
+        if st["state"] == "IDLE" and st.get("dirty") and self.served is not None:
+            # settled with nothing served although the spool holds a version: a rollback
+            # that failed (or never ran) left the fleet down
+            self.counts["unsettled"] += 1
+            self.counts["idle_dirty"] += 1
+            return
         if st["state"] == "READY":
+            self.served = st["version"]
             want = self.digests.get(st["version"])
             for e in st["engines"]:
                 if e["state"] == "READY" and e["digest"] != want:
@@ -353,7 +369,9 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
         "ok": soak.counts["ok"],
         "failed": soak.counts["failed"],
         "rolled_back": soak.counts["rolled_back"],
+        "failed_touching": soak.counts["failed_touching"],
         "unsettled": soak.counts["unsettled"],
+        "idle_dirty": soak.counts["idle_dirty"],
         "double_finalizes": doubles,
         "ready_with_wrong_digest": soak.wrong_digest,
         "leaked_processes": leaked,
@@ -376,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = run(args.syncs, args.seed, args.fault_rate)
     print(
-        f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']}, rolled back {r['rolled_back']}, "
-        f"unsettled {r['unsettled']} ({r['seconds']} s)"
+        f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']} ({r['failed_touching']} after "
+        f"touching engines), rolled back {r['rolled_back']}, unsettled {r['unsettled']} "
+        f"(IDLE-dirty {r['idle_dirty']}) ({r['seconds']} s)"
     )
     print(
-        f"transports: {r['transports']}; faults injected: {r['faults']}; error codes: {r['codes']}; "
+        f"transports: {r['transports']}; faults drawn: {r['faults']}; error codes: {r['codes']}; "
         f"unexplained failures {r['unexplained_failures']}"
     )
     print(
@@ -397,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         or r["leaked_shm_segments"]
         or r["unsettled"]
         or r["unexplained_failures"]
+        or r["rolled_back"] != r["failed_touching"]
     )
     return 1 if bad else 0
 
