@@ -30,7 +30,7 @@ from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
 from orchestrator.trainer.connection import Connection, error_from_reply
-from orchestrator.trainer.delta import DeltaBase, DeltaStats
+from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
 from orchestrator.trainer.rings import ShmRings
@@ -93,6 +93,7 @@ class TrainerClient:
         self.rings = ShmRings()
         self.group: TrainerGroup | None = None
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
+        self.delta_chooser = DeltaChooser()  # whether a delta pays on a transport, as measured
 
     @property
     def timeout(self) -> float:
@@ -237,8 +238,10 @@ class TrainerClient:
         otherwise): this client keeps a host copy of what it pushed last (one model's
         bytes). The first delta push, or one the daemon refuses (STALE_BASE: the fleet no
         longer serves our copy's version, an engine keeps no base), goes dense; the result's
-        `detail["delta"]` says what was sent. delta_mode "sparse"/"xor" force an encoding
-        where it beats dense (benchmarks).
+        `detail["delta"]` says what was sent. Over a transport where delta pushes measured
+        slower than dense ones (the link outruns the encoding: shared memory on one host),
+        it sends dense and says so (`chose`, `why`), trying delta again every 8 pushes.
+        delta_mode "sparse"/"xor" force an encoding where it beats dense (benchmarks).
         Whatever ends the push early (an error, a timeout, Ctrl-C, SIGTERM raised as an
         exception) aborts the sync it began, so the daemon is free for the next push."""
         kw = {
@@ -252,12 +255,16 @@ class TrainerClient:
             "partial": partial,
             "engines_wait": engines_wait,
         }
+        pace = self.delta_chooser
         if not delta:
-            return self._push(named_tensors, version, sync_id=sync_id, **kw)
+            result = self._push(named_tensors, version, sync_id=sync_id, **kw)
+            pace.record(transport, "dense", result.seconds, result.bytes)
+            return result
         base = self.delta_base
         reiterable = not isinstance(named_tensors, Iterator)
         against = base.version
-        if against is not None:
+        go, why = pace.choose(transport) if delta_mode == "auto" else (True, f"delta_mode {delta_mode}")
+        if against is not None and go:
             base.stats = DeltaStats()
             try:
                 result = self._push(
@@ -271,21 +278,26 @@ class TrainerClient:
                 if not reiterable and base.stats.tensors:  # consumed: the caller pushes again
                     raise
                 log.warning("delta_refused", version=version, reason=err.message)
+                why = f"the daemon refused a delta: {err.message}"
                 sync_id = None  # the dense push is a new sync
             except BaseException:
                 base.rollback()
                 raise
             else:
                 base.commit(version)
-                result.detail["delta"] = {"base": against, **base.stats.view()}
+                pace.record(transport, "delta", result.seconds, base.stats.dense_bytes)
+                result.detail["delta"] = {"base": against, "chose": "delta", "why": why, **base.stats.view()}
                 return result
+        elif against is None:
+            why = "no copy of the served version yet"
         try:
             result = self._push(base.record(named_tensors), version, sync_id=sync_id, **kw)
         except BaseException:
             base.forget()
             raise
         base.commit(version)
-        result.detail["delta"] = {"base": None, **base.stats.view()}
+        pace.record(transport, "dense", result.seconds, result.bytes)
+        result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **base.stats.view()}
         return result
 
     def _push(

@@ -24,6 +24,65 @@ from messages.buckets import Cast, Item, Patched, as_bytes, copy_bytes
 from messages.schema import INDEX32_MAX
 
 _LOST = ("lost",)  # an undo marker: the old value was overwritten in place, drop the name
+RETRY_DELTA = 8  # a transport whose delta pushes were slower tries delta again every this many
+JUDGED_BYTES = 64 << 20  # smaller models always go delta: fixed costs, not the pass, decide there
+
+
+@dataclass(slots=True)
+class Pace:
+    """Seconds per model byte of the recent pushes over one transport (halved memory of
+    the older ones), dense and delta; how many delta pushes went dense since delta was
+    last tried there."""
+
+    dense: float | None = None
+    delta: float | None = None
+    skipped: int = 0
+    model_bytes: int = 0  # the last push's
+
+
+class DeltaChooser:
+    """Whether a delta push pays over a transport, from what the pushes over it measured.
+
+    Encoding a delta costs a pass over every tensor (comparison, digest) on the trainer;
+    it pays where the link is slower than that pass (through the daemon, between hosts)
+    and not where the link outruns it (shared memory, a fast collective on one host). A
+    delta push over a transport whose delta pushes took longer per model byte than its
+    dense pushes goes dense (the copy kept as usual), trying delta again every
+    RETRY_DELTA pushes in case that changed; the result says which was chosen and why."""
+
+    def __init__(self) -> None:
+        self.paces: dict[str, Pace] = {}
+
+    def choose(self, transport: str) -> tuple[bool, str]:
+        p = self.paces.get(transport)
+        if p is None or p.dense is None or p.delta is None:
+            return True, "not measured on this transport yet"
+        if p.model_bytes < JUDGED_BYTES:
+            return True, f"a model under {JUDGED_BYTES >> 20} MiB: its fixed costs decide, not the encoding"
+        if p.delta <= p.dense:
+            return True, f"delta {p.delta * 1e9:.2f} s/GB <= dense {p.dense * 1e9:.2f} s/GB on {transport}"
+        if p.skipped + 1 >= RETRY_DELTA:
+            p.skipped = 0
+            return True, f"measured again after {RETRY_DELTA - 1} dense pushes on {transport}"
+        p.skipped += 1
+        return False, (
+            f"on {transport} delta pushes took {p.delta * 1e9:.2f} s/GB and dense ones "
+            f"{p.dense * 1e9:.2f} s/GB: the link outruns the encoding"
+        )
+
+    def record(self, transport: str, kind: str, seconds: float, model_bytes: int) -> None:
+        """A push of `kind` ("dense" or "delta") of a `model_bytes` model took `seconds`."""
+        if model_bytes <= 0 or seconds <= 0:
+            return
+        p = self.paces.setdefault(transport, Pace())
+        p.model_bytes = model_bytes
+        v = seconds / model_bytes
+        old = p.dense if kind == "dense" else p.delta
+        new = v if old is None else (old + v) / 2
+        if kind == "dense":
+            p.dense = new
+        else:
+            p.delta = new
 
 
 def _host(t: torch.Tensor | Cast) -> tuple[torch.Tensor, bool]:

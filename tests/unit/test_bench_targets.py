@@ -115,3 +115,18 @@ def test_the_fleet_check_names_every_missed_target():
     ]
     ok = {"engines": 256, "register_s": 0.3, "idle_cpu_pct": 2.0, "status_ms": 10.0}
     assert fleet_missed(good, fit(good), ok) == []
+
+
+def test_fleet_check_fails_a_target_whose_point_was_not_run():
+    """`bench.fleet --check` used to skip the 256-engine targets silently when that point
+    was not run; now each unmeasured target is named as not run."""
+    only_small = [
+        fleet_run("collective", 1, 0.2, 10, 0.3),
+        fleet_run("inline", 1, 0.2, 4000, 0.3),
+    ]
+    missed = fleet_missed(only_small, fit(only_small), None)
+    assert any("collective 256 engines: not run" in m for m in missed), missed
+    assert any("inline: not run at two fleet sizes" in m for m in missed), missed
+    assert any("fleet-wide at 256 engines: not run" in m for m in missed), missed
+    no_one = [fleet_run("collective", 256, 0.5, 900, 0.5)]
+    assert any("collective 1 engine: not run" in m for m in fleet_missed(no_one, fit(no_one), None))

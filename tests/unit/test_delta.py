@@ -326,3 +326,30 @@ def test_a_base_emptied_by_bytes_the_store_never_saw_is_not_held():
     store.invalidate()  # a collective sync the engine's own workers received
     store.commit()
     assert not store.held
+
+
+def test_a_delta_goes_dense_where_the_link_outran_the_encoding_and_is_tried_again():
+    """Pure: a transport whose delta pushes took longer per model byte than its dense ones
+    gets dense pushes (saying why), with delta tried again every RETRY_DELTA; one where
+    delta paid, or a model too small to judge, keeps delta."""
+    from orchestrator.trainer.delta import JUDGED_BYTES, RETRY_DELTA, DeltaChooser
+
+    c = DeltaChooser()
+    assert c.choose("shm")[0]  # nothing measured
+    big = 4 * JUDGED_BYTES
+    c.record("shm", "dense", 0.8, big)
+    c.record("shm", "delta", 1.1, big)
+    c.record("inline", "dense", 1.8, big)
+    c.record("inline", "delta", 1.0, big)
+    go, why = c.choose("shm")
+    assert not go and "the link outruns the encoding" in why and "on shm" in why
+    assert c.choose("inline")[0]
+    tries = [c.choose("shm")[0] for _ in range(2 * RETRY_DELTA)]
+    assert tries.count(True) == 2 and tries[RETRY_DELTA - 2] and tries[2 * RETRY_DELTA - 2]  # every 8th
+    c.record("shm", "delta", 0.3, big)  # the retry paid: averaged, delta now wins
+    c.record("shm", "delta", 0.3, big)
+    assert c.choose("shm")[0]
+    small = DeltaChooser()
+    small.record("shm", "dense", 0.01, JUDGED_BYTES // 8)
+    small.record("shm", "delta", 0.05, JUDGED_BYTES // 8)
+    assert small.choose("shm")[0]

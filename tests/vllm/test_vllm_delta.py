@@ -13,7 +13,7 @@ from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.canary import make_probes
-from messages.errors import ErrorCode
+from messages.errors import ErrorCode, WeightSyncError
 from tests.integration.helpers import finalized_syncs, push_lying_delta, small_step
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
@@ -84,3 +84,25 @@ def test_a_corrupted_patch_never_reaches_vllm(vllm_delta, tiny_state):
         # vLLM's post-load step never ran for the lying sync (a rollback's may have)
         [proc] = [p for p in vllm_delta.procs if p.name == "vllm-0"]
         assert err.sync_id and err.sync_id not in finalized_syncs(proc) and finalized_syncs(proc)
+
+
+def test_a_collective_sync_leaves_no_base_and_the_next_delta_goes_dense_at_begin(vllm_delta, tiny_state):
+    """vLLM's workers receive a collective sync themselves, so the engine process keeps no
+    base of it: its `finalized` says so, and the next delta is refused at begin
+    (STALE_BASE, naming the engine) before any engine loads a byte; push(delta=True)
+    then goes dense, and the dense push gives the engine its base back."""
+    with vllm_delta.client(timeout=120.0) as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        w = dict(perturbed(tiny_state, v))
+        r = client.push(list(w.items()), v, transport="collective")
+        assert r.detail["transport"] == "collective"
+        assert client.status()["engines"][0]["delta"] is False
+        with pytest.raises(WeightSyncError) as ei:
+            client.begin(v + 1, base=v)
+        assert ei.value.code is ErrorCode.STALE_BASE and "vllm-0 keeps no base copy" in ei.value.message
+        w2 = small_step(w, v, by=0.05)
+        r = client.push(list(w2.items()), v + 1, delta=True, transport="inline")
+        assert r.state == "READY" and r.detail["delta"]["base"] is None  # refused, then dense
+        assert client.status()["engines"][0]["delta"] is True
+        r = client.push(list(small_step(w2, v + 1, by=0.05).items()), v + 2, delta=True, transport="inline")
+        assert r.detail["delta"]["base"] == v + 1

@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from engines.torch_engine import load_model
 from examples.launch import Cluster
-from messages.buckets import iter_buckets
 from messages.canary import make_probes
-from orchestrator.trainer.lora import lora_tensors, push_adapter
+from messages.errors import ErrorCode, WeightSyncError
+from orchestrator.trainer.lora import push_adapter
 from tests.integration.test_lora import ALPHA, PROMPTS, TARGETS, make_adapter, merged
 
 ENGINE_RANK = 8
@@ -36,16 +38,15 @@ def test_vllm_serves_pushed_adapters_and_rolls_back_to_the_previous_one(tmp_path
             assert p1 != make_probes(base, PROMPTS, 6)  # the probes tell adapter 1 from none
             r1 = push_adapter(client, a1, 1, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=p1)
             assert r1.state == "READY"
-            sid = client.begin(2)["sync_id"]
-            b0 = next(
-                iter(
-                    iter_buckets(
-                        lora_tensors(make_adapter(base, 2), alpha=ALPHA, engine_rank=ENGINE_RANK), 16 * 1024
-                    )
-                )
-            )
-            client.send_bucket(sid, b0)
-            client.abort(sid, reason="trainer step failed")
+            # Adapter 2 loads and finalizes (vLLM serves it), then the commit fails: its
+            # canaries are adapter 1's. The rollback must load adapter 1 again: were it to
+            # replay nothing, the engine would still serve adapter 2 and adapter 1's
+            # canaries, re-run by the rollback, would fail it.
+            a2 = make_adapter(base, 2)
+            assert make_probes(merged(tiny_model_dir, a2), PROMPTS, 6) != p1
+            with pytest.raises(WeightSyncError) as ei:
+                push_adapter(client, a2, 2, alpha=ALPHA, engine_rank=ENGINE_RANK, probes=p1)
+            assert ei.value.code is ErrorCode.CANARY_MISMATCH, ei.value
             deadline = time.monotonic() + 60
             while not ((st := client.status())["state"] == "READY" and not st["dirty"]):
                 assert time.monotonic() < deadline, st
