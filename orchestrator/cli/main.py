@@ -578,6 +578,105 @@ def push(
             print(f"delta {against}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}")
 
 
+@app.command()
+def watch(
+    directory: Path = typer.Argument(
+        ..., file_okay=False, help="folder the trainer writes step directories into"
+    ),
+    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    marker: Optional[str] = typer.Option(
+        None, help="a step directory is complete once this file exists in it (prime-rl: STABLE)"
+    ),
+    version_from: Optional[str] = typer.Option(
+        None, help="regex with one group: the version in a directory's name [default: its last digits]"
+    ),
+    settle: float = typer.Option(
+        2.0, min=0.0, help="without --marker: seconds a directory's files must stay unchanged"
+    ),
+    poll: float = typer.Option(1.0, min=0.05, help="seconds between scans"),
+    until: Optional[int] = typer.Option(None, min=0, help="exit once this version (or newer) is served"),
+    retries: int = typer.Option(3, min=1, help="pushes of one version before giving it up"),
+    delta: bool = typer.Option(
+        False, "--delta", help="push what changed since the previous version (engines need --delta-base)"
+    ),
+    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
+    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
+    timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
+    engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per line and event"),
+    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
+    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+) -> None:
+    """Push each complete checkpoint that appears under DIRECTORY as its version, in order.
+
+    Exit 0 when stopped (SIGTERM, Ctrl-C) or --until is served; 4 if a version was refused
+    (out of order) or given up after --retries failed pushes."""
+    import re
+    import signal
+
+    from orchestrator.trainer.watch import Watcher
+
+    try:
+        pattern = re.compile(version_from) if version_from is not None else None
+    except re.error as exc:
+        _usage(f"--version-from {version_from!r}: {exc}")
+        return
+    if pattern is not None and pattern.groups != 1:
+        _usage(f"--version-from {version_from!r}: needs exactly one group (the version)")
+    bad: list[dict[str, Any]] = []
+
+    def emit(event: dict[str, Any]) -> None:
+        if event["event"] in ("refused", "gave_up"):
+            bad.append(event)
+        if as_json:
+            print(json.dumps(event, sort_keys=True, default=str), flush=True)
+            return
+        what = f"version {event['version']} ({event['path']}): {event['event']}"
+        if event["event"] == "pushed":
+            what += f" {event['state']}, {event['buckets']} buckets, {event['bytes']} bytes in {event['seconds']}s"
+        elif "reason" in event:
+            what += f": {event.get('code', '') + ' ' if event.get('code') else ''}{event['reason']}"
+        print(what, flush=True)
+
+    stopping = False
+
+    def on_signal(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with _client(addr, keys, key_name, timeout=timeout) as c:
+        w = Watcher(
+            directory,
+            c,
+            emit,
+            marker=marker,
+            version_from=pattern,
+            settle=settle,
+            retries=retries,
+            delta=delta,
+            push_options={"bucket_bytes": bucket_bytes, "transport": transport, "engines_wait": engines_wait},
+        )
+
+        def done() -> bool:
+            if stopping:
+                return True
+            if until is None:
+                return False
+            try:
+                served = c.status().get("last_ready_version")
+            except WeightSyncError:
+                return False
+            return served is not None and served >= until
+
+        try:
+            w.run(poll, done)
+        except WeightSyncError as err:
+            _fail(err, "watch", as_json)
+    raise typer.Exit(EXIT_SYNC if bad else EXIT_OK)
+
+
 class _Reread:
     """A checkpoint's tensors, read again on each iteration (a refused delta goes dense)."""
 
