@@ -17,12 +17,14 @@ Rules:
 - The fan-out and the engine socket are two connections: the order between them is not
   kept. An engine therefore drops published buckets of a sync it saw end (an `abort`, or
   a newer sync begun), so a bucket that arrives late never starts a sync again.
-- Each fan-out connection queues at most the daemon's `fanout_queue` messages (SNDHWM);
-  past it the XPUB drops for that connection alone. A frozen engine or a subscriber that
-  never reads so costs the daemon that many messages, whatever it does. A participant
-  never reaches it: the daemon keeps every trainer's window below it, and a participant's
-  queue holds at most its sync's open and the window. A connection that breaks loses what
-  was queued on it, like a ROUTER peer's, and the sync's deadlines handle it.
+- Each fan-out connection queues a bounded number of published messages (SNDHWM, set
+  for each sync from its bucket size: `queue_len`); past it the XPUB drops for that
+  connection alone. A frozen engine or a subscriber that never reads so costs the daemon
+  about the daemon's `fanout_queue_bytes`, whatever it does. A participant never reaches
+  the bound: a trainer's window stays within `window_cap` (the daemon says its budget in
+  the begin reply), and a participant's queue holds at most its sync's open and the
+  window. A connection that breaks loses what was queued on it, like a ROUTER peer's, and
+  the sync's deadlines handle it.
 
 Torch-free: the engine worker and the fleet benchmark's simulated engines use `Receiver`.
 """
@@ -47,6 +49,24 @@ REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, 
 REPORT_INTERVAL_MAX = 0.05
 
 Kind = Literal["inline", "shm"]
+
+
+def window_cap(queue_bytes: int | None, bucket_bytes: int, max_pending: int) -> int:
+    """The most buckets of `bucket_bytes` a trainer keeps unacknowledged when the daemon's
+    fan-out may queue `queue_bytes` per connection (None: no fan-out, `max_pending`):
+    `queue_len` of it must fit the budget."""
+    if queue_bytes is None:
+        return max(1, max_pending)
+    fits = queue_bytes // max(bucket_bytes, 1)
+    return max(1, min(max_pending, (fits - 2) // 2))
+
+
+def queue_len(cap: int) -> int:
+    """Published messages a connection may queue so that a participant never misses one
+    with a window of `cap`: libzmq's writer learns what its reader took only every
+    (len + 1) // 2 messages, so the queue may look up to half fuller than it is; a
+    participant holds the sync's open and the window."""
+    return 2 * cap + 2
 
 
 def bind_address(engine_bind: str) -> str:

@@ -109,10 +109,11 @@ def serve(
         help="where engines take published buckets (default beside the engine socket: "
         "its TCP port + 1, or PATH.fanout; 'off': one send per engine)",
     ),
-    fanout_queue: Optional[int] = typer.Option(
+    fanout_queue_bytes: Optional[int] = typer.Option(
         None,
-        help="published messages queued per fan-out connection (default 16): what a frozen "
-        "engine or idle subscriber can cost the daemon; trainers' windows stay within half of it",
+        min=1 << 20,
+        help="bytes of published buckets queued per fan-out connection (default 192 MiB): what a "
+        "frozen engine or a subscriber that never reads can cost the daemon",
     ),
     state_db: Optional[str] = typer.Option(
         None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
@@ -153,7 +154,7 @@ def serve(
         bind=bind,
         engine_bind=engine_bind,
         fanout_bind=fanout_bind,
-        fanout_queue=fanout_queue,
+        fanout_queue_bytes=fanout_queue_bytes,
         state_db=state_db,
         min_engines=min_engines,
         engine_timeout=engine_timeout,

@@ -25,10 +25,10 @@ class Settings:
     # the fan-out engines take inline and shm buckets from (one publish per bucket):
     # "" = beside the engine socket (ipc://P.fanout, or tcp port + 1), "off" = none
     fanout_bind: str = ""
-    # published messages queued for one fan-out connection; past it that connection misses
-    # messages (a frozen engine, a subscriber that never reads): the daemon's memory bound.
-    # Trainers' windows are kept within it (pending_limit), so a participant never misses one.
-    fanout_queue: int = 16
+    # bytes of published buckets queued for one fan-out connection; past it that connection
+    # misses messages (a frozen engine, a subscriber that never reads): the daemon's memory
+    # bound per such connection. Trainers' windows are kept within it (messages.fanout).
+    fanout_queue_bytes: int = 192 << 20
     state_db: str = "weightsync-state.db"
     min_engines: int = 1
     engine_timeout: float = 15.0
@@ -86,21 +86,10 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError("min_engines must be >= 0 and timeouts > 0")
     if min(settings.max_header_bytes, settings.max_frame_bytes, settings.max_pending) <= 0:
         raise ConfigError("max_header_bytes, max_frame_bytes and max_pending must be > 0")
-    if settings.fanout_queue < 4:
-        raise ConfigError("fanout_queue must be >= 4")
+    if settings.fanout_queue_bytes < 1 << 20:
+        raise ConfigError("fanout_queue_bytes must be >= 1 MiB")
     parse_failpoints(settings.failpoints)
     return settings
-
-
-def pending_limit(settings: Settings) -> int:
-    """Unanswered bucket requests a trainer connection may have: `max_pending`, and with a
-    fan-out, half its per-connection queue less the sync's open. Half: libzmq's writer
-    learns what its reader took only every (queue + 1) // 2 messages, so it may see a
-    queue up to that many messages fuller than it is (and drop); a participant holds at
-    most the open and the window, and so never misses a bucket."""
-    if settings.fanout_bind == "off":
-        return settings.max_pending
-    return max(1, min(settings.max_pending, settings.fanout_queue // 2))
 
 
 FAILPOINTS = {

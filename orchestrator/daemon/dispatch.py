@@ -109,11 +109,16 @@ class Dispatcher:
                     },
                 )
             elif isinstance(msg, schema.Begin):
-                # max_pending: what the trainer's window must stay within (per sender)
-                pending = self.core.limits.max_pending // max(1, msg.senders)
+                # what the trainer's window must stay within (per sender): max_pending, and
+                # with a fan-out, its per-connection budget (messages.fanout.window_cap)
+                senders = max(1, msg.senders)
+                limits = {"max_pending": max(1, self.core.limits.max_pending // senders)}
+                budget = self.transport.fanout_budget
+                if self.transport.fanout is not None and budget is not None:
+                    limits["fanout_bytes"] = budget // senders
                 await self.feed(
                     ev.BeginSync(msg),
-                    lambda r: self.transport.reply_ok(w, {**(r.reply or {}), "max_pending": max(1, pending)}),
+                    lambda r: self.transport.reply_ok(w, {**(r.reply or {}), **limits}),
                 )
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)

@@ -300,7 +300,10 @@ class Effects:
         shm_engines = set(c.shm_engines)
         inline = codec.encode_header(load)
         by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
-        pub_inline, pub_shm, rest = self._fanout_plan(c, shm_engines).route(c.engine_ids, shm_engines)
+        frame_bytes = len(p.frame) if p.frame is not None else 0  # by reference: no frame here
+        pub_inline, pub_shm, rest = self._fanout_plan(c, shm_engines, frame_bytes).route(
+            c.engine_ids, shm_engines
+        )
         t = self.transport
         if (pub_inline and not t.publish([inline, p.frame])) or (pub_shm and not t.publish([by_ref])):
             self._fanout[m.sync_id].broken = True  # the socket failed: one send each from now
@@ -320,8 +323,10 @@ class Effects:
             published=pub_inline or pub_shm,
         )
 
-    def _fanout_plan(self, c: cmd.ForwardBucket, shm_engines: set[str]) -> fanout.Plan:
-        """The sync's fan-out plan, made (and its open published) at its first bucket."""
+    def _fanout_plan(self, c: cmd.ForwardBucket, shm_engines: set[str], frame_bytes: int) -> fanout.Plan:
+        """The sync's fan-out plan, made (and its open published) at its first bucket,
+        with each connection's queue sized for this sync's published messages (a bucket's
+        frame inline; a header by reference)."""
         fan = self._fanout.get(c.sync_id)
         if fan is not None:
             return fan
@@ -329,6 +334,7 @@ class Effects:
         while len(self._fanout) > 16:  # a sync that never completed here
             self._fanout.pop(next(iter(self._fanout)))
         if fan.used:
+            self.transport.fanout_queue(frame_bytes if fan.inline else 4096)
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
             log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))

@@ -34,7 +34,7 @@ from orchestrator.core import Core, Limits, State
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.daemon.auth import ServerAuth
-from orchestrator.daemon.config import Settings, parse_failpoints, pending_limit
+from orchestrator.daemon.config import Settings, parse_failpoints
 from orchestrator.daemon.dispatch import DAEMON_VERSION, Dispatcher
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight
@@ -125,7 +125,7 @@ class Service:
             spool=bool(settings.spool),
             trainer_grace=settings.trainer_grace,
             max_frame_bytes=settings.max_frame_bytes,
-            max_pending=pending_limit(settings),
+            max_pending=settings.max_pending,
         )
         self.core = Core(
             limits,
@@ -196,7 +196,10 @@ class Service:
         )
         if s.fanout_bind != "off":
             self.transport.bind_fanout(
-                s.fanout_bind or fanout.bind_address(s.engine_bind), bool(s.fanout_bind), s.fanout_queue
+                s.fanout_bind or fanout.bind_address(s.engine_bind),
+                bool(s.fanout_bind),
+                s.fanout_queue_bytes,
+                s.max_pending,
             )
         if s.metrics_bind:
             self.transport.bound["metrics"] = self.metrics.serve(s.metrics_bind)

@@ -80,6 +80,9 @@ class Transport:
         self.ident_engine: dict[bytes, str] = {}
         self.bound: dict[str, str] = {}
         self.fanout: zmq.Socket[Any] | None = None
+        self.fanout_budget: int | None = None  # bytes a fan-out connection may queue
+        self.max_pending = 64
+        self.fanout_hwm = 0  # what each fan-out connection may queue now (messages)
         self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
@@ -107,21 +110,23 @@ class Transport:
             raise
         return sock
 
-    def bind_fanout(self, addr: str, explicit: bool, queue: int) -> None:
+    def bind_fanout(self, addr: str, explicit: bool, budget: int, max_pending: int) -> None:
         """The fan-out's XPUB. A default address that cannot be bound (a port taken) leaves
         the daemon without one, said in the log: engines then get one send each.
 
-        Each connection queues at most `queue` published messages (SNDHWM; the XPUB drops
-        for that connection alone past it): a frozen engine or a subscriber that never
-        reads holds that many, not a model per push. Participants never reach it: their
-        queue is bounded by the trainers' windows, which the daemon keeps below it
-        (config.pending_limit)."""
+        Each connection queues a bounded number of published messages (SNDHWM, set for
+        each sync by `fanout_queue`; the XPUB drops for that connection alone past it): a
+        frozen engine or a subscriber that never reads holds that many, not a model per
+        push. Participants never reach it (messages.fanout.queue_len)."""
         if not addr:
             return
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
         if self.auth is not None:
             self.auth.apply(sock, "engine")
-        sock.setsockopt(zmq.SNDHWM, queue)
+        # libzmq gives a new connection the SNDHWM the socket had when it was bound, and a
+        # new value only to the connections it has: bound with the largest a sync sets
+        # (no participant too small), set again at each sync and each new subscription
+        sock.setsockopt(zmq.SNDHWM, fanout.queue_len(max_pending))
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every engine's subscription, not only the first
         sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription (a closed connection)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions only
@@ -136,18 +141,21 @@ class Transport:
             log.warning("fanout_unavailable", addr=addr, error=str(exc))
             return
         self.fanout = sock
+        self.fanout_budget, self.max_pending = budget, max_pending
+        self.fanout_hwm = fanout.queue_len(max_pending)
         self.bound["fanout"] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def fanout_subscriptions(self) -> int:
         """Read the subscriptions waiting on the fan-out: which engines can take published
         buckets. Returns how many were read."""
-        n = 0
+        n, joined = 0, False
         while self.fanout is not None:
             try:
                 frame = self.fanout.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
             n += 1
+            joined = joined or frame[:1] == b"\x01"
             sub = fanout.subscription(frame)
             if sub is None:
                 continue
@@ -155,7 +163,22 @@ class Transport:
             self.fanout_subs[eid] += 1 if on else -1
             if self.fanout_subs[eid] <= 0:
                 del self.fanout_subs[eid]
+        if joined and self.fanout is not None:  # new connections: the current bound, not bind's
+            self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
+
+    def fanout_queue(self, message_bytes: int) -> None:
+        """A sync publishes messages of about `message_bytes`: every fan-out connection,
+        present and future, queues at most what a participant needs with the largest
+        window a trainer is told to keep for that size (messages.fanout.window_cap), so a
+        non-reader holds about the budget (libzmq applies a new SNDHWM to the
+        connections it has too)."""
+        if self.fanout is None:
+            return
+        self.fanout_hwm = fanout.queue_len(
+            fanout.window_cap(self.fanout_budget, message_bytes, self.max_pending)
+        )
+        self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
 
     def fanout_live(self, engine_id: str) -> bool:
         return self.fanout is not None and self.fanout_subs.get(engine_id, 0) > 0

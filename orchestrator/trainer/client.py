@@ -26,6 +26,7 @@ from messages import schema
 from messages.buckets import Digester, PackedBucket
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.fanout import window_cap
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
@@ -361,7 +362,7 @@ class TrainerClient:
                         ring,
                         digester,
                         coll,
-                        max_pending=started.get("max_pending"),
+                        max_pending=_pending_cap(started, bucket_bytes),
                     )
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
@@ -549,3 +550,14 @@ class TrainerClient:
             return
         if isinstance(cause, WeightSyncError) and body.get("state"):
             cause.state, cause.version = body["state"], body.get("version")
+
+
+def _pending_cap(started: dict[str, Any], bucket_bytes: int) -> int | None:
+    """The window the daemon's begin reply allows: its max_pending, and where buckets are
+    published with their bytes (inline, mixed), within its fan-out's per-connection
+    budget (messages.fanout.window_cap)."""
+    most = started.get("max_pending")
+    if most is None:
+        return None
+    budget = started.get("fanout_bytes") if started.get("transport") in ("inline", "mixed") else None
+    return window_cap(budget, bucket_bytes, int(most))

@@ -98,3 +98,25 @@ def test_the_cached_live_participants_follow_every_engine_change():
     assert s.alive(engines)[0] == ("a", "c")
     engines["b"] = EngineRecord("b", "torch", state=EngineState.STALE)  # registered again
     assert s.alive(engines)[1] == frozenset("abc")
+
+
+def test_the_window_a_trainer_keeps_fits_the_fanout_budget_twice_over():
+    """A participant needs its window plus the open, doubled (libzmq's late credit); a
+    non-reader holds the whole queue: so the queue of `window_cap` buckets fits the budget,
+    and small buckets keep the daemon's max_pending."""
+    from messages.fanout import queue_len, window_cap
+
+    mib = 1 << 20
+    for budget, bucket in (
+        (192 * mib, 16 * mib),
+        (192 * mib, 4 * mib),
+        (1 << 30, 64 * mib),
+        (64 * mib, 1 * mib),
+    ):
+        cap = window_cap(budget, bucket, 64)
+        assert cap >= 1 and queue_len(cap) * bucket <= budget, (budget, bucket, cap)
+        assert queue_len(cap) >= 2 * (cap + 1)
+    assert window_cap(192 * mib, 16 * mib, 64) == 5
+    assert window_cap(192 * mib, 64, 64) == 64  # tiny buckets: the count limit decides
+    assert window_cap(None, 16 * mib, 64) == 64  # no fan-out
+    assert window_cap(8 * mib, 16 * mib, 64) == 1  # a bucket past the budget: one at a time
