@@ -248,6 +248,9 @@ class Begin(Message, frozen=True, tag="begin"):
     # a delta sync: its patches apply to this version, which the fleet must serve (else
     # STALE_BASE, and the trainer pushes dense)
     base: Version | None = None
+    # the trainer's bucket size: the daemon sizes its fan-out's queues for the window a
+    # trainer keeps with it (messages.fanout.window_cap); None: from the first bucket
+    bucket_bytes: Size | None = None
 
 
 class Bucket(Message, frozen=True, tag="bucket"):

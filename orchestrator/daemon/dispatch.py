@@ -116,6 +116,8 @@ class Dispatcher:
                 budget = self.transport.fanout_budget
                 if self.transport.fanout is not None and budget is not None:
                     limits["fanout_bytes"] = budget // senders
+                if msg.bucket_bytes is not None:
+                    self.inflight.bucket_bytes[msg.sync_id] = msg.bucket_bytes
                 await self.feed(
                     ev.BeginSync(msg),
                     lambda r: self.transport.reply_ok(w, {**(r.reply or {}), **limits}),

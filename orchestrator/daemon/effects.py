@@ -29,7 +29,7 @@ from orchestrator.daemon import fanout
 from orchestrator.daemon.inflight import Inflight
 from orchestrator.daemon.journal import Journal
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.recovery import Recovery
+from orchestrator.daemon.recovery import RECOVERY_WINDOW, Recovery
 from orchestrator.daemon.spool import Spool
 from orchestrator.daemon.storage import Storage
 from orchestrator.daemon.transport import Transport, Waiter
@@ -334,7 +334,11 @@ class Effects:
         while len(self._fanout) > 16:  # a sync that never completed here
             self._fanout.pop(next(iter(self._fanout)))
         if fan.used:
-            self.transport.fanout_queue(frame_bytes if fan.inline else 4096)
+            # inline: sized for the trainer's bucket size (its window follows from it; a
+            # first bucket may be one oversized tensor), else for this frame; by reference
+            # the published messages are headers
+            size = self.inflight.bucket_bytes.get(c.sync_id, frame_bytes) if fan.inline else 4096
+            self.transport.fanout_queue(size, floor=RECOVERY_WINDOW)
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
             log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))

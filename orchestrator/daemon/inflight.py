@@ -35,6 +35,7 @@ class Inflight:
         self.bucket_waiters: dict[Key, list[Waiter]] = defaultdict(list)
         self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
         self.owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
+        self.bucket_bytes: dict[str, int] = {}  # the trainer's bucket size, from its begin
 
     def pending_on(self, ident: bytes) -> int:
         """Bucket requests of this trainer connection still unanswered."""
@@ -54,6 +55,7 @@ class Inflight:
         """Forget the sync; its (bucket, finish) waiters, to be answered by the caller."""
         self.routes.pop(sync_id, None)
         self.owners.pop(sync_id, None)
+        self.bucket_bytes.pop(sync_id, None)
         buckets = [
             w for k in [k for k in self.bucket_waiters if k[0] == sync_id] for w in self.bucket_waiters.pop(k)
         ]

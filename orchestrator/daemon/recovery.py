@@ -25,6 +25,7 @@ from orchestrator.core import events as ev
 from orchestrator.daemon.spool import Spool, SpoolEntry
 
 log = structlog.get_logger()
+RECOVERY_WINDOW = 2  # spooled buckets a rollback or catch-up has in flight
 
 OnReply = Callable[[dict[str, Any] | None, WeightSyncError | None], None]
 
@@ -80,7 +81,7 @@ class Recovery:
         requests: Requests,
         engines: Engines,
         feed: Callable[[ev.Event], Awaitable[None]],
-        window: int = 2,
+        window: int = RECOVERY_WINDOW,
     ) -> None:
         self.requests = requests
         self.engines = engines

@@ -167,17 +167,16 @@ class Transport:
             self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
 
-    def fanout_queue(self, message_bytes: int) -> None:
+    def fanout_queue(self, message_bytes: int, floor: int = 1) -> None:
         """A sync publishes messages of about `message_bytes`: every fan-out connection,
         present and future, queues at most what a participant needs with the largest
         window a trainer is told to keep for that size (messages.fanout.window_cap), so a
         non-reader holds about the budget (libzmq applies a new SNDHWM to the
-        connections it has too)."""
+        connections it has too). `floor`: the window of the daemon's own replays."""
         if self.fanout is None:
             return
-        self.fanout_hwm = fanout.queue_len(
-            fanout.window_cap(self.fanout_budget, message_bytes, self.max_pending)
-        )
+        cap = max(floor, fanout.window_cap(self.fanout_budget, message_bytes, self.max_pending))
+        self.fanout_hwm = fanout.queue_len(cap)
         self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
 
     def fanout_live(self, engine_id: str) -> bool:

@@ -130,8 +130,10 @@ class TrainerClient:
         transport: str = "inline",
         collective: schema.CollectiveOffer | None = None,
         base: int | None = None,
+        bucket_bytes: int | None = None,
     ) -> dict[str, Any]:
-        """Start a sync (`base`: a delta sync against that served version). `transport` "shm"/"auto" offers shared memory, "collective" (with
+        """Start a sync (`base`: a delta sync against that served version; `bucket_bytes`:
+        the size its buckets are cut to, which the daemon sizes its fan-out for). `transport` "shm"/"auto" offers shared memory, "collective" (with
         `collective`, this trainer's store) a torch.distributed group; the reply's
         `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective")."""
         sync_id = sync_id or uuid.uuid4().hex
@@ -148,6 +150,7 @@ class TrainerClient:
                 transport=cast(Transport, transport),
                 collective=collective,
                 base=base,
+                bucket_bytes=bucket_bytes,
             )
         )
         return {**body, "sync_id": sync_id}
@@ -332,7 +335,15 @@ class TrainerClient:
         try:
             try:
                 started = self._begin_after_rollback(
-                    version, sync_id, probes, transport, rollback_wait, engines_wait, offer, base
+                    version,
+                    sync_id,
+                    probes,
+                    transport,
+                    rollback_wait,
+                    engines_wait,
+                    offer,
+                    base,
+                    bucket_bytes,
                 )
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
@@ -506,6 +517,7 @@ class TrainerClient:
         engines_wait: float = 0.0,
         offer: schema.CollectiveOffer | None = None,
         base: int | None = None,
+        bucket_bytes: int | None = None,
     ) -> dict[str, Any]:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
@@ -514,7 +526,13 @@ class TrainerClient:
         while True:
             try:
                 return self.begin(
-                    version, sync_id, probes=probes, transport=transport, collective=offer, base=base
+                    version,
+                    sync_id,
+                    probes=probes,
+                    transport=transport,
+                    collective=offer,
+                    base=base,
+                    bucket_bytes=bucket_bytes,
                 )
             except WeightSyncError as err:
                 waited = time.monotonic() - t0

@@ -100,3 +100,44 @@ def test_frozen_engine_and_idle_subscriber_cost_the_daemon_a_bounded_amount(tmp_
             f"engine-1 READY at v{version}",
         )
         assert c.status()["state"] == "READY"
+
+
+def test_a_first_bucket_larger_than_the_bucket_size_does_not_shrink_the_fanout_queue(tmp_path):
+    """The fan-out's queue is sized from the trainer's bucket size (its begin says it), not
+    from the first frame: a first tensor of 48 MiB (one oversized bucket), then 4 MiB
+    buckets with a window of 8, while one engine is stopped until the whole window waits
+    on it. Resumed, it finds every bucket queued and the push is READY (sized from the
+    first frame, the queue held 6 messages: the stopped engine missed buckets and the push
+    timed out)."""
+    import threading
+
+    from messages.schema import ParamSpec
+
+    spec = [ParamSpec("big", "bfloat16", (24 * 1024, 1024))]
+    spec += [ParamSpec(f"t{i}", "bfloat16", (2048, 1024)) for i in range(16)]
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(tmp_path / "d", model, engines=2, backend="sink", daemon_args=["--log-level", "info"])
+    with c, c.client(timeout=20.0, retries=0) as client:
+        slow = next(p for p in c.procs if p.name == "engine-1")
+        out: dict = {}
+
+        def push() -> None:
+            try:
+                out["r"] = client.push(
+                    random_weights(spec, seed=1), 1, transport="inline", bucket_bytes=4 << 20, window=8
+                )
+            except Exception as exc:  # reported below
+                out["err"] = exc
+
+        os.kill(slow.popen.pid, signal.SIGSTOP)
+        t = threading.Thread(target=push)
+        try:
+            t.start()
+            _wait(lambda: c.status()["queues"]["unacked_bucket_requests"] >= 8, 30, "the window waits")
+        finally:
+            os.kill(slow.popen.pid, signal.SIGCONT)
+        t.join(60)
+        assert "err" not in out, out.get("err")
+        r = out["r"]
+        assert r.state == "READY" and r.detail["window"] == 8 and len(r.engines) == 2
+        assert {e["digest"] for e in r.engines} == {r.digest}
