@@ -300,7 +300,7 @@ class Effects:
         shm_engines = set(c.shm_engines)
         inline = codec.encode_header(load)
         by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
-        frame_bytes = len(p.frame) if p.frame is not None else 0  # by reference: no frame here
+        frame_bytes = len(p.frame) if p.frame is not None else (m.shm.size if m.shm else 0)
         pub_inline, pub_shm, rest = self._fanout_plan(c, shm_engines, frame_bytes).route(
             c.engine_ids, shm_engines
         )
@@ -325,20 +325,18 @@ class Effects:
 
     def _fanout_plan(self, c: cmd.ForwardBucket, shm_engines: set[str], frame_bytes: int) -> fanout.Plan:
         """The sync's fan-out plan, made (and its open published) at its first bucket,
-        with each connection's queue sized for this sync's published messages (a bucket's
-        frame inline; a header by reference)."""
+        after each connection's queue is sized for the sync's bucket size: the trainer's
+        (its window follows from it; a first bucket may be one oversized tensor), else
+        this first frame's."""
         fan = self._fanout.get(c.sync_id)
         if fan is not None:
             return fan
+        size = self.inflight.bucket_bytes.get(c.sync_id, frame_bytes)
+        self.transport.fanout_queue(size, floor=RECOVERY_WINDOW)  # bound anew: none live yet
         fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)
         while len(self._fanout) > 16:  # a sync that never completed here
             self._fanout.pop(next(iter(self._fanout)))
         if fan.used:
-            # inline: sized for the trainer's bucket size (its window follows from it; a
-            # first bucket may be one oversized tensor), else for this frame; by reference
-            # the published messages are headers
-            size = self.inflight.bucket_bytes.get(c.sync_id, frame_bytes) if fan.inline else 4096
-            self.transport.fanout_queue(size, floor=RECOVERY_WINDOW)
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
             log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))

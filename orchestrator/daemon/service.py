@@ -256,6 +256,7 @@ class Service:
         for m in monitors:
             poller.register(m, zmq.POLLIN)
         subs = zmq.asyncio.Socket.from_socket(t.fanout) if t.fanout is not None else None
+        subs_of = t.fanout  # the fan-out socket `subs` wraps (bound anew when its queue shrinks)
         if subs is not None:
             poller.register(subs, zmq.POLLIN)
         # Quiet (no sync, no recovery): the trainer socket wakes the loop at once, the
@@ -270,6 +271,15 @@ class Service:
         tick_ms = int(self.settings.tick_interval * 1000)
         last_tick = last_engines = time.monotonic()
         while not self._stop.is_set():
+            if t.fanout is not subs_of:  # the fan-out was bound anew: poll the new socket
+                for pl in (poller, quiet_poller):
+                    if subs is not None:
+                        pl.unregister(subs)
+                subs_of = t.fanout
+                subs = zmq.asyncio.Socket.from_socket(t.fanout) if t.fanout is not None else None
+                for pl in (poller, quiet_poller):
+                    if subs is not None:
+                        pl.register(subs, zmq.POLLIN)
             if self._quiet():
                 wait = max(0.0, last_engines + IDLE_COALESCE - time.monotonic())
                 events = dict(await quiet_poller.poll(int(min(wait * 1000, tick_ms))))

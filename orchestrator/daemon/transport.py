@@ -114,36 +114,40 @@ class Transport:
         """The fan-out's XPUB. A default address that cannot be bound (a port taken) leaves
         the daemon without one, said in the log: engines then get one send each.
 
-        Each connection queues a bounded number of published messages (SNDHWM, set for
-        each sync by `fanout_queue`; the XPUB drops for that connection alone past it): a
-        frozen engine or a subscriber that never reads holds that many, not a model per
-        push. Participants never reach it (messages.fanout.queue_len)."""
+        Each connection queues a bounded number of published messages (SNDHWM, sized for
+        each sync's bucket size by `fanout_queue`; the XPUB drops for that connection alone
+        past it): a frozen engine or a subscriber that never reads holds that many, not a
+        model per push. Participants never reach it (messages.fanout.queue_len)."""
         if not addr:
             return
+        self.fanout_budget, self.max_pending = budget, max_pending
+        hwm = fanout.queue_len(fanout.window_cap(budget, schema.DEFAULT_BUCKET_BYTES, max_pending))
+        try:
+            refuse_live_ipc(addr)
+            self.fanout = self._xpub(addr, hwm)
+        except (zmq.ZMQError, OSError) as exc:
+            if explicit:
+                raise
+            log.warning("fanout_unavailable", addr=addr, error=str(exc))
+            return
+        self.fanout_hwm = hwm
+        self.bound["fanout"] = self.fanout.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _xpub(self, addr: str, hwm: int) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
         if self.auth is not None:
             self.auth.apply(sock, "engine")
-        # libzmq gives a new connection the SNDHWM the socket had when it was bound, and a
-        # new value only to the connections it has: bound with the largest a sync sets
-        # (no participant too small), set again at each sync and each new subscription
-        sock.setsockopt(zmq.SNDHWM, fanout.queue_len(max_pending))
+        sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every engine's subscription, not only the first
         sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription (a closed connection)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions only
         sock.setsockopt(zmq.LINGER, 500)
         try:
-            refuse_live_ipc(addr)
             sock.bind(addr)
-        except (zmq.ZMQError, OSError) as exc:
+        except zmq.ZMQError:
             sock.close(linger=0)
-            if explicit:
-                raise
-            log.warning("fanout_unavailable", addr=addr, error=str(exc))
-            return
-        self.fanout = sock
-        self.fanout_budget, self.max_pending = budget, max_pending
-        self.fanout_hwm = fanout.queue_len(max_pending)
-        self.bound["fanout"] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            raise
+        return sock
 
     def fanout_subscriptions(self) -> int:
         """Read the subscriptions waiting on the fan-out: which engines can take published
@@ -167,17 +171,40 @@ class Transport:
             self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
 
-    def fanout_queue(self, message_bytes: int, floor: int = 1) -> None:
-        """A sync publishes messages of about `message_bytes`: every fan-out connection,
-        present and future, queues at most what a participant needs with the largest
-        window a trainer is told to keep for that size (messages.fanout.window_cap), so a
-        non-reader holds about the budget (libzmq applies a new SNDHWM to the
-        connections it has too). `floor`: the window of the daemon's own replays."""
+    def fanout_queue(self, bucket_bytes: int, floor: int = 1) -> bool:
+        """A sync's buckets are cut to `bucket_bytes`: every fan-out connection, present and
+        future, queues at most what a participant needs with the largest window a trainer
+        keeps for that size (messages.fanout.window_cap), so a non-reader holds about the
+        budget. `floor`: the window of the daemon's own replays.
+
+        A larger queue is set on every connection (libzmq applies a new SNDHWM to those it
+        has; new ones get the bind-time value, so it is set again at each subscription). A
+        smaller one cannot be: libzmq's writer learns what a reader took only every
+        (queue + 1) // 2 messages, so lowered below that it can count an idle connection
+        full for good. The XPUB is bound anew with it instead (its queues dropped; every
+        engine's SUB reconnects and subscribes again by itself, and this sync's buckets
+        go one send each). Returns whether it was bound anew."""
         if self.fanout is None:
-            return
-        cap = max(floor, fanout.window_cap(self.fanout_budget, message_bytes, self.max_pending))
-        self.fanout_hwm = fanout.queue_len(cap)
-        self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
+            return False
+        cap = max(floor, fanout.window_cap(self.fanout_budget, bucket_bytes, self.max_pending))
+        hwm = fanout.queue_len(cap)
+        if hwm >= self.fanout_hwm:
+            self.fanout_hwm = hwm
+            self.fanout.setsockopt(zmq.SNDHWM, hwm)
+            return False
+        addr = self.bound["fanout"]
+        self.fanout.close(linger=0)
+        self.fanout = None
+        self.fanout_subs.clear()
+        try:
+            self.fanout = self._xpub(addr, hwm)
+        except zmq.ZMQError as exc:  # the address was taken meanwhile: no fan-out from now
+            log.warning("fanout_unavailable", addr=addr, error=str(exc))
+            self.bound.pop("fanout", None)
+            return True
+        self.fanout_hwm = hwm
+        log.info("fanout_rebound", addr=addr, queue=hwm)
+        return True
 
     def fanout_live(self, engine_id: str) -> bool:
         return self.fanout is not None and self.fanout_subs.get(engine_id, 0) > 0

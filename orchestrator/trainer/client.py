@@ -571,11 +571,11 @@ class TrainerClient:
 
 
 def _pending_cap(started: dict[str, Any], bucket_bytes: int) -> int | None:
-    """The window the daemon's begin reply allows: its max_pending, and where buckets are
-    published with their bytes (inline, mixed), within its fan-out's per-connection
-    budget (messages.fanout.window_cap)."""
+    """The window the daemon's begin reply allows: its max_pending, and where buckets go
+    through its fan-out (inline, shm, mixed), within the fan-out's per-connection budget
+    for this bucket size (messages.fanout.window_cap), which its queues are sized for."""
     most = started.get("max_pending")
     if most is None:
         return None
-    budget = started.get("fanout_bytes") if started.get("transport") in ("inline", "mixed") else None
+    budget = started.get("fanout_bytes") if started.get("transport") in ("inline", "shm", "mixed") else None
     return window_cap(budget, bucket_bytes, int(most))

@@ -141,3 +141,28 @@ def test_a_first_bucket_larger_than_the_bucket_size_does_not_shrink_the_fanout_q
         r = out["r"]
         assert r.state == "READY" and r.detail["window"] == 8 and len(r.engines) == 2
         assert {e["digest"] for e in r.engines} == {r.digest}
+
+
+def test_syncs_of_different_bucket_sizes_each_reach_every_engine(tmp_path):
+    """Small buckets, then large, then small, then large again: the fan-out's queue grows
+    and shrinks with the bucket size. Shrunk on live connections, libzmq could count an
+    idle connection full for good (its reader reports what it took only every half queue:
+    17 small buckets read, never reported, against a new queue of 12) and every later
+    bucket missed it; the daemon binds the fan-out anew instead (said in its log) and
+    that sync goes one send each. Every push is READY on both engines."""
+    spec = synthetic_spec(64 << 20, tensor_bytes=4 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(tmp_path / "d", model, engines=2, backend="sink", daemon_args=["--log-level", "info"])
+    with c, c.client(timeout=20.0, retries=0) as client:
+        published = []
+        for v, bucket in enumerate((64 << 10, 16 << 20, 16 << 20, 64 << 10, 16 << 20), start=1):
+            _wait(lambda: c.status()["daemon"]["fanout_subscribers"] == 2, 30, "both subscribed")
+            before = client.status()["daemon"]["messages_published"]
+            r = client.push(random_weights(spec, seed=v), v, transport="inline", bucket_bytes=bucket)
+            assert r.state == "READY" and {e["digest"] for e in r.engines} == {r.digest}, r
+            published.append(client.status()["daemon"]["messages_published"] - before)
+        # grown (or kept) in place: published; shrunk: bound anew, that sync sent one by one
+        assert published[0] > 0 and published[2] > 0 and published[3] > 0
+        assert published[1] == 0 and published[4] == 0
+        log = c.daemon.log_path.read_text()
+        assert log.count('"fanout_rebound"') == 2
