@@ -1,7 +1,7 @@
 """`orchestrator.trainer.trl.WeightSyncTransfer`, driven the way TRL's AsyncGRPO trainer
 drives its weight transfer (init once; per sync pause, send_weights(iterator), resume;
 destroy), against a real daemon and torch engines. TRL itself is not installed here:
-these calls are the protocol's, not TRL's trainer (see docs/TRAINER.md)."""
+these calls are the protocol's, not TRL's trainer (docs/INTEGRATIONS.md)."""
 
 from __future__ import annotations
 
