@@ -6,6 +6,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,18 @@ def slow():
         yield item
 c.push(slow(), version, bucket_bytes=64 * 1024, transport=transport)
 """
+
+
+def wait_for(pred: Any, timeout: float, what: str, every: float = 0.1) -> Any:
+    """`pred()`'s first truthy value within `timeout` seconds, else an AssertionError
+    naming `what` (a condition, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def finalized_syncs(proc: Any) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -15,18 +14,11 @@ import zmq
 from engines.sink import random_weights, synthetic_spec, write_spec
 from examples.launch import Cluster
 
+from .helpers import wait_for
+
 MODEL_BYTES = 256 << 20
 BOUND = 300 << 20  # the bound on the daemon's growth over four pushes
 
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def _engine(cluster: Cluster, eid: str) -> dict:
@@ -63,14 +55,17 @@ def test_frozen_engine_and_idle_subscriber_cost_the_daemon_a_bounded_amount(tmp_
         daemon = c.daemon.popen.pid
         frozen = next(p for p in c.procs if p.name == "engine-1")
         os.kill(frozen.popen.pid, signal.SIGSTOP)
-        try:
-            _wait(lambda: _engine(c, "engine-1")["state"] == "LOST", 30, "engine-1 LOST")
+        def four_pushes(what: str) -> None:
             before = _rss(daemon)
             for _ in range(4):
                 push(client)
             grew = _rss(daemon) - before
-            print(f"frozen engine: the daemon grew {grew >> 20} MiB over four pushes")
-            assert grew < BOUND, f"daemon grew {grew >> 20} MiB with a frozen engine"
+            print(f"{what}: the daemon grew {grew >> 20} MiB over four pushes")
+            assert grew < BOUND, f"daemon grew {grew >> 20} MiB with {what}"
+
+        try:
+            wait_for(lambda: _engine(c, "engine-1")["state"] == "LOST", 30, "engine-1 LOST")
+            four_pushes("a frozen engine")
 
             # a SUB that subscribes to everything and never reads
             fan = c.status()["daemon"]["fanout_addr"]
@@ -81,20 +76,15 @@ def test_frozen_engine_and_idle_subscriber_cost_the_daemon_a_bounded_amount(tmp_
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(fan)
             try:
-                _wait(lambda: c.status()["daemon"]["fanout_subscribers"] >= 1, 10, "subscribed")
-                before = _rss(daemon)
-                for _ in range(4):
-                    push(client)
-                grew = _rss(daemon) - before
-                print(f"idle subscriber: the daemon grew {grew >> 20} MiB over four pushes")
-                assert grew < BOUND, f"daemon grew {grew >> 20} MiB with an idle subscriber"
+                wait_for(lambda: c.status()["daemon"]["fanout_subscribers"] >= 1, 10, "subscribed")
+                four_pushes("an idle subscriber")
             finally:
                 sub.close(linger=0)
                 ctx.term()
         finally:
             os.kill(frozen.popen.pid, signal.SIGCONT)
         # resumed, the engine rejoins and the spool brings it to the fleet's version
-        _wait(
+        wait_for(
             lambda: (e := _engine(c, "engine-1"))["state"] == "READY" and e["version"] == version,
             60,
             f"engine-1 READY at v{version}",
@@ -133,7 +123,7 @@ def test_a_first_bucket_larger_than_the_bucket_size_does_not_shrink_the_fanout_q
         t = threading.Thread(target=push)
         try:
             t.start()
-            _wait(lambda: c.status()["queues"]["unacked_bucket_requests"] >= 8, 30, "the window waits")
+            wait_for(lambda: c.status()["queues"]["unacked_bucket_requests"] >= 8, 30, "the window waits")
         finally:
             os.kill(slow.popen.pid, signal.SIGCONT)
         t.join(60)
@@ -156,7 +146,7 @@ def test_syncs_of_different_bucket_sizes_each_reach_every_engine(tmp_path):
     with c, c.client(timeout=20.0, retries=0) as client:
         published = []
         for v, bucket in enumerate((64 << 10, 16 << 20, 16 << 20, 64 << 10, 16 << 20), start=1):
-            _wait(lambda: c.status()["daemon"]["fanout_subscribers"] == 2, 30, "both subscribed")
+            wait_for(lambda: c.status()["daemon"]["fanout_subscribers"] == 2, 30, "both subscribed")
             before = client.status()["daemon"]["messages_published"]
             r = client.push(random_weights(spec, seed=v), v, transport="inline", bucket_bytes=bucket)
             assert r.state == "READY" and {e["digest"] for e in r.engines} == {r.digest}, r

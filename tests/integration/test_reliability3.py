@@ -13,19 +13,10 @@ import pytest
 from examples.tiny import perturbed
 from messages.errors import WeightSyncError
 
-from .helpers import running_daemon
+from .helpers import running_daemon, wait_for
 
 pytestmark = pytest.mark.slow
 
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def _log_events(path) -> list[dict]:
@@ -38,7 +29,7 @@ def _log_events(path) -> list[dict]:
     return out
 
 
-def test_an_engine_stopped_cleanly_is_out_at_once_and_the_next_push_does_not_wait(
+def test_an_engine_stopped_cleanly_is_out_at_once_and_the_next_push_does_notwait_for(
     tmp_path, tiny_model_dir, tiny_state
 ):
     """SIGTERM one of two engines, push as soon as it exited: READY on the survivor in
@@ -92,7 +83,7 @@ def test_an_engine_lost_by_heartbeat_is_logged_with_its_cause(tmp_path, tiny_mod
         frozen = next(p for p in c.procs if p.name == "engine-1")
         frozen.popen.send_signal(signal.SIGSTOP)
         try:
-            _wait(
+            wait_for(
                 lambda: any(
                     e.get("event") == "engine_lost" and e.get("engine_id") == "engine-1"
                     for e in _log_events(c.daemon.log_path)

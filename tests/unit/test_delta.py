@@ -146,13 +146,19 @@ def test_the_trainers_copy_is_put_back_exactly_or_dropped_when_a_push_fails():
     assert db.version == 2 and torch.equal(db._t["t0"][0].view(torch.int16), w2["t0"].view(torch.int16))
 
 
-def test_an_engines_base_rebuilds_a_chain_in_one_sync_and_keeps_only_what_finalized():
+def _two_versions():
+    """Version 1 (two tensors) as dense buckets, version 2 (one of them changed) as patches."""
     w = {"a": tensor(torch.float32, 2000, 1), "b": tensor(torch.float32, 2000, 2)}
     db = DeltaBase()
     dense = list(iter_buckets(db.record(w.items()), 1 << 20))
     db.commit(1)
     w2 = {"a": changed(w["a"], 0.01, 3), "b": w["b"]}
     patches = list(iter_buckets(db.encode(w2.items()), 1 << 20))
+    return w, w2, dense, patches
+
+
+def test_an_engines_base_rebuilds_a_chain_in_one_sync_and_keeps_only_what_finalized():
+    w, w2, dense, patches = _two_versions()
     store = BaseStore(True)
     for b in dense + patches:  # a replay: the dense version, then its delta, one sync
         tensors, _, skip = store.rebuild(b.tensors, b.frame())
@@ -293,12 +299,7 @@ def test_an_engine_without_a_base_rebuilds_a_held_replay_and_keeps_nothing_after
     """Off (no --delta-base): a replay of base + deltas is refused unless its buckets say
     `hold`; held, the chain rebuilds in one sync, and nothing is kept once it ends (the
     engine still holds no base, so it still registers without `delta`)."""
-    w = {"a": tensor(torch.float32, 2000, 1), "b": tensor(torch.float32, 2000, 2)}
-    db = DeltaBase()
-    dense = list(iter_buckets(db.record(w.items()), 1 << 20))
-    db.commit(1)
-    w2 = {"a": changed(w["a"], 0.01, 3), "b": w["b"]}
-    patches = list(iter_buckets(db.encode(w2.items()), 1 << 20))
+    w, w2, dense, patches = _two_versions()
     store = BaseStore(False)
     for b in dense:
         store.stage_loaded(list(store.rebuild(b.tensors, b.frame())[0]), None, set())
