@@ -20,7 +20,6 @@ MODEL_BYTES = 256 << 20
 BOUND = 300 << 20  # the bound on the daemon's growth over four pushes
 
 
-
 def _engine(cluster: Cluster, eid: str) -> dict:
     return next(e for e in cluster.status()["engines"] if e["engine_id"] == eid)
 
@@ -55,6 +54,7 @@ def test_frozen_engine_and_idle_subscriber_cost_the_daemon_a_bounded_amount(tmp_
         daemon = c.daemon.popen.pid
         frozen = next(p for p in c.procs if p.name == "engine-1")
         os.kill(frozen.popen.pid, signal.SIGSTOP)
+
         def four_pushes(what: str) -> None:
             before = _rss(daemon)
             for _ in range(4):

@@ -18,7 +18,6 @@ from .helpers import running_daemon, wait_for
 pytestmark = pytest.mark.slow
 
 
-
 def _log_events(path) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
