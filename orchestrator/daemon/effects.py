@@ -331,8 +331,11 @@ class Effects:
         fan = self._fanout.get(c.sync_id)
         if fan is not None:
             return fan
-        size = self.inflight.bucket_bytes.get(c.sync_id, frame_bytes)
-        self.transport.fanout_queue(size, floor=RECOVERY_WINDOW)  # bound anew: none live yet
+        size = self.inflight.bucket_bytes.get(c.sync_id)
+        if size is not None:
+            self.transport.fanout_queue(size)  # bound anew: none live yet
+        else:  # the daemon's own replay (or an old trainer): grown for this frame if need be
+            self.transport.fanout_queue(frame_bytes, floor=RECOVERY_WINDOW, shrink=False)
         fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)
         while len(self._fanout) > 16:  # a sync that never completed here
             self._fanout.pop(next(iter(self._fanout)))

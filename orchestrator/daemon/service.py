@@ -275,6 +275,7 @@ class Service:
                 for pl in (poller, quiet_poller):
                     if subs is not None:
                         pl.unregister(subs)
+                t.close_retired()  # no poller holds them now
                 subs_of = t.fanout
                 subs = zmq.asyncio.Socket.from_socket(t.fanout) if t.fanout is not None else None
                 for pl in (poller, quiet_poller):

@@ -83,6 +83,7 @@ class Transport:
         self.fanout_budget: int | None = None  # bytes a fan-out connection may queue
         self.max_pending = 64
         self.fanout_hwm = 0  # what each fan-out connection may queue now (messages)
+        self.retired: list[zmq.Socket[Any]] = []  # fan-out sockets replaced, to be closed
         self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
@@ -171,11 +172,12 @@ class Transport:
             self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
 
-    def fanout_queue(self, bucket_bytes: int, floor: int = 1) -> bool:
+    def fanout_queue(self, bucket_bytes: int, floor: int = 1, shrink: bool = True) -> bool:
         """A sync's buckets are cut to `bucket_bytes`: every fan-out connection, present and
         future, queues at most what a participant needs with the largest window a trainer
         keeps for that size (messages.fanout.window_cap), so a non-reader holds about the
-        budget. `floor`: the window of the daemon's own replays.
+        budget. `floor`: the window of the daemon's own replays. `shrink` False (a replay
+        of the spool, cut like the trainer's last sync): only ever grown.
 
         A larger queue is set on every connection (libzmq applies a new SNDHWM to those it
         has; new ones get the bind-time value, so it is set again at each subscription). A
@@ -188,14 +190,19 @@ class Transport:
             return False
         cap = max(floor, fanout.window_cap(self.fanout_budget, bucket_bytes, self.max_pending))
         hwm = fanout.queue_len(cap)
-        if hwm >= self.fanout_hwm:
+        if hwm >= self.fanout_hwm or not shrink:
+            hwm = max(hwm, self.fanout_hwm)
             self.fanout_hwm = hwm
             self.fanout.setsockopt(zmq.SNDHWM, hwm)
             return False
         addr = self.bound["fanout"]
-        self.fanout.close(linger=0)
-        self.fanout = None
+        old, self.fanout = self.fanout, None
         self.fanout_subs.clear()
+        try:  # the address is free for the new socket; the old one's connections stay until
+            old.unbind(addr)  # the loop closes it (`close_retired`: never under a pending poll)
+        except zmq.ZMQError:
+            pass
+        self.retired.append(old)
         try:
             self.fanout = self._xpub(addr, hwm)
         except zmq.ZMQError as exc:  # the address was taken meanwhile: no fan-out from now
@@ -205,6 +212,14 @@ class Transport:
         self.fanout_hwm = hwm
         log.info("fanout_rebound", addr=addr, queue=hwm)
         return True
+
+    def close_retired(self) -> None:
+        """Close the fan-out sockets replaced since the last call (their connections drop;
+        each engine's SUB reconnects to the new one). The loop calls it once no poller
+        holds them."""
+        for sock in self.retired:
+            sock.close(linger=0)
+        self.retired.clear()
 
     def fanout_live(self, engine_id: str) -> bool:
         return self.fanout is not None and self.fanout_subs.get(engine_id, 0) > 0
@@ -226,6 +241,7 @@ class Transport:
         for sock in (self.trainer, self.engine, self.fanout):
             if sock is not None:
                 sock.close(linger=500)
+        self.close_retired()
 
     # -- receiving ------------------------------------------------------------------------
     def recv(self, sock: zmq.Socket[Any]) -> list[Any] | None:
