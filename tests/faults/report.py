@@ -147,8 +147,10 @@ def render(
     for k in (
         "ok",
         "failed",
+        "failed_touching",
         "rolled_back",
         "unsettled",
+        "idle_dirty",
         "double_finalizes",
         "ready_with_wrong_digest",
         "leaked_processes",
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         or soak["leaked_shm_segments"]
         or soak["unsettled"]
         or soak["unexplained_failures"]
+        or soak["rolled_back"] != soak["failed_touching"]
     )
     return 1 if bad else 0
 
