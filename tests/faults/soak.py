@@ -91,6 +91,7 @@ class Soak:
         self.counts: Counter[str] = Counter()
         self.wrong_digest = 0
         self.served: int | None = None  # the version the fleet last settled READY at
+        self._failed: tuple[int, str] | None = None  # (version, fault) of a failure to settle
         self.failures: list[dict[str, Any]] = []  # each failed sync: fault, code and cause
 
     # -- one sync -----------------------------------------------------------------------
@@ -128,10 +129,11 @@ class Soak:
         except WeightSyncError as err:
             self.counts["failed"] += 1
             self.counts[f"code:{err.code.value}"] += 1
-            # A failure that left engines touched (the daemon said IDLE, or it was killed
-            # mid-sync and restarts dirty) must be rolled back when a version was served.
-            if self.served is not None and (err.state == "IDLE" or fault == "daemon_kill"):
-                self.counts["failed_touching"] += 1
+            # A failure that left engines touched must be rolled back when a version was
+            # served: settle() reads which from the daemon's history (the client's error may
+            # not know: a timeout of its own, a daemon killed mid-sync)
+            if self.served is not None:
+                self._failed = (v, fault)
             explained = err.code.value in EXPECTED[(transport, fault)]
             self.failures.append(
                 {
@@ -284,6 +286,9 @@ class Soak:
             if last.get("sync_id") != getattr(self, "_last_rollback", None):
                 self._last_rollback = last.get("sync_id")
                 self.counts["rolled_back"] += 1
+        failed, self._failed = self._failed, None
+        if failed is not None and self._touched(st, *failed):
+            self.counts["failed_touching"] += 1
         if st["state"] == "IDLE" and st.get("dirty") and self.served is not None:
             # settled with nothing served although the spool holds a version: a rollback
             # that failed (or never ran) left the fleet down
@@ -296,6 +301,20 @@ class Soak:
             for e in st["engines"]:
                 if e["state"] == "READY" and e["digest"] != want:
                     self.wrong_digest += 1
+
+    @staticmethod
+    def _touched(st: dict[str, Any], version: int, fault: str) -> bool:
+        """Whether the failed sync of `version` left engines touched: the daemon moved it to
+        IDLE (a failure of an untouched sync goes back to READY), or the daemon was killed
+        mid-sync (it restarts dirty; that move is never journaled)."""
+        if fault == "daemon_kill":
+            return True
+        return any(
+            h.get("version") == version
+            and h.get("to") == "IDLE"
+            and h.get("from") in ("LOADING_BUCKETS", "FINALIZING")
+            for h in st.get("history", [])
+        )
 
     # -- the run ------------------------------------------------------------------------
     def double_finalizes(self) -> int:
