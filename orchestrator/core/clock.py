@@ -15,7 +15,7 @@ Rules: as in `sync`: find the facts first, then act.
 from __future__ import annotations
 
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.core.commands import EngineLost, Journal, StartRollback, SyncOpened
+from orchestrator.core.commands import Journal, StartRollback, SyncOpened
 from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick, TrainerGone
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
@@ -34,9 +34,7 @@ def tick(m: Model, event: Tick) -> None:
     overdue = _overdue(m, s, lost) if s is not None else None
     rollback = s is None and m.state == S.IDLE and _rollback_due(m, lost)
     for eid in lost:
-        m.outbox.append(EngineLost(eid, _lost_cause(m, eid)))
-        m.engines[eid].move("lose")
-        m.leave_group(eid)
+        m.lose(eid, _lost_cause(m, eid))
     if overdue is not None:
         m.close_failed("tick", overdue)
     elif rollback:

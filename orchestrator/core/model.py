@@ -299,9 +299,7 @@ class Model:
             # engines, so this ends; a rollback failing with no engine named is not retried.
             blamed = [x for x in _blamed(err) if x in touched]
             for eid in blamed:
-                self.outbox.append(EngineLost(eid, f"its rollback failed: {err.code.value}: {err.message}"))
-                self.engines[eid].move("lose")
-                self.leave_group(eid)
+                self.lose(eid, f"its rollback failed: {err.code.value}: {err.message}")
             live = any(x.state != E.LOST for x in self.engines.values())
             self.want_rollback = bool(blamed) and live and self.can_roll_back()
         status = "ABORTED" if trigger == "abort" else "FAILED"
@@ -449,6 +447,12 @@ class Model:
         if plan is not self.group:
             self._groups += 1
         self.group = plan
+
+    def lose(self, engine_id: str, cause: str) -> None:
+        """Count the engine lost, and say why (logged by the service)."""
+        self.outbox.append(EngineLost(engine_id, cause))
+        self.engines[engine_id].move("lose")
+        self.leave_group(engine_id)
 
     def leave_group(self, engine_id: str) -> None:
         g = self.group

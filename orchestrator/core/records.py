@@ -252,3 +252,8 @@ class Limits:
     max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes
     max_pending: int = 64  # unanswered bucket requests per trainer connection
     max_delta_chain: int = 16  # delta versions the spool replays on top of a dense one
+
+    def pending_per_sender(self, senders: int) -> int:
+        """Unanswered bucket requests each of a sync's `senders` connections may have:
+        they share `max_pending` (and the fan-out's queue)."""
+        return max(1, self.max_pending // max(1, senders))

@@ -184,7 +184,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"max_frame_bytes {lim.max_frame_bytes}; use smaller buckets",
         )
     s = m.require_sync(msg.sync_id, "bucket")
-    limit = max(1, lim.max_pending // s.senders)  # the senders share the fan-out's queue
+    limit = lim.pending_per_sender(s.senders)
     if event.pending >= limit:
         raise m.error(
             ErrorCode.TOO_LARGE,

@@ -112,7 +112,7 @@ class Dispatcher:
                 # what the trainer's window must stay within (per sender): max_pending, and
                 # with a fan-out, its per-connection budget (messages.fanout.window_cap)
                 senders = max(1, msg.senders)
-                limits = {"max_pending": max(1, self.core.limits.max_pending // senders)}
+                limits = {"max_pending": self.core.limits.pending_per_sender(senders)}
                 budget = self.transport.fanout_budget
                 if self.transport.fanout is not None and budget is not None:
                     limits["fanout_bytes"] = budget // senders

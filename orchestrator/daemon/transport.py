@@ -172,7 +172,7 @@ class Transport:
             self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
 
-    def fanout_queue(self, bucket_bytes: int, floor: int = 1, shrink: bool = True) -> bool:
+    def fanout_queue(self, bucket_bytes: int, floor: int = 1, shrink: bool = True) -> None:
         """A sync's buckets are cut to `bucket_bytes`: every fan-out connection, present and
         future, queues at most what a participant needs with the largest window a trainer
         keeps for that size (messages.fanout.window_cap), so a non-reader holds about the
@@ -185,16 +185,16 @@ class Transport:
         (queue + 1) // 2 messages, so lowered below that it can count an idle connection
         full for good. The XPUB is bound anew with it instead (its queues dropped; every
         engine's SUB reconnects and subscribes again by itself, and this sync's buckets
-        go one send each). Returns whether it was bound anew."""
+        go one send each)."""
         if self.fanout is None:
-            return False
+            return
         cap = max(floor, fanout.window_cap(self.fanout_budget, bucket_bytes, self.max_pending))
         hwm = fanout.queue_len(cap)
         if hwm >= self.fanout_hwm or not shrink:
             hwm = max(hwm, self.fanout_hwm)
             self.fanout_hwm = hwm
             self.fanout.setsockopt(zmq.SNDHWM, hwm)
-            return False
+            return
         addr = self.bound["fanout"]
         old, self.fanout = self.fanout, None
         self.fanout_subs.clear()
@@ -208,10 +208,9 @@ class Transport:
         except zmq.ZMQError as exc:  # the address was taken meanwhile: no fan-out from now
             log.warning("fanout_unavailable", addr=addr, error=str(exc))
             self.bound.pop("fanout", None)
-            return True
+            return
         self.fanout_hwm = hwm
         log.info("fanout_rebound", addr=addr, queue=hwm)
-        return True
 
     def close_retired(self) -> None:
         """Close the fan-out sockets replaced since the last call (their connections drop;
