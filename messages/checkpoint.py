@@ -86,3 +86,14 @@ _ST_DTYPES: dict[str, Dtype] = {
     "I64": "int64",
     "BOOL": "bool",
 }
+
+
+class Checkpoint:
+    """A checkpoint directory's tensors, read again from disk on each iteration (a push
+    that goes dense after a refused delta iterates twice)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(iter_safetensors(self.path))

@@ -506,13 +506,13 @@ def push(
     import signal
 
     from messages import shm
-    from messages.checkpoint import CheckpointError, iter_safetensors
+    from messages.checkpoint import Checkpoint, CheckpointError, iter_safetensors
 
     shm.configure(_settings(shm_dir=shm_dir).shm_dir)
     canaries = _read_probes(probes) if probes is not None else []
     try:
         iter_safetensors(checkpoint)  # refuse an unreadable checkpoint before connecting
-        named = _Reread(checkpoint)
+        named = Checkpoint(checkpoint)
     except CheckpointError as exc:
         _usage(f"cannot read checkpoint: {exc}")
     # SIGTERM ends a push like Ctrl-C: the client aborts the sync it began on the way out.
@@ -676,18 +676,6 @@ def watch(
         except WeightSyncError as err:
             _fail(err, "watch", as_json)
     raise typer.Exit(EXIT_SYNC if bad else EXIT_OK)
-
-
-class _Reread:
-    """A checkpoint's tensors, read again on each iteration (a refused delta goes dense)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __iter__(self) -> Any:
-        from messages.checkpoint import iter_safetensors
-
-        return iter(iter_safetensors(self.path))
 
 
 def _settle(c: Any, err: WeightSyncError, wait: float) -> None:

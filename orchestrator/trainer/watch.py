@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from messages.checkpoint import CheckpointError, iter_safetensors
+from messages.checkpoint import Checkpoint, CheckpointError, iter_safetensors
 from messages.errors import ErrorCode, WeightSyncError
 
 DIGITS = re.compile(r"(\d+)(?!.*\d)")
@@ -127,7 +127,7 @@ class Watcher:
         try:
             if self.delta:
                 self._adopt_base(served)
-            r = self.client.push(_Reread(step.path), step.version, delta=self.delta, **self.push_options)
+            r = self.client.push(Checkpoint(step.path), step.version, delta=self.delta, **self.push_options)
         except (WeightSyncError, CheckpointError) as err:
             step.failures += 1
             code = err.code.value if isinstance(err, WeightSyncError) else "BAD_CHECKPOINT"
@@ -199,13 +199,3 @@ def _whole(path: Path) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-class _Reread:
-    """A checkpoint's tensors, read again on each iteration (a refused delta goes dense)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(iter_safetensors(self.path))
