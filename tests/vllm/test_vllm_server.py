@@ -4,10 +4,6 @@ over HTTP, driven through the orchestrator; generation is paused while weights c
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -18,15 +14,9 @@ from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
-from orchestrator.daemon.config import child_env
+from tests.vllm.conftest import vllm_server
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url):
@@ -44,54 +34,9 @@ def _post(url, body):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    port = _free_port()
     log = Path(tmp_path_factory.mktemp("vllm-server")) / "server.log"
-    # The documented command (docs/MULTINODE.md), as an operator runs it.
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator",
-                "vllm-server",
-                str(tiny_model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "256",
-                "--seed",
-                "0",
-            ],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited:\n{log.read_text()[-4000:]}")
-            try:
-                _get(url + "/v1/models")
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            raise RuntimeError(f"vLLM server not up in 300s:\n{log.read_text()[-4000:]}")
+    with vllm_server(tiny_model_dir, log) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
