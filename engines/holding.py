@@ -1,0 +1,138 @@
+"""A holding engine: a weightsync engine that keeps each version in host tensors and hands a
+version to a reader only once it is committed fleet-wide (for frameworks that load weights
+into their own inference server, e.g. verl's checkpoint engines: `orchestrator.trainer.verl`).
+
+Rules:
+- It is a sink engine (preallocated tensors, each bucket validated and copied in place,
+  the digest taken behind the copy, finalize counted) built from the checkpoint's spec.
+- The daemon's `commit` (sent once every participant of the sync finalized) is what
+  releases a version: `read(version)` waits for it and yields `(name, tensor)` views of
+  the held tensors. A sync that fails is never committed, so a reader never sees it; from
+  a sync's `begin` on, the version before it is no longer offered either (its buffers are
+  being written), until the next commit.
+- While a reader iterates, the next sync's `begin` waits for it (up to `timeout`; past it
+  the begin fails, the sync fails cleanly and the reader's tensors were never torn).
+- `HoldingReceiver` runs the engine's `Worker` in a thread of the calling process.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.sink import SinkEngine
+from engines.worker import Worker
+from messages.checkpoint import checkpoint_spec
+from messages.errors import ErrorCode, make_error
+from messages.schema import ParamSpec
+
+
+class HoldingEngine(SinkEngine):
+    backend = "holding"
+
+    def __init__(self, model_dir: str | Path, spec: Sequence[ParamSpec], timeout: float = 600.0) -> None:
+        super().__init__(model_dir, spec)
+        self.timeout = timeout
+        self.committed: int | None = None  # the last version committed fleet-wide
+        self._cond = threading.Condition()
+        self._readers = 0
+
+    def begin(self, sync_id: str = "", version: int = 0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._readers == 0, self.timeout):
+                raise make_error(
+                    ErrorCode.TIMEOUT, f"a reader held version {self.committed} past {self.timeout}s"
+                )
+            # the buffers change from here on: the last committed version is no longer
+            # held whole (a failed sync leaves nothing a reader may take)
+            self.committed = None
+            super().begin(sync_id, version)
+
+    def set_label(self, label: str) -> str:
+        """The daemon's commit: `label` is the version, committed fleet-wide."""
+        with self._cond:
+            self.committed = int(label)
+            self._cond.notify_all()
+        return label
+
+    @contextmanager
+    def hold(self, version: int | None, after: int | None, timeout: float) -> Iterator[int]:
+        """Wait until `version` (or, when None, any version newer than `after`) is the
+        committed one, and keep the next sync from starting while the caller reads."""
+
+        def ready() -> bool:
+            c = self.committed
+            if c is None:
+                return False
+            return c >= version if version is not None else (after is None or c > after)
+
+        with self._cond:
+            if not self._cond.wait_for(ready, timeout):
+                want = f"version {version}" if version is not None else f"a version after {after}"
+                raise make_error(
+                    ErrorCode.TIMEOUT,
+                    f"{want} was not committed within {timeout}s (last committed: {self.committed})",
+                )
+            if version is not None and self.committed != version:
+                raise make_error(
+                    ErrorCode.STALE_VERSION, f"version {self.committed} committed, not {version}"
+                )
+            self._readers += 1
+            held = self.committed
+        try:
+            if held is None:  # ready() made sure of it; for the type checker
+                raise make_error(ErrorCode.INTERNAL, "no committed version")
+            yield held
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+
+class HoldingReceiver:
+    """A holding engine registered with the daemon at `connect`, its worker on a thread."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        connect: str,
+        engine_id: str | None = None,
+        *,
+        timeout: float = 600.0,
+        **worker_options: Any,
+    ) -> None:
+        spec = list(checkpoint_spec(model_dir).values())
+        self.engine = HoldingEngine(model_dir, spec, timeout=timeout)
+        self.timeout = timeout
+        self.engine_id = engine_id or f"{socket.gethostname()}-{id(self):x}"
+        self.worker = Worker(self.engine, connect, self.engine_id, **worker_options)
+        self.thread = threading.Thread(
+            target=self.worker.run, name=f"weightsync-{self.engine_id}", daemon=True
+        )
+        self.thread.start()
+        self.last_read: int | None = None
+
+    def wait_registered(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.worker.registered:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise make_error(ErrorCode.TIMEOUT, f"{self.engine_id} not registered within {timeout}s")
+            time.sleep(0.05)
+
+    def read(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields the tensors of `version` (None: the next version committed after the last
+        one read) once it is committed fleet-wide; the next sync waits until this ends."""
+        with self.engine.hold(version, self.last_read, self.timeout) as held:
+            yield from self.engine.params.items()
+            self.last_read = held
+
+    def close(self) -> None:
+        self.worker.request_stop()
+        self.thread.join(30)
