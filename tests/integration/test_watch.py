@@ -137,6 +137,8 @@ def test_watch_pushes_each_complete_step_in_order_once(tmp_path, tiny_model_dir,
             for p in (watcher, writer):
                 if p.poll() is None:
                     p.kill()
+        for e in events:  # the watcher's --json output (shown with pytest -s)
+            print(json.dumps(e))
         # the incomplete step-2 was never pushed; step-3 only once whole
         assert not [e for e in events if e["version"] == 2], events
         st = cluster.status()
