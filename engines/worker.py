@@ -33,9 +33,9 @@ import zmq
 
 from engines.applier import Applier
 from engines.base import Engine, LabelsOutputs, ReceivesCollective
-from messages import codec, fanout, schema
+from messages import codec, fanout, replies, schema
 from messages.collective import Backend, available_backends
-from messages.errors import ErrorCode, MessageError
+from messages.errors import ErrorCode, MessageError, WeightSyncError
 from messages.link import Link
 from messages.progress import Progress
 from messages.shm import shm_available
@@ -98,6 +98,7 @@ class Worker:
         self.duplicates_refused = 0
         self._stop = threading.Event()
         self._next_id = 0
+        self._register_ids: set[int] = set()
         self.registered = False
         self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
         self._reregister_sent = False
@@ -114,10 +115,12 @@ class Worker:
         return self._next_id
 
     def _register_msg(self) -> schema.Register:
+        rid = self._id()
+        self._register_ids.add(rid)  # its Ok is a RegisterReply; any other Ok a HeartbeatReply
         return schema.Register(
             engine_id=self.engine_id,
             backend=self.info.backend,
-            id=self._id(),
+            id=rid,
             model=self.info.model,
             transports=tuple(
                 t
@@ -378,26 +381,13 @@ class Worker:
                 applier.cancel_stream(msg.sync_id)  # a stream in progress stops receiving now
                 applier.submit("abort", msg)
         elif isinstance(msg, schema.Ok):
-            if msg.body.get("known") is False:
-                if self._reregister_sent:  # heartbeats queued while the daemon was away
-                    return
-                self._reregister_sent = True
-                log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
-                if self.current is not None:  # a restarted daemon: that sync is over
-                    applier.cancel_stream(self.current.sync_id)
-                self._send(self._register_msg())
-            elif "daemon_state" in msg.body:
-                if isinstance(msg.body.get("fanout"), str):
-                    if self.fanout.open(msg.body["fanout"], self.connect, self.poller) is not None:
-                        log.info("fanout_subscribed", engine_id=self.engine_id, addr=self.fanout.addr)
-                self.registered = True
-                self._reregister_sent = False
-                log.info(
-                    "engine_registration_acknowledged",
-                    engine_id=self.engine_id,
-                    state=msg.body.get("state"),
-                    daemon_state=msg.body.get("daemon_state"),
-                )
+            try:
+                if msg.id in self._register_ids:
+                    self._on_registered(replies.decode(msg.body, replies.RegisterReply))
+                elif not replies.decode(msg.body, replies.HeartbeatReply).known:
+                    self._on_unknown(applier)
+            except WeightSyncError as err:  # a body that does not match its type
+                log.warning("message_refused", code=err.code.value, reason=err.message, src="orchestrator")
         elif isinstance(msg, schema.Error):
             if msg.code == ErrorCode.DUPLICATE_ENGINE.value:
                 log.error("engine_refused", engine_id=self.engine_id, code=msg.code, reason=msg.message)
@@ -405,6 +395,29 @@ class Worker:
                 self._stop.set()
                 return
             log.warning("orchestrator_refused", code=msg.code, reason=msg.message)
+
+    def _on_registered(self, r: replies.RegisterReply) -> None:
+        if r.fanout is not None:
+            if self.fanout.open(r.fanout, self.connect, self.poller) is not None:
+                log.info("fanout_subscribed", engine_id=self.engine_id, addr=self.fanout.addr)
+        self.registered = True
+        self._reregister_sent = False
+        log.info(
+            "engine_registration_acknowledged",
+            engine_id=self.engine_id,
+            state=r.state,
+            daemon_state=r.daemon_state,
+        )
+
+    def _on_unknown(self, applier: Applier) -> None:
+        """The daemon does not know this engine (it restarted, or lost it): register again."""
+        if self._reregister_sent:  # heartbeats queued while the daemon was away
+            return
+        self._reregister_sent = True
+        log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
+        if self.current is not None:  # a restarted daemon: that sync is over
+            applier.cancel_stream(self.current.sync_id)
+        self._send(self._register_msg())
 
 
 ENGINE_FACTORIES: dict[str, str] = {

@@ -20,6 +20,7 @@ from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
 from orchestrator.core.states import ACTIVE, EngineState, State
+from orchestrator.core.table import Outcome
 
 S, E = State, EngineState
 
@@ -115,7 +116,7 @@ def _open_rollback(m: Model) -> None:
     if sp is None or m.served_digest is None:  # can_roll_back() held: for the type checker
         return
     sync_id = m.new_own_sync_id("rollback")
-    m.move("tick", S.LOADING_BUCKETS, None, version=sp.version, sync_id=sync_id)
+    m.move("tick", Outcome.ADVANCE, None, version=sp.version, sync_id=sync_id)
     s = m.open_sync(sync_id, sp.version, expected=sp.buckets, probes=sp.probes, kind="rollback")
     s.rollback_of = m.last_sync
     s.expected_digest = m.served_digest

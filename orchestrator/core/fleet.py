@@ -15,6 +15,8 @@ Rules: as in `sync`: refuse first (changing nothing), then act.
 from __future__ import annotations
 
 from messages.errors import ErrorCode
+from messages.replies import HeartbeatReply, RegisterReply
+from messages.replies import body as reply_body
 from messages.schema import ParamSpec
 from orchestrator.core.events import EngineGone, EngineRegistered, Heartbeat
 from orchestrator.core.model import Model
@@ -69,6 +71,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         digest=msg.digest,
         finalize_count=msg.finalize_count,
         last_seen=m.now,
+        epoch=m.epoch,
         spec=_shared_spec(m, msg.spec),
         cast_ok=msg.cast_ok,
         collective_ranks=msg.collective_ranks,
@@ -84,12 +87,14 @@ def register(m: Model, event: EngineRegistered) -> None:
     m.engines[msg.engine_id] = rec
     if ready and rec.state == E.STALE:
         m.start_catchup(msg.engine_id)
-    m.reply = {
-        "engine_id": msg.engine_id,
-        "state": rec.state.value,
-        "daemon_state": m.state.value,
-        "version": m.served_version,
-    }
+    m.reply = reply_body(
+        RegisterReply(
+            engine_id=msg.engine_id,
+            state=rec.state.value,
+            daemon_state=m.state.value,
+            version=m.served_version,
+        )
+    )
 
 
 def _shared_spec(m: Model, spec: tuple[ParamSpec, ...]) -> dict[str, ParamSpec]:
@@ -102,10 +107,10 @@ def _shared_spec(m: Model, spec: tuple[ParamSpec, ...]) -> dict[str, ParamSpec]:
 def heartbeat(m: Model, event: Heartbeat) -> None:
     x = m.engines.get(event.engine_id)
     if not event.registered_here or x is None or x.state == E.LOST:
-        m.reply = {"known": False}  # the engine registers again
+        m.reply = reply_body(HeartbeatReply(known=False))  # the engine registers again
         return
     x.last_seen, x.closed = m.now, False
-    m.reply = {"known": True}
+    m.reply = reply_body(HeartbeatReply(known=True))
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:

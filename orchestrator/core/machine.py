@@ -15,7 +15,7 @@ from typing import Any
 from messages.errors import WeightSyncError
 from orchestrator.core import clock, fleet, sync
 from orchestrator.core import events as ev
-from orchestrator.core.commands import Journal, Result
+from orchestrator.core.commands import Result
 from orchestrator.core.model import Model
 
 HANDLERS: dict[type[ev.Event], Callable[[Model, Any], None]] = {
@@ -55,7 +55,4 @@ class Core(Model):
             self.outbox = []
             raise
         out, self.outbox = self.outbox, []
-        for c in out:
-            if isinstance(c, Journal) and c.kind == "transition":
-                c.data["dirty"] = self.dirty
         return Result(self.reply, out)

@@ -29,9 +29,9 @@ from orchestrator.core.commands import (
     SpoolDiscard,
     StartCatchUp,
 )
-from orchestrator.core.records import CatchUp, EngineRecord, GroupPlan, Limits, Spooled, SyncRecord
+from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupPlan, Limits, Spooled, SyncRecord
 from orchestrator.core.states import EngineState, State
-from orchestrator.core.table import StateTable
+from orchestrator.core.table import Outcome, Refused, StateTable
 
 S, E = State, EngineState
 ENDED_KEPT = 4096  # ended sync ids remembered (a late message for one is answered with its end)
@@ -60,6 +60,7 @@ class Model:
         self.served_digest = served_digest
         self.dirty = dirty
         self.engines: dict[str, EngineRecord] = {}
+        self.epoch = Epoch()  # bumped by its engine records (records.Epoch)
         # one dict per distinct registered spec, shared by the engines that sent it, so a
         # bucket is checked once per model, not once per engine
         self.specs: dict[tuple[ParamSpec, ...], dict[str, ParamSpec]] = {}
@@ -207,21 +208,34 @@ class Model:
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
 
+    def admit(self, trigger: str, tail: str = "", **details: object) -> None:
+        """The table's gate for `trigger` in the current state: its refusal (code and
+        sentence, then `tail`, the facts of the moment) as a typed error; nothing changed."""
+        try:
+            self.table.admit(trigger)
+        except Refused as r:
+            raise self.error(r.code, r.message + tail, **details) from None
+
     def move(
         self,
         trigger: str,
-        dest: State,
+        outcome: Outcome,
         s: SyncRecord | None,
         error: WeightSyncError | None = None,
         *,
         version: int | None = None,
         sync_id: str | None = None,
     ) -> None:
-        """Change state through the table (INTERNAL if no row allows it; nothing changed
-        then) and journal the transition once, naming the sync it belongs to (`s`, or
-        `version` and `sync_id` of one about to open)."""
+        """Change state by the table's row for (`trigger`, state, `outcome`) (INTERNAL if
+        there is none; nothing changed then) and journal the transition once, naming the
+        sync it belongs to (`s`, or `version` and `sync_id` of one about to open) and the
+        daemon's dirty flag after it (set by a dirty end, cleared at READY)."""
         src = self.state
-        self.table.move(trigger, dest)
+        dest = self.table.take(trigger, outcome)
+        if outcome is Outcome.DIRTY:
+            self.dirty = True
+        elif dest is State.READY:
+            self.dirty = False
         entry: dict[str, Any] = {
             "from": src.value,
             "to": dest.value,
@@ -234,8 +248,7 @@ class Model:
             entry["code"] = error.code.value
             entry["reason"] = error.message
         self.history.append(entry)
-        # The row's `dirty` is the daemon's after the whole input (Core.handle sets it).
-        self.outbox.append(Journal("transition", {**entry, "dirty": None}))
+        self.outbox.append(Journal("transition", {**entry, "dirty": self.dirty}))
 
     def open_sync(
         self,
@@ -269,12 +282,10 @@ class Model:
         if s is None:
             raise make_error(ErrorCode.INTERNAL, "close_failed without a running sync")
         rolled_back = self.untouched_and_was_ready()
-        self.move(trigger, S.READY if rolled_back else S.IDLE, s, err)
+        self.move(trigger, Outcome.CLEAN if rolled_back else Outcome.DIRTY, s, err)
         s.error = err
         if s.group is not None:
             self.group = None  # members may have died or hold a half-done broadcast
-        if not rolled_back:
-            self.dirty = True
         for eid in s.participants:
             x = self.engines[eid]
             if x.state == E.LOST:
@@ -345,11 +356,11 @@ class Model:
         s = self.sync
         if s is None or not s.finalized:
             raise make_error(ErrorCode.INTERNAL, "close_ready without a finalized sync")
-        self.move(trigger, S.READY, s)
+        self.move(trigger, Outcome.ADVANCE, s)
         digest = next(iter(s.finalized.values())).digest
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
-        self.last_ready_version, self.served_digest, self.dirty = s.version, digest, False
+        self.last_ready_version, self.served_digest = s.version, digest
         for eid, fin in s.finalized.items():
             x = self.engines[eid]
             x.version, x.digest, x.finalize_count, x.probes = (

@@ -11,12 +11,13 @@ from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
 
 
+@dataclass(slots=True)
 class Epoch:
-    """Bumped whenever an engine record is made or changes state: a sync's cache of its
-    live participants is good while the count it was made at holds (it only grows, so a
-    stale cache is never taken for a fresh one)."""
+    """One per core, shared by its engine records: bumped whenever one is made or changes
+    state. A sync's cache of its live participants is good while the count it was made at
+    holds (it only grows, so a stale cache is never taken for a fresh one)."""
 
-    value = 0
+    value: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -42,14 +43,15 @@ class EngineRecord:
     labels: bool = False  # labels its outputs with the version (told at commit)
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
+    epoch: Epoch = field(default_factory=Epoch, repr=False, compare=False)  # its core's
 
     def __post_init__(self) -> None:
-        Epoch.value += 1
+        self.epoch.value += 1
 
     def move(self, trigger: str) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
         self.state = engine_move(self.state, trigger)
-        Epoch.value += 1
+        self.epoch.value += 1
 
     def view(self) -> dict[str, Any]:
         return {
@@ -156,12 +158,12 @@ class SyncRecord:
     def __post_init__(self) -> None:
         self.members = frozenset(self.participants)
 
-    def marks(self, sender: int, alive: frozenset[str]) -> tuple[dict[int, int], int]:
+    def marks(self, sender: int, alive: frozenset[str], epoch: Epoch) -> tuple[dict[int, int], int]:
         """How many live participants stand at each of `sender`'s marks (every bucket up
         to it applied; -1: none), and the lowest mark the buckets are done through. Counted
         again only after an engine changed (Epoch); a lowest mark never moves down."""
-        if self._marks_at != Epoch.value:
-            self._marks, self._marks_at = {}, Epoch.value
+        if self._marks_at != epoch.value:
+            self._marks, self._marks_at = {}, epoch.value
         counts = self._marks.get(sender)
         low = self.low.get(sender, -1)
         if counts is None:
@@ -172,12 +174,12 @@ class SyncRecord:
             low = max(low, min(counts, default=low))
         return counts, low
 
-    def alive(self, engines: dict[str, EngineRecord]) -> tuple[tuple[str, ...], frozenset[str]]:
+    def alive(self, engines: dict[str, EngineRecord], epoch: Epoch) -> tuple[tuple[str, ...], frozenset[str]]:
         """The participants not lost, in order and as a set: made again only after an
         engine changed (Epoch), so a fleet's per-bucket and per-report work stays O(1)."""
-        if self._alive_at != Epoch.value:
+        if self._alive_at != epoch.value:
             live = tuple(x for x in self.participants if engines[x].state != EngineState.LOST)
-            self._alive, self._alive_at = (live, frozenset(live)), Epoch.value
+            self._alive, self._alive_at = (live, frozenset(live)), epoch.value
         return self._alive
 
     chain: int | None = None  # the trainer's, from its finish
@@ -251,6 +253,7 @@ class Limits:
     spool: bool = False  # the service keeps the last READY version on disk
     max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes
     max_pending: int = 64  # unanswered bucket requests per trainer connection
+    fanout_bytes: int | None = None  # the fan-out's per-connection queue budget (None: no fan-out)
     max_delta_chain: int = 16  # delta versions the spool replays on top of a dense one
 
     def pending_per_sender(self, senders: int) -> int:

@@ -14,7 +14,11 @@ changed nothing), then acts: records, commands, reply. Read top to bottom per tr
 
 from __future__ import annotations
 
+from typing import Any
+
 from messages.errors import ErrorCode
+from messages.replies import BeginReply
+from messages.replies import body as reply_body
 from messages.schema import Begin, Bucket
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
@@ -42,6 +46,7 @@ from orchestrator.core.events import (
 from orchestrator.core.model import Model
 from orchestrator.core.records import BucketRecord, SyncRecord
 from orchestrator.core.states import EngineState, State
+from orchestrator.core.table import Outcome
 
 S, E = State, EngineState
 
@@ -53,25 +58,27 @@ def begin(m: Model, event: BeginSync) -> None:
         _reply_running(m, s)  # a repeated begin (its reply was lost): answered again
         return
     if s is not None and s.kind == "rollback":
-        raise m.error(
-            ErrorCode.INVALID_STATE,
-            f"the daemon is rolling the engines back to version {s.version} after a "
+        m.admit(
+            "begin",
+            f": the daemon is rolling the engines back to version {s.version} after a "
             f"failed sync; retry when it is READY",
             rollback_running=True,
         )
     if s is not None and s.sync_id == msg.sync_id:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sync {msg.sync_id!r} was begun with version {s.version}")
-    if s is not None:
-        age = m.now - s.started_at
-        raise m.error(
-            ErrorCode.INVALID_STATE,
-            f"begin is not allowed in state {m.state.value}: sync {s.sync_id!r} "
-            f"(version {s.version}) has been running for {age:.0f}s; wait for it, "
-            f"or end it with `weightsync abort --sync-id {s.sync_id}`",
-            running_sync_id=s.sync_id,
-            running_version=s.version,
-            running_seconds=round(age, 3),
-        )
+    age = m.now - s.started_at if s is not None else 0.0
+    m.admit(
+        "begin",
+        f": sync {s.sync_id!r} (version {s.version}) has been running for {age:.0f}s; wait for "
+        f"it, or end it with `weightsync abort --sync-id {s.sync_id}`"
+        if s is not None
+        else "",
+        **(
+            {"running_sync_id": s.sync_id, "running_version": s.version, "running_seconds": round(age, 3)}
+            if s is not None
+            else {}
+        ),
+    )
     if msg.sync_id in m.ended:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
@@ -95,7 +102,7 @@ def begin(m: Model, event: BeginSync) -> None:
     if msg.base is not None:
         _check_base(m, msg)
     # taken: every live engine takes part; the transport is planned for all of them
-    m.move("begin", S.LOADING_BUCKETS, None, version=msg.version, sync_id=msg.sync_id)
+    m.move("begin", Outcome.ADVANCE, None, version=msg.version, sync_id=msg.sync_id)
     s = m.open_sync(
         msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
     )
@@ -125,9 +132,7 @@ def begin(m: Model, event: BeginSync) -> None:
             },
         )
     )
-    m.reply = {**s.view(), "state": S.LOADING_BUCKETS.value}
-    if s.group is not None:  # the trainer sends the daemon a copy of each bucket to spool
-        m.reply["spool_copy"] = m.limits.spool
+    m.reply = _begin_reply(m, s)
 
 
 def _check_base(m: Model, msg: Begin) -> None:
@@ -169,9 +174,39 @@ def _check_base(m: Model, msg: Begin) -> None:
 
 def _reply_running(m: Model, s: SyncRecord) -> None:
     s.last_activity, s.trainer_lost_at = m.now, None
-    m.reply = {**s.view(), "state": m.state.value, "repeated": True}
-    if s.group is not None:
-        m.reply["spool_copy"] = m.limits.spool
+    m.reply = _begin_reply(m, s, repeated=True)
+
+
+def _begin_reply(m: Model, s: SyncRecord, repeated: bool = False) -> dict[str, Any]:
+    """The begin reply (messages.replies.BeginReply), built here only: the sync as opened
+    and the limits each sender's window keeps within (its share of max_pending and, with a
+    fan-out, of the fan-out's per-connection budget: messages.fanout.window_cap)."""
+    senders = max(1, s.senders)
+    lim = m.limits
+    return reply_body(
+        BeginReply(
+            sync_id=s.sync_id,
+            version=s.version,
+            state=m.state.value,
+            kind=s.kind,
+            transport=s.transport,
+            engines=tuple(s.participants),
+            shm_engines=tuple(s.shm_engines),
+            collective=s.group.view() if s.group else None,
+            stream=s.stream,
+            # collective: the trainer sends the daemon a copy of each bucket to spool
+            spool_copy=lim.spool if s.group is not None else False,
+            repeated=repeated,
+            buckets=s.bucket_count,
+            bytes=s.byte_count,
+            acked=sum(1 for b in s.buckets.values() if b.done),
+            started_at=s.started_at,
+            trainer_connected=s.trainer_lost_at is None,
+            prepared=len(s.prepared),
+            max_pending=lim.pending_per_sender(senders),
+            fanout_bytes=lim.fanout_bytes // senders if lim.fanout_bytes is not None else None,
+        )
+    )
 
 
 # -- bucket ---------------------------------------------------------------------------------
@@ -191,8 +226,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"{event.pending} bucket requests already pending on "
             f"this connection (max_pending {limit}); lower the window",
         )
-    if m.state != S.LOADING_BUCKETS:
-        raise m.error(ErrorCode.INVALID_STATE, f"bucket is not allowed in state {m.state.value}")
+    m.admit("bucket")
     _check_route(m, s, event)
     if msg.sender >= s.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
@@ -221,7 +255,7 @@ def bucket(m: Model, event: BucketIn) -> None:
         m.outbox.append(ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True))
         m.outbox.append(AckBucket(s.sync_id, key, _advance_acked(s, msg.sender)))
         return
-    alive = s.alive(m.engines)[0]
+    alive = s.alive(m.engines, m.epoch)[0]
     m.outbox.append(
         ForwardBucket(
             s.sync_id,
@@ -332,8 +366,8 @@ def loaded(m: Model, event: Loaded) -> None:
     if new <= prev and not event.also:
         return  # a repeated report
     m.engines[eid].last_seen = m.now
-    alive = s.alive(m.engines)[1]
-    counts, low = s.marks(sender, alive)
+    alive = s.alive(m.engines, m.epoch)[1]
+    counts, low = s.marks(sender, alive, m.epoch)
     if new > prev:
         s.through[mark] = new
         counts[prev] -= 1
@@ -372,11 +406,8 @@ def _advance_acked(s: SyncRecord, sender: int) -> int:
 # -- finish: prepared everywhere, then the commit (finalize once per participant) ------------
 def finish(m: Model, event: FinishSync) -> None:
     msg = event.msg
-    if m.state != S.LOADING_BUCKETS and (m.sync is None or m.sync.sync_id == msg.sync_id):
-        raise m.error(
-            ErrorCode.INVALID_STATE,
-            f"finish is only allowed in LOADING_BUCKETS, state is {m.state.value}{m.ended_note(msg.sync_id)}",
-        )
+    if m.sync is None or m.sync.sync_id == msg.sync_id:
+        m.admit("finish", m.ended_note(msg.sync_id))
     s = m.require_sync(msg.sync_id, "finish")
     if msg.sender >= s.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
@@ -408,7 +439,7 @@ def finish(m: Model, event: FinishSync) -> None:
 
 def _commit(m: Model, s: SyncRecord, trigger: str) -> None:
     """Phase two: every participant is prepared; each is told to finalize, once."""
-    m.move(trigger, S.FINALIZING, s)
+    m.move(trigger, Outcome.ADVANCE, s)
     s.finalize_started = m.now
     for eid in s.participants:
         if eid in s.finalize_sent:  # the guard behind the invariant: once per engine

@@ -1,18 +1,21 @@
 """The daemon's state table: every allowed change of state, and nothing else.
 
-Rules: `ROWS` is the specification, one row per (trigger, source states, destination),
-each with the condition a reader needs; `ENGINE_ROWS` is the same for one engine's
-lifecycle. The core's trigger modules decide which row an input takes (plain code, read
-top to bottom) and move through `StateTable.move`, which asks a `transitions` machine
-built from these rows whether that exact move exists: a move outside the table is our
-bug (INTERNAL), raised before anything changed. Rows never overlap (no first-match
-order to know). docs/ARCHITECTURE.md's table is generated from here (`render`), and a
+Rules: `ROWS` is the specification, one row per (trigger, source states, outcome,
+destination), each with the condition a reader needs; `GATES` says where an input is
+taken at all and the refusal it gets anywhere else; `ENGINE_ROWS` is one engine's
+lifecycle. A trigger function computes facts only: the core asks the gate before it acts
+(`StateTable.admit`) and, once the trigger found its outcome (the sync advanced, ended
+clean, ended dirty), the table chooses the row (`StateTable.take`) and the `transitions`
+machine built from the rows executes it. An outcome no row of the state takes is our bug
+(INTERNAL), raised before anything changed. Rows never overlap (no first-match order to
+know); adding a trigger is one row (or gate) plus one function. docs/ARCHITECTURE.md's table is generated from here (`render`), and a
 test keeps the two equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from transitions import EventData, Machine, MachineError
@@ -23,12 +26,31 @@ from orchestrator.core.states import ACTIVE, EngineState, State
 S, E = State, EngineState
 
 
+class Outcome(str, Enum):
+    """What a trigger function found: the one fact the table needs to choose a row."""
+
+    ADVANCE = "advance"  # the sync moves on (or one opens)
+    CLEAN = "clean"  # the sync ended having touched no engine of a READY daemon
+    DIRTY = "dirty"  # the sync ended having touched an engine (or the daemon served none)
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     trigger: str
     sources: tuple[State, ...]
+    outcome: Outcome
     dest: State
     when: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """Where an input is taken at all, and the refusal it gets in any other state (h11's
+    way: the lookup is the rule; the trigger adds only the facts of the moment)."""
+
+    states: tuple[State, ...]
+    code: ErrorCode
+    refusal: str  # formatted with {state}
 
 
 ROWS: tuple[Row, ...] = (
@@ -36,6 +58,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "begin",
         (S.IDLE, S.READY),
+        Outcome.ADVANCE,
         S.LOADING_BUCKETS,
         "a new sync_id, a version newer than the one served, at least `min_engines` live "
         "engines; every live engine takes part",
@@ -43,6 +66,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "finish",
         (S.LOADING_BUCKETS,),
+        Outcome.ADVANCE,
         S.FINALIZING,
         "every sender finished; every announced bucket is applied by every participant "
         "(prepared); no engine tensor left unsent unless partial: finalize is sent once "
@@ -51,6 +75,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "finish",
         (S.LOADING_BUCKETS,),
+        Outcome.DIRTY,
         S.IDLE,
         "collective stream, every participant prepared: one prepared something else than "
         "the trainer finished with (bucket count, chain, digest); nothing finalized, dirty",
@@ -58,6 +83,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "prepared",
         (S.LOADING_BUCKETS,),
+        Outcome.ADVANCE,
         S.FINALIZING,
         "collective stream, after the trainer's finish: the last participant prepared "
         "exactly what the trainer finished with (bucket count, chain over the bucket "
@@ -66,6 +92,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "prepared",
         (S.LOADING_BUCKETS,),
+        Outcome.DIRTY,
         S.IDLE,
         "collective stream: a participant prepared something else than the trainer "
         "finished with, or than the others prepared; nothing finalized, dirty",
@@ -73,6 +100,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "finalized",
         (S.FINALIZING,),
+        Outcome.ADVANCE,
         S.READY,
         "the last participant reported the expected version, digest and canary tokens, "
         "and no participant labels its outputs",
@@ -80,6 +108,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "committed",
         (S.FINALIZING,),
+        Outcome.ADVANCE,
         S.READY,
         "every participant finalized (the version is committed fleet-wide) and the last "
         "labelling engine (vLLM: its weight version) reported the version as its label",
@@ -87,12 +116,14 @@ ROWS: tuple[Row, ...] = (
     Row(
         "committed",
         (S.FINALIZING,),
+        Outcome.DIRTY,
         S.IDLE,
         "a labelling engine labelled another version: dirty",
     ),
     Row(
         "finalized",
         (S.FINALIZING,),
+        Outcome.DIRTY,
         S.IDLE,
         "a participant reported another version, digest or canary: dirty",
     ),
@@ -100,54 +131,70 @@ ROWS: tuple[Row, ...] = (
     Row(
         "abort",
         (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
         S.READY,
         "the trainer or an operator aborted a sync that touched no engine of a READY daemon",
     ),
     Row(
         "abort",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "the trainer or an operator aborted a sync that touched an engine: dirty",
     ),
     Row(
         "failed",
         (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
         S.READY,
         "a participant failed before any engine was touched (READY daemon)",
     ),
     Row(
         "failed",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "a participant failed (checksum, shape, its load or post-load step): dirty",
     ),
     Row(
         "register",
         (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
         S.READY,
         "a participant registered again (its process restarted) before anything was touched",
     ),
     Row(
         "register",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "a participant registered again (its process restarted and lost its buckets): dirty",
     ),
     Row(
         "internal",
         (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
         S.READY,
         "a bug surfaced while handling an input, before any engine was touched",
     ),
     Row(
         "internal",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "a bug surfaced while handling an input: the running sync fails INTERNAL, dirty",
     ),
     Row(
         "shutdown",
+        (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
+        S.READY,
+        "the daemon stops during a sync that touched no engine of a READY daemon",
+    ),
+    Row(
+        "shutdown",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "the daemon stops mid-sync: dirty (the journal says so at the next start)",
     ),
@@ -155,12 +202,14 @@ ROWS: tuple[Row, ...] = (
     Row(
         "tick",
         (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
         S.READY,
         "a deadline passed or a participant was lost before any engine was touched",
     ),
     Row(
         "tick",
         (S.LOADING_BUCKETS, S.FINALIZING),
+        Outcome.DIRTY,
         S.IDLE,
         "a participant lost (disconnected, or silent past --engine-timeout), a bucket not "
         "applied in --bucket-timeout, the trainer gone past its grace or silent past "
@@ -170,6 +219,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "tick",
         (S.IDLE,),
+        Outcome.ADVANCE,
         S.LOADING_BUCKETS,
         "recovery: dirty, and the spool holds the version last served: the daemon replays "
         "it to every live engine as a rollback sync (its own sync_id)",
@@ -206,12 +256,30 @@ TRIGGERS = (
     "shutdown",
     "spool_changed",
 )
-TRAINER_TRIGGERS = ("begin", "bucket", "finish", "prepared", "finalized", "committed", "failed", "abort")
+# Where an input is taken at all; an input without a gate is taken in every state (a
+# trigger that finds nothing to do changes nothing). The refusal is the table's.
+GATES: dict[str, Gate] = {
+    "begin": Gate(
+        (S.IDLE, S.READY),
+        ErrorCode.INVALID_STATE,
+        "begin is not allowed in state {state}",
+    ),
+    "bucket": Gate(
+        (S.LOADING_BUCKETS,),
+        ErrorCode.INVALID_STATE,
+        "bucket is not allowed in state {state}",
+    ),
+    "finish": Gate(
+        (S.LOADING_BUCKETS,),
+        ErrorCode.INVALID_STATE,
+        "finish is only allowed in LOADING_BUCKETS, state is {state}",
+    ),
+}
 
 
-def _goes_to(dest: State) -> Any:
+def _outcome_is(outcome: Outcome) -> Any:
     def cond(e: EventData) -> bool:
-        return bool(e.kwargs.get("dest") is dest)
+        return bool(e.kwargs.get("outcome") is outcome)
 
     return cond
 
@@ -222,14 +290,30 @@ class _Phase:
     state: State
 
 
+class Refused(Exception):
+    """A gate's refusal: the table's code and sentence, which the core dresses with the
+    daemon's position and the facts of the moment."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class StateTable:
-    """A `transitions` machine over ROWS that the core moves through. Each row's only
-    condition is that the core asked for its destination, so a move is exactly a row."""
+    """The daemon's state, moved only by the table: `admit` says whether an input is
+    taken in the current state (its gate), `take` chooses the row for what the trigger
+    found (its outcome) and moves through the `transitions` machine built from ROWS, whose
+    only condition per row is that outcome. No row: INTERNAL, nothing changed."""
 
     def __init__(self, initial: State) -> None:
         self._phase = _Phase()
         rows = [
-            {"trigger": r.trigger, "source": list(r.sources), "dest": r.dest, "conditions": _goes_to(r.dest)}
+            {
+                "trigger": r.trigger,
+                "source": list(r.sources),
+                "dest": r.dest,
+                "conditions": _outcome_is(r.outcome),
+            }
             for r in ROWS
         ]
         self._machine = Machine(
@@ -245,22 +329,38 @@ class StateTable:
     def state(self) -> State:
         return self._phase.state
 
-    def move(self, trigger: str, dest: State) -> None:
-        """Take the row (trigger, current state, dest); INTERNAL if there is none."""
-        src = self._phase.state
+    def admit(self, trigger: str) -> None:
+        """Raise `Refused` (the gate's code and sentence) when `trigger` is not taken in
+        the current state; INTERNAL for a trigger the table does not know."""
+        if trigger not in TRIGGERS:
+            raise make_error(ErrorCode.INTERNAL, f"{trigger!r} is not a trigger of the state table")
+        gate = GATES.get(trigger)
+        if gate is not None and self.state not in gate.states:
+            raise Refused(gate.code, gate.refusal.format(state=self.state.value))
+
+    def dest(self, trigger: str, outcome: Outcome) -> State:
+        """The destination of the row for (`trigger`, current state, `outcome`);
+        INTERNAL if there is none."""
+        src = self.state
+        for r in ROWS:
+            if r.trigger == trigger and r.outcome is outcome and src in r.sources:
+                return r.dest
+        raise make_error(
+            ErrorCode.INTERNAL,
+            f"no row of the state table takes {trigger} ({outcome.value}) from {src.value}",
+            state=src.value,
+        )
+
+    def take(self, trigger: str, outcome: Outcome) -> State:
+        """Move by the row for (`trigger`, current state, `outcome`); return its dest."""
+        dest = self.dest(trigger, outcome)
         try:
-            taken = self._machine.events[trigger].trigger(self._phase, dest=dest)
+            taken = self._machine.events[trigger].trigger(self._phase, outcome=outcome)
         except (MachineError, KeyError):
             taken = False
-        if not taken:
-            raise make_error(
-                ErrorCode.INTERNAL,
-                f"no row of the state table moves {trigger} from {src.value} to {dest.value}",
-                state=src.value,
-            )
-
-    def allows(self, trigger: str, state: State | None = None) -> bool:
-        return any(trigger == r.trigger and (state or self.state) in r.sources for r in ROWS)
+        if not taken or self.state is not dest:  # the executor disagrees with ROWS: our bug
+            raise make_error(ErrorCode.INTERNAL, f"the state machine did not take {trigger} to {dest.value}")
+        return dest
 
 
 def engine_move(state: EngineState, trigger: str) -> EngineState:
@@ -276,18 +376,26 @@ END = "<!-- end of state table -->"
 
 def render() -> str:
     """The Markdown tables of docs/ARCHITECTURE.md (generated; a test compares)."""
-    out = [BEGIN, "", "| trigger | from | to | when |", "|---|---|---|---|"]
+    out = [BEGIN, "", "| trigger | from | found | to | when |", "|---|---|---|---|---|"]
     for r in ROWS:
         src = ", ".join(s.value for s in r.sources)
-        out.append(f"| {r.trigger} | {src} | {r.dest.value} | {r.when} |")
+        out.append(f"| {r.trigger} | {src} | {r.outcome.value} | {r.dest.value} | {r.when} |")
     quiet = [t for t in TRIGGERS if not any(r.trigger == t for r in ROWS)]
     out.append("")
     out.append(
         "Inputs that never change the daemon's state: "
         + ", ".join(f"`{t}`" for t in quiet)
-        + ". Any other input in a state without its row is refused with a typed error "
-        "and changes nothing."
+        + ". A trigger finding something no row of its state takes is INTERNAL (our bug), "
+        "raised before anything changed."
     )
+    out.append("")
+    out.append("Where an input is taken at all (any other input is taken in every state):")
+    out.append("")
+    out.append("| input | taken in | refused elsewhere with |")
+    out.append("|---|---|---|")
+    for name, g in GATES.items():
+        states = ", ".join(s.value for s in g.states)
+        out.append(f"| {name} | {states} | {g.code.value}: {g.refusal.format(state='X')} |")
     out.append("")
     out.append("| engine trigger | from | to |")
     out.append("|---|---|---|")
@@ -311,7 +419,10 @@ __all__ = [
     "ROWS",
     "ENGINE_ROWS",
     "TRIGGERS",
-    "TRAINER_TRIGGERS",
+    "GATES",
+    "Gate",
+    "Outcome",
+    "Refused",
     "Row",
     "StateTable",
     "engine_move",

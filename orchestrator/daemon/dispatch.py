@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from messages import codec, schema
+from messages import codec, replies, schema
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from messages.shm import Reader
@@ -109,19 +109,9 @@ class Dispatcher:
                     },
                 )
             elif isinstance(msg, schema.Begin):
-                # what the trainer's window must stay within (per sender): max_pending, and
-                # with a fan-out, its per-connection budget (messages.fanout.window_cap)
-                senders = max(1, msg.senders)
-                limits = {"max_pending": self.core.limits.pending_per_sender(senders)}
-                budget = self.transport.fanout_budget
-                if self.transport.fanout is not None and budget is not None:
-                    limits["fanout_bytes"] = budget // senders
                 if msg.bucket_bytes is not None:
                     self.inflight.bucket_bytes[msg.sync_id] = msg.bucket_bytes
-                await self.feed(
-                    ev.BeginSync(msg),
-                    lambda r: self.transport.reply_ok(w, {**(r.reply or {}), **limits}),
-                )
+                await self.feed(ev.BeginSync(msg), lambda r: self.transport.reply_ok(w, r.reply or {}))
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)
             elif isinstance(msg, schema.Finish):
@@ -251,7 +241,8 @@ class Dispatcher:
             res = self.core.handle(
                 ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id), time.monotonic()
             )
-            if res.reply is not None and res.reply.get("known") is False:  # silence means known
+            if res.reply is not None and not replies.decode(res.reply, replies.HeartbeatReply).known:
+                # silence means known
                 self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply))
             if res.commands:
                 await self.effects.execute(res.commands, trigger="heartbeat")

@@ -126,6 +126,7 @@ class Service:
             trainer_grace=settings.trainer_grace,
             max_frame_bytes=settings.max_frame_bytes,
             max_pending=settings.max_pending,
+            fanout_bytes=settings.fanout_queue_bytes if settings.fanout_bind != "off" else None,
         )
         self.core = Core(
             limits,

@@ -29,6 +29,8 @@ from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.fanout import window_cap
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
+from messages.replies import BeginReply
+from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
@@ -131,7 +133,7 @@ class TrainerClient:
         collective: schema.CollectiveOffer | None = None,
         base: int | None = None,
         bucket_bytes: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> BeginReply:
         """Start a sync (`base`: a delta sync against that served version; `bucket_bytes`:
         the size its buckets are cut to, which the daemon sizes its fan-out for). `transport` "shm"/"auto" offers shared memory, "collective" (with
         `collective`, this trainer's store) a torch.distributed group; the reply's
@@ -153,7 +155,7 @@ class TrainerClient:
                 bucket_bytes=bucket_bytes,
             )
         )
-        return {**body, "sync_id": sync_id}
+        return decode_reply({**body, "sync_id": sync_id}, BeginReply)
 
     def send_bucket(
         self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
@@ -353,13 +355,13 @@ class TrainerClient:
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
-            if started.get("transport") not in ("shm", "mixed"):
+            if started.transport not in ("shm", "mixed"):
                 ring = None  # kept for a later push; this one goes inline or by collective
             coll = self._collective_for(started, transport)
             digester = Digester()
             t_stream = time.perf_counter()
             try:
-                if coll is not None and started.get("stream"):
+                if coll is not None and started.stream:
                     streamed = self.stream.framed(
                         sync_id, named_tensors, bucket_bytes, progress, coll, digester, partial
                     )
@@ -393,7 +395,7 @@ class TrainerClient:
             except WeightSyncError as err:
                 if coll is not None:
                     coll.fail()
-                ended = started.get("stream") and err.code is ErrorCode.INVALID_STATE
+                ended = started.stream and err.code is ErrorCode.INVALID_STATE
                 pushed = self.conn.pushed_error(sync_id, wait=2.0) if ended else None
                 if pushed is not None:
                     # the stream ended before the finish: raise what ended it (it names the engine)
@@ -423,7 +425,7 @@ class TrainerClient:
             retries=streamed.retries,
             detail={
                 **body,
-                "transport": started.get("transport", "inline"),
+                "transport": started.transport,
                 "trainer_phases": trainer_phases,
                 "window": streamed.window,
             },
@@ -488,21 +490,21 @@ class TrainerClient:
             self.group = TrainerGroup(self.addr, self.collective_host, curve=self.curve)
         return self.group.offer()
 
-    def _collective_for(self, started: dict[str, Any], asked: str) -> TrainerGroup | None:
-        if started.get("transport") == "collective" and self.group is not None:
+    def _collective_for(self, started: BeginReply, asked: str) -> TrainerGroup | None:
+        if started.transport == "collective" and self.group is not None:
             self.group.plan(
                 {
-                    **started["collective"],
-                    "spool_copy": started.get("spool_copy", False),
-                    "stream": bool(started.get("stream")),
-                    "sync_id": started["sync_id"],
+                    **(started.collective or {}),
+                    "spool_copy": started.spool_copy,
+                    "stream": started.stream,
+                    "sync_id": started.sync_id,
                 }
             )
             return self.group
         if asked == "collective":
             log.warning(
                 "collective_not_used",
-                transport=started.get("transport"),
+                transport=started.transport,
                 reason="some engine cannot join a group with this trainer",
             )
         return None
@@ -518,7 +520,7 @@ class TrainerClient:
         offer: schema.CollectiveOffer | None = None,
         base: int | None = None,
         bucket_bytes: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> BeginReply:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
         t0 = time.monotonic()
@@ -570,12 +572,11 @@ class TrainerClient:
             cause.state, cause.version = body["state"], body.get("version")
 
 
-def _pending_cap(started: dict[str, Any], bucket_bytes: int) -> int | None:
+def _pending_cap(started: BeginReply, bucket_bytes: int) -> int | None:
     """The window the daemon's begin reply allows: its max_pending, and where buckets go
     through its fan-out (inline, shm, mixed), within the fan-out's per-connection budget
     for this bucket size (messages.fanout.window_cap), which its queues are sized for."""
-    most = started.get("max_pending")
-    if most is None:
+    if started.max_pending is None:
         return None
-    budget = started.get("fanout_bytes") if started.get("transport") in ("inline", "shm", "mixed") else None
-    return window_cap(budget, bucket_bytes, int(most))
+    budget = started.fanout_bytes if started.transport in ("inline", "shm", "mixed") else None
+    return window_cap(budget, bucket_bytes, started.max_pending)

@@ -339,7 +339,7 @@ def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(clu
     with cluster.client(timeout=30.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1
         (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
-        sid = client.begin(v, transport="inline")["sync_id"]
+        sid = client.begin(v, transport="inline").sync_id
         cases = [
             (
                 lambda i: msgspec.structs.replace(client.stream.bucket_msg(sid, b, i), size=b.nbytes),
@@ -368,7 +368,7 @@ def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(clu
             assert ei.value.code is ErrorCode.BAD_MESSAGE and words in ei.value.message, ei.value
         client.abort(sid)
         offer = client._collective_offer()
-        sid = client.begin(v, transport="collective", collective=offer)["sync_id"]
+        sid = client.begin(v, transport="collective", collective=offer).sync_id
         with pytest.raises(WeightSyncError) as ei:
             client.send_bucket(sid, b)  # bytes inline in a collective sync
         assert ei.value.code is ErrorCode.BAD_MESSAGE and "collective" in ei.value.message

@@ -157,7 +157,7 @@ class Soak:
         from messages.errors import WeightSyncError
 
         buckets = list(iter_buckets(w.items(), BUCKET))
-        sid = c.begin(v, transport="inline")["sync_id"]
+        sid = c.begin(v, transport="inline").sync_id
         half = len(buckets) // 2
         for b in buckets[:half]:
             c.send_bucket(sid, b)

@@ -41,7 +41,7 @@ def test_more_pending_requests_than_allowed_are_refused(limited, tiny_state):
     with limited.client(timeout=20.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1
         buckets = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 64 * 1024))
-        sid = client.begin(v)["sync_id"]
+        sid = client.begin(v).sync_id
         for p in engines:
             p.popen.send_signal(signal.SIGSTOP)  # no acks: requests stay pending
         try:

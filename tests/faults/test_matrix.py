@@ -76,7 +76,7 @@ def begin_v2(client, state):
     """v1 READY, then v2 begun: (v1's digest, v2 weights, v2's buckets, sync_id)."""
     _, d1 = push(client, state, 1)
     w2 = dict(perturbed(state, 2))
-    return d1, w2, list(iter_buckets(w2.items(), BUCKET)), client.begin(2)["sync_id"]
+    return d1, w2, list(iter_buckets(w2.items(), BUCKET)), client.begin(2).sync_id
 
 
 def test_engine_sigkill_during_loading_rolls_back(tmp_path, tiny_model_dir, tiny_state, matrix_row):
@@ -241,7 +241,7 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as c:
         with c.client(timeout=30.0) as client:
             r1, d1 = push(client, tiny_state, 1)
-            sid = client.begin(2)["sync_id"]
+            sid = client.begin(2).sync_id
             for b in list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), BUCKET))[:3]:
                 client.send_bucket(sid, b)
         c.daemon.popen.send_signal(signal.SIGKILL)
@@ -385,7 +385,7 @@ def test_spool_write_failure_degrades_without_failing_syncs(
         sp = client.status()["spool"]
         assert sp["state"] == "degraded" and sp["version"] is None and "version 2" in sp["error"]
         # with nothing to roll back to, a failed sync leaves IDLE dirty, and says so
-        sid = client.begin(3)["sync_id"]
+        sid = client.begin(3).sync_id
         client.send_bucket(sid, list(iter_buckets(dict(perturbed(tiny_state, 3)).items(), BUCKET))[0])
         client.abort(sid, "test")
         st = wait_status(c, lambda s: s["state"] == "IDLE")

@@ -41,7 +41,7 @@ def test_aborted_sync_rolls_back_to_the_spooled_version(spooled, tiny_state):
         w1 = dict(perturbed(tiny_state, 1))
         r1 = client.push(w1.items(), 1, bucket_bytes=128 * 1024)
         assert client.status()["spool"]["version"] == 1
-        sid = client.begin(2)["sync_id"]
+        sid = client.begin(2).sync_id
         buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
         for b in buckets[:3]:
             client.send_bucket(sid, b)  # engines now hold a mix of v1 and v2
@@ -86,7 +86,7 @@ def test_engine_registering_mid_sync_joins_at_that_version_after_ready(spooled, 
     with spooled.client(timeout=30.0) as client:
         client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
         w2 = dict(perturbed(tiny_state, 2))
-        sid = client.begin(2)["sync_id"]
+        sid = client.begin(2).sync_id
         buckets = list(iter_buckets(w2.items(), 128 * 1024))
         client.send_bucket(sid, buckets[0])
         spooled.start_engine("engine-late")
@@ -110,7 +110,7 @@ def test_next_push_waits_for_a_running_rollback_instead_of_failing(tmp_path, tin
         c.wait_engines(2)
         with c.client(timeout=30.0) as client:
             client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=128 * 1024)
-            sid = client.begin(2)["sync_id"]
+            sid = client.begin(2).sync_id
             client.send_bucket(sid, list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))[0])
             client.abort(sid, "trainer gave up")
             wait_status(c, lambda s: s["sync"] is not None and s["sync"]["kind"] == "rollback")
@@ -132,7 +132,7 @@ def test_survivors_are_rolled_back_even_below_min_engines(tmp_path, tiny_model_d
         with c.client(timeout=30.0) as client:
             w1 = dict(perturbed(tiny_state, 1))
             r1 = client.push(w1.items(), 1, bucket_bytes=128 * 1024)
-            sid = client.begin(2)["sync_id"]
+            sid = client.begin(2).sync_id
             buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
             client.send_bucket(sid, buckets[0])  # the engines now hold a mix of v1 and v2
             victim = next(p for p in c.procs if p.name == "engine-1")

@@ -135,7 +135,7 @@ def push_lying_delta(
     assert enc.patch is not None and enc.patch.kind == "sparse"
     lie = Patch("sparse", enc.patch.base, delta.part(name, good), enc.patch.count)
     items = [(n, Patched(lie, enc.data, t.dtype, t.shape) if n == name else t) for n, t in weights.items()]
-    sid = client.begin(version + 1, base=version)["sync_id"]
+    sid = client.begin(version + 1, base=version).sync_id
     with pytest.raises(WeightSyncError) as ei:
         for b in iter_buckets(items, 1 << 20):
             client.send_bucket(sid, b)

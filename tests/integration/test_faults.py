@@ -19,7 +19,7 @@ def test_engine_killed_mid_sync_fails_with_engine_failed_and_dirty(tmp_path, tin
     with running_daemon(tmp_path, tiny_model_dir) as cluster, cluster.client(timeout=30.0) as client:
         client.push(dict(perturbed(tiny_state, 1)).items(), 1)
         buckets = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
-        sid = client.begin(2)["sync_id"]
+        sid = client.begin(2).sync_id
         client.send_bucket(sid, buckets[0])
         victim = next(p for p in cluster.procs if p.name == "engine-1")
         victim.popen.send_signal(signal.SIGKILL)
@@ -50,7 +50,7 @@ def test_trainer_vanishing_mid_sync_times_out(tmp_path, tiny_model_dir, tiny_sta
     args = ["--engine-timeout", "3", "--sync-timeout", "1.5"]
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as cluster:
         with cluster.client() as gone:
-            sid = gone.begin(1)["sync_id"]
+            sid = gone.begin(1).sync_id
             (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, 1)).items(), 128 * 1024))
             gone.send_bucket(sid, b)
         # that trainer is gone; the daemon must not wait forever
@@ -70,7 +70,7 @@ def test_daemon_crash_mid_sync_recovers_idle_dirty_and_last_ready(tmp_path, tiny
     with running_daemon(tmp_path, tiny_model_dir) as cluster:
         with cluster.client() as client:
             client.push(dict(perturbed(tiny_state, 1)).items(), 1)
-            sid = client.begin(2)["sync_id"]
+            sid = client.begin(2).sync_id
             (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, 2)).items(), 128 * 1024))
             client.send_bucket(sid, b)
         cluster.daemon.popen.send_signal(signal.SIGKILL)  # a crash, not a shutdown
@@ -107,7 +107,7 @@ def test_sigterm_during_sync_fails_the_waiting_trainer_not_silently(tmp_path, ti
         running_daemon(tmp_path, tiny_model_dir) as cluster,
         cluster.client(timeout=5.0, retries=0) as client,
     ):
-        sid = client.begin(1)["sync_id"]
+        sid = client.begin(1).sync_id
         assert client.status()["state"] == "LOADING_BUCKETS"
         cluster.daemon.popen.send_signal(signal.SIGTERM)
         assert cluster.daemon.popen.wait(15) == 0

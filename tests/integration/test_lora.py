@@ -71,7 +71,7 @@ def test_lora_adapter_push_then_failed_push_rolls_back_to_the_previous_adapter(t
             assert r1.bytes < sum(t.numel() * 4 for t in base.state_dict().values()) / 5
             # a second adapter push dies half-way: rolled back to adapter 1 from the spool
             a2 = make_adapter(base, 2)
-            sid = client.begin(2)["sync_id"]
+            sid = client.begin(2).sync_id
             b0 = next(iter(iter_buckets(lora_tensors(a2, alpha=ALPHA, engine_rank=ENGINE_RANK), 16 * 1024)))
             client.send_bucket(sid, b0)
             client.abort(sid, reason="trainer step failed")

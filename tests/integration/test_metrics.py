@@ -128,7 +128,7 @@ def test_metrics_during_and_after_a_push_match_status(tmp_path, tiny_model_dir, 
         )  # refused at begin: no sync
         sid = None
         with c.client(timeout=30.0) as trainer:
-            sid = trainer.begin(2)["sync_id"]
+            sid = trainer.begin(2).sync_id
             trainer.abort(sid, "test")
         mm = until(
             lambda: (

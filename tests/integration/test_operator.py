@@ -154,7 +154,7 @@ def test_2_a_begin_blocked_by_a_running_sync_names_it_and_weightsync_abort_ends_
 ):
     v = next_version(cluster)
     with cluster.client(timeout=10.0) as holder:
-        sid = holder.begin(v)["sync_id"]  # a trainer that went quiet, connection still open
+        sid = holder.begin(v).sync_id  # a trainer that went quiet, connection still open
         d = checkpoint(tmp_path, tiny_state, v)
         r = ws("push", str(d), "--version", str(v), "--addr", cluster.addr, "--json")
         assert r.returncode == 4
@@ -353,7 +353,7 @@ def test_6_a_sync_lost_to_a_daemon_restart_is_unknown_and_says_begin_again(
 ):
     with running_daemon(tmp_path, tiny_model_dir, engines=1) as c:
         with c.client(timeout=30.0) as client:
-            sid = client.begin(1)["sync_id"]
+            sid = client.begin(1).sync_id
             os.killpg(c.daemon.popen.pid, signal.SIGKILL)
             c.daemon.popen.wait(10)
             c.start_daemon()

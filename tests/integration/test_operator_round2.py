@@ -120,7 +120,7 @@ def test_3_an_operators_abort_is_filed_as_the_operators_with_its_reason(cluster,
     push_ok(cluster, tiny_state)
     v = next_version(cluster)
     with cluster.client(timeout=30) as holder:
-        sid = holder.begin(v)["sync_id"]
+        sid = holder.begin(v).sync_id
         r = ws("abort", "--reason", "bad checkpoint", "--addr", cluster.addr, "--json")
         assert r.returncode == 0, r.stderr
     last = settle(cluster)["last_sync"]
@@ -133,7 +133,7 @@ def test_3_a_rollback_names_the_failed_sync_with_epoch_times(cluster, tiny_state
     push_ok(cluster, tiny_state)
     v = next_version(cluster)
     with cluster.client(timeout=30) as c:
-        sid = c.begin(v)["sync_id"]
+        sid = c.begin(v).sync_id
         for b in iter_buckets(list(perturbed(tiny_state, v))[:2], 64 << 10):
             c.send_bucket(sid, b)  # engines hold new buckets: the abort leaves them dirty
         c.abort(sid, "test")

@@ -86,7 +86,7 @@ def one_bucket(tiny_state, v):
 def test_second_finish_is_rejected_with_state_and_version(client, tiny_state):
     v = next(_versions)
     weights, b = one_bucket(tiny_state, v)
-    sid = client.begin(v)["sync_id"]
+    sid = client.begin(v).sync_id
     client.send_bucket(sid, b)
     client.finish(sid, 1, digest=digest(weights.items()))
     with pytest.raises(StateError) as ei:
@@ -102,7 +102,7 @@ def test_finish_with_missing_buckets_is_incomplete_then_retry_succeeds(client, t
     weights = dict(perturbed(tiny_state, v))
     buckets = list(iter_buckets(weights.items(), 256 * 1024))
     assert len(buckets) >= 2
-    sid = client.begin(v)["sync_id"]
+    sid = client.begin(v).sync_id
     client.send_bucket(sid, buckets[0])
     with pytest.raises(StateError) as ei:
         client.finish(sid, len(buckets))
@@ -128,7 +128,7 @@ def test_corrupted_frame_is_refused_and_nothing_applied(client, tiny_state):
     v = next(_versions)
     served = client.status()
     weights, b = one_bucket(tiny_state, v)
-    sid = client.begin(v)["sync_id"]
+    sid = client.begin(v).sync_id
     raw = bytearray(b.frame())
     raw[len(raw) // 2] ^= 0x40
     rid = 9_000_001
@@ -195,7 +195,7 @@ def test_unknown_tensor_is_refused_before_fan_out(client, tiny_state):
         client.push(dict(perturbed(tiny_state, 1)).items(), next(_versions))
     v = next(_versions)
     before = client.status()
-    sid = client.begin(v)["sync_id"]
+    sid = client.begin(v).sync_id
     (bad,) = list(iter_buckets([("model.bogus.weight", torch.zeros(8))]))
     with pytest.raises(DataError) as ei:
         client.send_bucket(sid, bad)

@@ -53,7 +53,7 @@ def test_inline_and_shm_deliver_the_same_weights_and_leave_no_segments(cluster, 
 def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
     with cluster.client() as client:
         v = (client.status()["last_ready_version"] or 0) + 1
-        sid = client.begin(v, transport="inline")["sync_id"]
+        sid = client.begin(v, transport="inline").sync_id
         (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
         with pytest.raises(PeerError) as ei:
             client.conn.request(
@@ -71,7 +71,7 @@ def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_
     with cluster.client(timeout=20.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1
         started = client.begin(v, transport="shm")
-        assert started["transport"] == "shm"
+        assert started.transport == "shm"
         (b, *_) = list(iter_buckets(dict(perturbed(tiny_state, v)).items(), 128 * 1024))
         with Segment(b.nbytes, kind="trainer") as seg:
             raw = bytearray(b.frame())
@@ -80,7 +80,7 @@ def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_
             with pytest.raises(WeightSyncError) as ei:
                 client.conn.request(
                     lambda i: client.stream.bucket_msg(
-                        started["sync_id"], b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)
+                        started.sync_id, b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)
                     )
                 )
         assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH

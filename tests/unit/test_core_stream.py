@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from messages.errors import ErrorCode, WeightSyncError
+from messages.replies import BeginReply, decode
 from messages.schema import Begin, CollectiveOffer, Finalized, Finish, Prepared, Register
 from messages.stream import Chain
 from orchestrator.core import Core, Limits, State
@@ -85,7 +86,8 @@ def test_without_every_engine_able_the_sync_announces_each_bucket():
     res = core.handle(
         ev.BeginSync(Begin(sync_id="s1", version=1, transport="collective", collective=OFFER)), 1.0
     )
-    assert res.reply is not None and "stream" not in res.reply and res.reply["transport"] == "collective"
+    started = decode(res.reply or {}, BeginReply)
+    assert not started.stream and started.transport == "collective"
     assert not [c for c in res.commands if isinstance(c, cmd.OpenStreams)]
 
 

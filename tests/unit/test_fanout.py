@@ -7,7 +7,7 @@ import zmq
 
 from messages import codec, fanout, schema
 from messages.checksums import checksum
-from orchestrator.core.records import EngineRecord, SyncRecord
+from orchestrator.core.records import EngineRecord, Epoch, SyncRecord
 from orchestrator.core.states import EngineState
 from orchestrator.daemon.fanout import Plan, plan
 
@@ -91,13 +91,17 @@ def test_the_report_interval_grows_with_the_fleet_within_bounds():
 
 
 def test_the_cached_live_participants_follow_every_engine_change():
-    engines = {e: EngineRecord(e, "torch", state=EngineState.LOADING) for e in ("a", "b", "c")}
+    epoch = Epoch()  # the core's: its records share it
+    engines = {e: EngineRecord(e, "torch", state=EngineState.LOADING, epoch=epoch) for e in ("a", "b", "c")}
     s = SyncRecord("s1", 1, 1, None, (), ("a", "b", "c"), 0.0, 0.0)
-    assert s.alive(engines) == (("a", "b", "c"), frozenset("abc"))
+    assert s.alive(engines, epoch) == (("a", "b", "c"), frozenset("abc"))
     engines["b"].move("lose")
-    assert s.alive(engines)[0] == ("a", "c")
-    engines["b"] = EngineRecord("b", "torch", state=EngineState.STALE)  # registered again
-    assert s.alive(engines)[1] == frozenset("abc")
+    assert s.alive(engines, epoch)[0] == ("a", "c")
+    engines["b"] = EngineRecord("b", "torch", state=EngineState.STALE, epoch=epoch)  # registered again
+    assert s.alive(engines, epoch)[1] == frozenset("abc")
+    # another core's engines do not touch this core's epoch
+    EngineRecord("z", "torch", epoch=Epoch()).move("lose")
+    assert epoch.value == 5
 
 
 def test_the_window_a_trainer_keeps_fits_the_fanout_budget_twice_over():

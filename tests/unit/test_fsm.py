@@ -28,7 +28,7 @@ from orchestrator.core import ACTIVE, Limits, State
 from orchestrator.core import Core as Orchestrator
 from orchestrator.core import commands as fsm
 from orchestrator.core import events as ev
-from orchestrator.core.table import TRAINER_TRIGGERS
+from orchestrator.core.table import Outcome
 
 S = State
 META = (TensorMeta("w", "float32", (4,), 0, 16),)
@@ -171,8 +171,12 @@ TABLE = {
 }
 
 
+# the inputs a sync's life is made of: the trainer's and the engines' answers
+SYNC_TRIGGERS = ("begin", "bucket", "finish", "prepared", "finalized", "committed", "failed", "abort")
+
+
 def test_table_covers_every_state_and_trigger():
-    assert set(TABLE) == {(s, t) for s in State for t in TRAINER_TRIGGERS}
+    assert set(TABLE) == {(s, t) for s in State for t in SYNC_TRIGGERS}
 
 
 def _snap(o):
@@ -613,20 +617,82 @@ def test_a_move_outside_the_table_is_internal_and_changes_nothing():
     o = to_ready()
     before = _snap(o)
     with pytest.raises(WeightSyncError) as ei:
-        o.move("finish", S.FINALIZING, None)
+        o.move("finish", Outcome.ADVANCE, None)
     assert ei.value.code is ErrorCode.INTERNAL and "no row of the state table" in ei.value.message
     assert o.state == S.READY and _snap(o) == before
 
 
+def test_a_trigger_without_a_row_is_refused_by_the_table(monkeypatch):
+    """Adding a trigger is one row plus one function: a function alone (no row, no gate)
+    gets INTERNAL from the table, through the core's one way in, and changes nothing."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from orchestrator.core import machine
+
+    @dataclass(frozen=True)
+    class Retarget(ev.Event):
+        TRIGGER: ClassVar[str] = "retarget"
+
+    def retarget(m, event):
+        m.admit("retarget")  # the gate lookup: the table does not know the trigger
+        m.move("retarget", Outcome.ADVANCE, None)
+
+    def retarget_unchecked(m, event):
+        m.move("retarget", Outcome.ADVANCE, None)  # the row lookup: there is none
+
+    o = to_ready()
+    before = _snap(o)
+    for fn, words in ((retarget, "not a trigger of the state table"), (retarget_unchecked, "no row")):
+        monkeypatch.setitem(machine.HANDLERS, Retarget, fn)
+        with pytest.raises(WeightSyncError) as ei:
+            o.handle(Retarget(), 2.0)
+        assert ei.value.code is ErrorCode.INTERNAL and words in ei.value.message
+        assert o.state == S.READY and _snap(o) == before
+    # and a known trigger with an outcome no row of its state takes
+    with pytest.raises(WeightSyncError) as ei:
+        o.move("abort", Outcome.ADVANCE, None)
+    assert ei.value.code is ErrorCode.INTERNAL
+
+
+def test_every_refusal_of_a_wrong_state_is_the_tables_gate():
+    """The code and sentence a wrong state gets come from GATES, not from the trigger."""
+    from orchestrator.core.table import GATES
+
+    for trigger, gate in GATES.items():
+        for state in State:
+            if state in gate.states:
+                continue
+            o = STATES[state]()
+            if trigger in ("bucket",) and o.sync is None:
+                continue  # no sync runs: the bucket names one that does not (UNKNOWN_SYNC)
+            before = _snap(o)
+            with pytest.raises(WeightSyncError) as ei:
+                fire(o, trigger)
+            assert ei.value.code is gate.code
+            assert ei.value.message.startswith(gate.refusal.format(state=state.value)), ei.value.message
+            assert _snap(o) == before
+
+
+def test_a_daemon_stopping_during_an_untouched_sync_stays_ready():
+    """shutdown had no row to READY: stopping a READY daemon while a sync had touched
+    nothing raised INTERNAL. The sync ends clean and the daemon stays READY."""
+    o = to_ready()
+    begin(o, 2)
+    o.handle(ev.Shutdown(), 2.0)
+    assert o.state == S.READY and not o.dirty and o.served_version == 1
+    assert o.history[-1]["trigger"] == "shutdown" and o.history[-1]["to"] == "READY"
+
+
 def test_every_table_row_is_reachable_by_its_trigger_only():
-    """Rows never overlap: one (trigger, source, dest) each, and every destination is a state."""
+    """Rows never overlap: one (trigger, source, outcome) each."""
     from orchestrator.core.table import ROWS
 
     seen = set()
     for r in ROWS:
         for src in r.sources:
-            assert (r.trigger, src, r.dest) not in seen
-            seen.add((r.trigger, src, r.dest))
+            assert (r.trigger, src, r.outcome) not in seen
+            seen.add((r.trigger, src, r.outcome))
 
 
 def test_labelling_engines_are_told_the_version_once_every_participant_finalized_and_ready_waits_for_them():

@@ -174,7 +174,7 @@ def test_every_output_is_labelled_with_the_committed_version_and_a_failed_sync_k
         labels = {e["engine_id"]: e["label"] for e in client.status()["engines"]}
         assert labels == {"vllm-inproc": str(v), "vllm-mp": str(v)}
         assert client.wait_ready(v, timeout=10) == {"vllm-inproc": v, "vllm-mp": v}
-        sid = client.begin(v + 1)["sync_id"]
+        sid = client.begin(v + 1).sync_id
         (b0, *_) = list(iter_buckets(dict(perturbed(tiny_state, v + 1)).items(), 256 * 1024))
         client.send_bucket(sid, b0)
         client.abort(sid, "test")

@@ -78,7 +78,7 @@ def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(
             weights = dict(perturbed(tiny_state, v))
             buckets = list(iter_buckets(weights.items(), 256 * 1024))
             expected = hf(tiny_model_dir, weights, PROMPTS)
-            sid = client.begin(v, probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)])["sync_id"]
+            sid = client.begin(v, probes=[Probe(p, 6, e) for p, e in zip(PROMPTS, expected)]).sync_id
             client.send_bucket(sid, buckets[0])
             assert _get(server + "/is_paused")["is_paused"] is True
             for b in buckets[1:]:

@@ -1,0 +1,75 @@
+"""Reply bodies, typed: what the daemon answers and the trainer reads, one msgspec Struct
+each, built by the side that answers and decoded once where it arrives (`decode`).
+
+Rules: a body travels as the `ok` message's fields (messages.codec), so it is encoded with
+`body()` and decoded with `decode(fields, Type)`: a body that does not match its type is
+BAD_MESSAGE, never a KeyError deep in the reader. Fields a newer daemon adds are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from messages.errors import ErrorCode, make_error
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to `begin`: the sync as the daemon opened it, and the limits the
+    trainer's window keeps within."""
+
+    sync_id: str
+    version: int
+    state: str  # LOADING_BUCKETS (or where a repeated begin found its sync)
+    kind: str = "sync"
+    transport: str = "inline"  # what the daemon chose: inline, shm, mixed or collective
+    engines: tuple[str, ...] = ()  # the participants
+    shm_engines: tuple[str, ...] = ()  # those that read the trainer's shared memory
+    collective: dict[str, Any] | None = None  # the group plan (collective transport)
+    stream: bool = False  # collective stream: engines answer once, with `prepared`
+    spool_copy: bool = False  # collective: the trainer also sends the daemon each bucket
+    repeated: bool = False  # a repeated begin (its first reply was lost), answered again
+    buckets: int = 0
+    bytes: int = 0
+    acked: int = 0
+    started_at: float = 0.0
+    trainer_connected: bool = True
+    prepared: int = 0
+    max_pending: int | None = None  # unanswered bucket requests per sender
+    fanout_bytes: int | None = None  # per sender's share of the fan-out's queue (None: no fan-out)
+
+
+class RegisterReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to an engine's `register`: where it stands and where the daemon is."""
+
+    engine_id: str
+    state: str  # the engine's: READY (it holds the served version) or STALE
+    daemon_state: str
+    version: int | None = None  # the version the daemon serves
+    fanout: str | None = None  # where to take published buckets (protocol v4)
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent only when the daemon does not know the engine (silence means known): it
+    registers again."""
+
+    known: bool
+
+
+def body(reply: msgspec.Struct) -> dict[str, Any]:
+    """The fields a reply travels as."""
+    out = msgspec.to_builtins(reply)
+    if not isinstance(out, dict):
+        raise TypeError(f"{type(reply).__name__} is not a struct")
+    return out
+
+
+def decode(fields: dict[str, Any], cls: type[R]) -> R:
+    """The reply `cls` from the fields that arrived; BAD_MESSAGE if they do not match."""
+    try:
+        return msgspec.convert(fields, cls)
+    except msgspec.ValidationError as exc:
+        raise make_error(ErrorCode.BAD_MESSAGE, f"{cls.__name__}: {exc}") from None
