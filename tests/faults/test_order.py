@@ -106,3 +106,24 @@ def test_killed_after_ready_is_journaled_serves_it_after_restart(tmp_path, tiny_
             with pytest.raises(WeightSyncError) as ei:
                 client.finish("ready-unanswered", 1)
         assert ei.value.code is ErrorCode.INVALID_STATE and "already completed (READY)" in ei.value.message
+
+
+def test_a_daemon_stopped_during_an_untouched_sync_stays_ready_across_its_restart(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """SIGTERM while a sync is begun but nothing reached an engine: the daemon stops
+    cleanly (it raised INTERNAL here: the table had no shutdown row to READY), journals the
+    sync ended clean, and comes back READY at the served version with no rollback."""
+    with running_daemon(tmp_path, tiny_model_dir, engines=1) as c:
+        w = dict(perturbed(tiny_state, 1))
+        with c.client(timeout=10.0) as client:
+            assert client.push(w.items(), 1, bucket_bytes=BUCKET).state == "READY"
+            client.begin(2, "begun-then-stopped")
+        assert c.daemon.stop(grace=30) == 0, c.daemon.log_tail()
+        assert journal(c)[-1] == ("LOADING_BUCKETS", "READY", "begun-then-stopped")
+        c.start_daemon()
+        st = c.wait_engines(1, timeout=60)
+        assert (st["state"], st["version"], st["dirty"]) == ("READY", 1, False)
+        assert not [h for h in st["history"] if h["trigger"] == "tick"]  # no rollback ran
+        with c.client(timeout=10.0) as client:
+            assert client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=BUCKET).state == "READY"
