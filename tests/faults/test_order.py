@@ -126,4 +126,6 @@ def test_a_daemon_stopped_during_an_untouched_sync_stays_ready_across_its_restar
         assert (st["state"], st["version"], st["dirty"]) == ("READY", 1, False)
         assert not [h for h in st["history"] if h["trigger"] == "tick"]  # no rollback ran
         with c.client(timeout=10.0) as client:
-            assert client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=BUCKET).state == "READY"
+            assert (
+                client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=BUCKET).state == "READY"
+            )
