@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from messages import codec, fanout, schema, stream
+from messages import codec, fanout, replies, schema, stream
 from messages.checksums import checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
 from messages.progress import Progress
@@ -69,6 +69,7 @@ class SimEngine:
     finalized: set[str] = field(default_factory=set)
     loads: int = 0
     next_id: int = 0
+    register_ids: set[int] = field(default_factory=set)  # their Ok is a RegisterReply
     dead_until: float | None = None  # killed; registers again as a new process at this time
     progress: Progress | None = None  # the running sync's, as a real engine keeps it
     last_report: float = 0.0
@@ -147,10 +148,12 @@ class Fleet:
         e.sock = None
 
     def _register(self, e: SimEngine) -> schema.Register:
+        rid = self._id(e)
+        e.register_ids.add(rid)
         return schema.Register(
             engine_id=e.engine_id,
             backend="sim",
-            id=self._id(e),
+            id=rid,
             model="sim",
             transports=("inline", "collective"),
             version=e.version,
@@ -328,18 +331,19 @@ class Fleet:
             e.version, e.digest = None, None
             if e.stream is not None and e.stream.sync_id == msg.sync_id:
                 e.stream = None
-        elif isinstance(msg, schema.Ok) and msg.body.get("known") is False:
+        elif isinstance(msg, schema.Ok) and msg.id in e.register_ids:
+            r = replies.decode(msg.body, replies.RegisterReply)
+            e.reregister_sent = False
+            if r.fanout is not None:
+                e.fan = e.fan or fanout.Receiver(self.ctx, e.engine_id)
+                old = e.fan.sock
+                if e.fan.open(r.fanout, self.connect, self.poller) is not None:
+                    self.by_sub.pop(old, None)
+                    self.by_sub[e.fan.sock] = e
+        elif isinstance(msg, schema.Ok) and not replies.decode(msg.body, replies.HeartbeatReply).known:
             if not e.reregister_sent:  # heartbeats sent before the daemon knew us
                 e.reregister_sent = True
                 self._send(e, self._register(e))
-        elif isinstance(msg, schema.Ok) and "daemon_state" in msg.body:
-            e.reregister_sent = False
-            if isinstance(msg.body.get("fanout"), str):
-                e.fan = e.fan or fanout.Receiver(self.ctx, e.engine_id)
-                old = e.fan.sock
-                if e.fan.open(msg.body["fanout"], self.connect, self.poller) is not None:
-                    self.by_sub.pop(old, None)
-                    self.by_sub[e.fan.sock] = e
         elif isinstance(msg, schema.Error) and msg.code == ErrorCode.DUPLICATE_ENGINE.value:
             self._close(e)
 

@@ -42,6 +42,17 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     fanout_bytes: int | None = None  # per sender's share of the fan-out's queue (None: no fan-out)
 
 
+class BucketAck(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to `bucket`, once every engine applied it. Cumulative: `through`
+    acknowledges every bucket of this sender up to that seq (their own replies never come);
+    a bucket acknowledged ahead of a gap has none."""
+
+    seq: int
+    sender: int = 0
+    through: int | None = None
+    duplicate: bool = False  # a resend of a seq every engine had applied
+
+
 class RegisterReply(msgspec.Struct, frozen=True, kw_only=True):
     """The answer to an engine's `register`: where it stands and where the daemon is."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from messages.errors import ErrorCode
-from messages.replies import BeginReply
+from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
 from messages.schema import Begin, Bucket
 from orchestrator.core import syncs
@@ -239,7 +239,7 @@ def bucket(m: Model, event: BucketIn) -> None:
     if rec is not None:  # a resend: acknowledged now if every engine applied it, else when they have
         s.last_activity, s.trainer_lost_at = m.now, None
         if rec.done:
-            m.reply = {"seq": msg.seq, "duplicate": True}
+            m.reply = reply_body(BucketAck(seq=msg.seq, sender=msg.sender, duplicate=True))
         return
     _check_spec(m, s, msg)
     s.last_activity, s.trainer_lost_at = m.now, None

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from messages import codec, schema
+from messages import codec, replies, schema
 from messages.errors import ErrorCode, MessageError, make_error
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
@@ -167,13 +167,14 @@ class Effects:
             sender, seq = c.key
             for w in self.inflight.bucket_waiters.pop((c.sync_id, c.key), []):
                 if w.on_reply is not None or seq > through[(c.sync_id, sender)]:
-                    self.transport.reply_ok(w, {"seq": seq, "sender": sender})
+                    self.transport.reply_ok(w, replies.body(replies.BucketAck(seq=seq, sender=sender)))
                     continue
                 k3 = (c.sync_id, sender, w.ident)
                 if k3 not in last or last[k3][0] < seq:
                     last[k3] = (seq, w)
         for (sync_id, sender, _ident), (seq, w) in last.items():
-            self.transport.reply_ok(w, {"seq": seq, "sender": sender, "through": through[(sync_id, sender)]})
+            ack = replies.BucketAck(seq=seq, sender=sender, through=through[(sync_id, sender)])
+            self.transport.reply_ok(w, replies.body(ack))
 
     def spooled(self) -> Spooled | None:
         info = self.spool.info if self.spool else None

@@ -26,6 +26,8 @@ from messages.collective import CollectiveError
 from messages.errors import ErrorCode, make_error
 from messages.liblog import get_logger
 from messages.link import Reconnected
+from messages.replies import BucketAck
+from messages.replies import decode as decode_reply
 from messages.stream import (
     MAC_BYTES,
     Chain,
@@ -212,8 +214,8 @@ class Stream:
                     raise error_from_reply(reply)
                 if isinstance(reply, schema.Ok) and rid in copies:
                     copies.discard(rid)
-                    done = reply.body.get("through", -1)
-                    acked = max(acked, done if isinstance(done, int) else -1)
+                    done = decode_reply(reply.body, BucketAck).through
+                    acked = max(acked, done if done is not None else -1)
 
         def alloc(seq: int, n: int) -> torch.Tensor:
             if spool:
@@ -337,9 +339,7 @@ class Stream:
                     return  # a reply to an earlier attempt already handled
                 raise error_from_reply(reply)
             # cumulative: `through` acknowledges every bucket of this sender up to it
-            through = reply.body.get("through") if isinstance(reply, schema.Ok) else None
-            if not isinstance(through, int):
-                through = None
+            through = decode_reply(reply.body, BucketAck).through if isinstance(reply, schema.Ok) else None
             if seq is None and through is None:
                 return  # a reply to an earlier attempt already handled
             if through is not None:
