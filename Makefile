@@ -55,7 +55,7 @@ test-files: $(VENV)/.test
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 
-# ruff (lint + format check), mypy (strict on messages/ and orchestrator/core/), import-linter
+# ruff (lint + format check), mypy (strict on messages/, orchestrator/ and engines/), import-linter
 # (the layers of docs/ARCHITECTURE.md, every import, function-level included)
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

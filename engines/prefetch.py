@@ -30,11 +30,11 @@ class Prefetcher(threading.Thread):
         self.member = Member(bind, slots=depth)
         self.failpoints = failpoints or {}
         self._slots = threading.Semaphore(depth)
-        self._jobs: queue.Queue[tuple[str, Any, Future | None] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, Any, Future[Any] | None] | None] = queue.Queue()
 
-    def submit(self, msg: Any) -> Future:
+    def submit(self, msg: Any) -> Future[Any]:
         """Receive this announced bucket (a `load` with `group`) as soon as a buffer is free."""
-        fut: Future = Future()
+        fut: Future[Any] = Future()
         self._jobs.put(("receive", msg, fut))
         return fut
 

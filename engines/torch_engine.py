@@ -35,10 +35,11 @@ log = structlog.get_logger()
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """A transformers causal LM from a local directory, on CPU, in eval mode."""
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.eval()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers: untyped
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    model.eval()
+    return model
 
 
 class _Kernel:

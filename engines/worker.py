@@ -66,7 +66,7 @@ class Worker:
         engine_id: str,
         *,
         heartbeat_interval: float = 1.0,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
         close_engine: bool = True,
         allow_shm: bool = True,
         keys: Any = None,

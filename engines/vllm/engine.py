@@ -83,7 +83,7 @@ class VllmEngine(VllmBase):
         )
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
-        return self.llm.collective_rpc(method, args=(arg,))
+        return list(self.llm.collective_rpc(method, args=(arg,)))
 
     def _after_finalize(self) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

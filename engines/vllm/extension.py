@@ -160,7 +160,8 @@ class WeightSyncExtension:
         return st
 
     def _ws_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()
+        model: torch.nn.Module = self.model_runner.get_model()
+        return model
 
     def ws_info(self, arg: str = "{}") -> dict[str, Any]:
         st = self._ws()

@@ -198,7 +198,7 @@ class VllmServerEngine(VllmBase):
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
         out = self._http("POST", "/collective_rpc", {"method": method, "args": [arg]})
-        return (out or {}).get("results", [])
+        return list((out or {}).get("results", []))
 
     def _pause(self) -> None:
         if not self.paused:

@@ -403,7 +403,7 @@ class Service:
     def status(self) -> dict[str, Any]:
         now_mono = time.monotonic()
         # The core keeps monotonic time; users read wall-clock Unix seconds everywhere.
-        snap = _wall_clock(self.core.snapshot(now_mono), time.time() - now_mono)
+        snap: dict[str, Any] = _wall_clock(self.core.snapshot(now_mono), time.time() - now_mono)
         snap["spool"] = self.spool.view() if self.spool else None
         snap["queues"] = self.inflight.view(self.effects.batches)
         bound = self.transport.bound
