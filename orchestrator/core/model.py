@@ -125,7 +125,7 @@ class Model:
             and self.last_ready_version is not None
         )
 
-    def error(self, code: ErrorCode, message: str, **details: Any) -> WeightSyncError:
+    def error(self, code: ErrorCode, message: str, **details: object) -> WeightSyncError:
         """A typed error that says where the daemon is (state, version, running sync)."""
         return make_error(
             code,
@@ -257,7 +257,7 @@ class Model:
         *,
         senders: int = 1,
         expected: int | None = None,
-        probes: tuple[Any, ...] = (),
+        probes: tuple[Probe, ...] = (),
         kind: str = "sync",
     ) -> SyncRecord:
         """A sync record with every live engine as a participant; catch-ups are superseded."""

@@ -181,6 +181,10 @@ class Effects:
         return Spooled(info.version, info.digest, info.buckets, info.probes, info.chain) if info else None
 
     # -- persisting (closures for the storage thread) ----------------------------------
+    def persist_now(self, c: cmd.Journal) -> None:
+        """Write a journal entry on this thread (shutdown: the storage thread has stopped)."""
+        self._persist_job(c)()
+
     def _persist_job(self, c: cmd.Command) -> Callable[[], object]:
         """A closure for the storage thread: it captures now what it needs from the loop."""
         if isinstance(c, cmd.Journal):

@@ -383,10 +383,7 @@ class Service:
             res = self.core.handle(ev.Shutdown(), time.monotonic())
             for c in res.commands:
                 if isinstance(c, cmd.Journal):
-                    if c.kind == "transition":
-                        self.journal.transition(c.data, bool(c.data.get("dirty")))
-                    else:
-                        self.journal.sync(c.data)
+                    self.effects.persist_now(c)  # the same write the storage thread makes
             # Best effort: tell waiting trainers and engines before the sockets close.
             for c in res.commands:
                 if isinstance(c, cmd.CompleteSync):
