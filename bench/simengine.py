@@ -45,7 +45,6 @@ from messages.progress import Progress
 from messages.schema import REPORT_INTERVAL
 from messages.stream import Chain
 
-ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "abort", "ok", "error")
 KEPT_STREAMS = 16  # streams whose headers a simulator keeps (a late `stream` finds them)
 
 
@@ -314,7 +313,7 @@ class Fleet:
 
     def _on_message(self, e: SimEngine, frames: list[Any]) -> None:
         try:
-            decoded = codec.decode(frames, allowed=ORCHESTRATOR_TYPES)
+            decoded = codec.decode(frames, allowed=schema.TO_ENGINE)
         except MessageError:
             return
         msg = decoded.msg

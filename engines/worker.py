@@ -42,7 +42,6 @@ from messages.shm import shm_available
 
 log = structlog.get_logger()
 
-ORCHESTRATOR_TYPES = ("load", "stream", "finalize", "commit", "abort", "ok", "error")
 REFUSED_GRACE = 2.0  # seconds of refused CURVE handshakes before an engine gives up
 
 
@@ -339,7 +338,7 @@ class Worker:
 
     def _on_message(self, frames: list[Any], applier: Applier) -> None:
         try:
-            decoded = codec.decode(frames, allowed=ORCHESTRATOR_TYPES)
+            decoded = codec.decode(frames, allowed=schema.TO_ENGINE)
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="orchestrator")
             return

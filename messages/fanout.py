@@ -42,7 +42,6 @@ from messages.schema import REPORT_INTERVAL
 
 DATA = b"F"  # the topic of every published message
 LIVE = b"E"  # LIVE + engine id: "this engine's subscription is in place"
-ALLOWED = ("fanout", "load")
 KEPT = 8  # syncs whose open an engine remembers
 ENDED = 64  # syncs an engine remembers as ended
 REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, about
@@ -171,7 +170,7 @@ class Receiver:
         """A published message -> the bucket to apply (a `load`), or None (an open,
         recorded; a bucket this engine does not take; something that does not decode)."""
         try:
-            decoded = codec.decode(frames[1:], allowed=ALLOWED)
+            decoded = codec.decode(frames[1:], allowed=schema.PUBLISHED)
         except MessageError:
             self.refused += 1
             return None

@@ -504,3 +504,11 @@ for _cls in (
     _cls.TYPE = str(_cls.__struct_config__.tag)  # the header's `type`, for code that reads TYPE
     MESSAGE_TYPES[_cls.TYPE] = _cls
 del _cls
+
+# What each receiver accepts, by header `type` (the codec refuses any other): the wire's
+# directions, named once here for the daemon, the engines, the trainer and the fan-out.
+FROM_TRAINER = ("hello", "begin", "bucket", "finish", "abort", "status")
+FROM_ENGINE = ("register", "heartbeat", "loaded", "prepared", "finalized", "committed", "failed")
+TO_ENGINE = ("load", "stream", "finalize", "commit", "abort", "ok", "error")
+TO_TRAINER = ("ok", "error")
+PUBLISHED = ("fanout", "load")  # what the fan-out carries

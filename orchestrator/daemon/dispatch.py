@@ -32,8 +32,6 @@ from orchestrator.daemon.transport import Stats, Transport, Waiter
 
 log = structlog.get_logger()
 
-TRAINER_TYPES = ("hello", "begin", "bucket", "finish", "abort", "status")
-ENGINE_TYPES = ("register", "heartbeat", "loaded", "prepared", "finalized", "committed", "failed")
 DAEMON_VERSION = __version__
 
 
@@ -84,7 +82,7 @@ class Dispatcher:
             return
         try:
             decoded = codec.decode(
-                frames, allowed=TRAINER_TYPES, max_header_bytes=self.settings.max_header_bytes
+                frames, allowed=schema.FROM_TRAINER, max_header_bytes=self.settings.max_header_bytes
             )
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="trainer")
@@ -217,7 +215,7 @@ class Dispatcher:
     async def on_engine(self, ident: bytes, frames: list[Any]) -> None:
         try:
             decoded = codec.decode(
-                frames, allowed=ENGINE_TYPES, max_header_bytes=self.settings.max_header_bytes
+                frames, allowed=schema.FROM_ENGINE, max_header_bytes=self.settings.max_header_bytes
             )
         except MessageError as err:
             log.warning("message_refused", code=err.code.value, reason=err.reason, src="engine")

@@ -26,8 +26,6 @@ from messages.link import RECONNECTED, Link, Reconnected
 
 log = get_logger("trainer")
 
-REPLY_TYPES = ("ok", "error")
-
 
 def error_from_reply(msg: schema.Error) -> WeightSyncError:
     try:
@@ -118,7 +116,7 @@ class Connection:
             events = dict(poller.poll(int(min(left, 0.5) * 1000)))
             if self.sock in events:
                 frames = self.sock.recv_multipart()
-                return codec.decode(frames, allowed=REPLY_TYPES).msg
+                return codec.decode(frames, allowed=schema.TO_TRAINER).msg
 
     def take_replies(self, stop_on: Callable[[schema.Message], bool]) -> schema.Message | None:
         """Read what has arrived without waiting, keeping it for `recv`; the first reply for
@@ -128,7 +126,7 @@ class Connection:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return None
-            reply = codec.decode(frames, allowed=REPLY_TYPES).msg
+            reply = codec.decode(frames, allowed=schema.TO_TRAINER).msg
             self._early.append(reply)
             if stop_on(reply):
                 return reply

@@ -257,3 +257,14 @@ def test_encoded_bucket_decodes_to_views_with_packed_bytes():
     out = codec.decode(codec.encode(msg, [b.frame()]))
     assert out.msg.tensors == b.tensors and out.msg.checksum == b.checksum
     assert msgspec.structs.asdict(out.msg)["tensors"][0].shape == (3, 4)
+
+
+def test_every_message_type_has_a_direction_and_each_receiver_refuses_the_others():
+    from messages.schema import FROM_ENGINE, FROM_TRAINER, MESSAGE_TYPES, PUBLISHED, TO_ENGINE, TO_TRAINER
+
+    assert set(FROM_TRAINER + FROM_ENGINE + TO_ENGINE + TO_TRAINER + PUBLISHED) == set(MESSAGE_TYPES)
+    frames = codec.encode(schema.Register(engine_id="e", backend="torch"))
+    assert codec.decode(frames, allowed=FROM_ENGINE).msg.TYPE == "register"
+    for allowed in (FROM_TRAINER, TO_ENGINE, TO_TRAINER, PUBLISHED):
+        with pytest.raises(MessageError):
+            codec.decode(frames, allowed=allowed)
