@@ -245,8 +245,7 @@ class Applier(threading.Thread):
 
     def _stream_failed(self, exc: BaseException, received: int) -> None:
         if isinstance(exc, CollectiveError):
-            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
-            raise WeightSyncError(f"stream, after {received} buckets: {exc}", code=code)
+            raise WeightSyncError(f"stream, after {received} buckets: {exc}", code=exc.code)
         if isinstance(exc, MessageError):
             raise WeightSyncError(f"stream, after {received} buckets: {exc.reason}", code=exc.code)
         raise exc
@@ -359,8 +358,7 @@ class Applier(threading.Thread):
                 return None
             buf = fut.result(timeout=group.timeout + 5.0)
         except CollectiveError as exc:
-            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
-            raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=code) from None
+            raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=exc.code) from None
         except FutureTimeout:
             raise WeightSyncError(
                 f"bucket seq {msg.seq}: not received within {group.timeout + 5.0}s",

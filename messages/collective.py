@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from messages.errors import ErrorCode
 from messages.liblog import get_logger
 from messages.rendezvous import StoreClient
 
@@ -50,6 +51,12 @@ class CollectiveError(RuntimeError):
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+    @property
+    def code(self) -> ErrorCode:
+        """What it is on the wire: TIMEOUT past a deadline, else ENGINE_FAILED (a member
+        died or left): one rule for the engines' receive and the trainer's send."""
+        return ErrorCode.TIMEOUT if self.timed_out else ErrorCode.ENGINE_FAILED
 
 
 def local_host_for(remote: str) -> str:

@@ -169,9 +169,8 @@ class Stream:
                 take_replies()
             if failure:
                 raise error_from_reply(failure[0]) from None
-            code = ErrorCode.TIMEOUT if exc.timed_out else ErrorCode.ENGINE_FAILED
             raise make_error(
-                code, f"bucket seq {seq}: {exc}", sync_id=sync_id, state="LOADING_BUCKETS"
+                exc.code, f"bucket seq {seq}: {exc}", sync_id=sync_id, state="LOADING_BUCKETS"
             ) from None
 
     def framed(

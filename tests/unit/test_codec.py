@@ -268,3 +268,10 @@ def test_every_message_type_has_a_direction_and_each_receiver_refuses_the_others
     for allowed in (FROM_TRAINER, TO_ENGINE, TO_TRAINER, PUBLISHED):
         with pytest.raises(MessageError):
             codec.decode(frames, allowed=allowed)
+
+
+def test_a_collective_failure_has_one_code_for_engines_and_trainers():
+    from messages.collective import CollectiveError
+
+    assert CollectiveError("deadline", timed_out=True).code is ErrorCode.TIMEOUT
+    assert CollectiveError("peer closed").code is ErrorCode.ENGINE_FAILED
