@@ -460,11 +460,9 @@ def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
             "this sync travels on the collective stream: finish must carry the chain over "
             "the buckets' checksums",
         )
-    if s.expected_buckets is not None and msg.buckets != s.expected_buckets:
-        raise m.error(
-            ErrorCode.INCOMPLETE_SYNC,
-            f"{msg.buckets} buckets announced, begin expected {s.expected_buckets}",
-        )
+    wrong = syncs.count_mismatch(s, msg.buckets)
+    if wrong is not None:
+        raise m.error(ErrorCode.INCOMPLETE_SYNC, wrong)
     if m.limits.spool:  # the spool copies must all be in (the spool replays them)
         reason = syncs.incomplete_reason(s, {msg.sender: msg.buckets})
         if reason is not None:

@@ -26,11 +26,20 @@ def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:
         if extra:
             return f"sender {sender}: got seq {extra[:8]} beyond the {count} announced"
         total += count
-    if s.expected_buckets is not None and total != s.expected_buckets:
-        return f"{total} buckets announced, begin expected {s.expected_buckets}"
+    wrong = count_mismatch(s, total)
+    if wrong is not None:
+        return wrong
     pending = [k for k, b in s.buckets.items() if not b.done]
     if pending:
         return f"{len(pending)} bucket(s) not yet applied by every engine"
+    return None
+
+
+def count_mismatch(s: SyncRecord, total: int) -> str | None:
+    """Why `total` announced buckets are not what begin said (None: they are, or it said
+    nothing)."""
+    if s.expected_buckets is not None and total != s.expected_buckets:
+        return f"{total} buckets announced, begin expected {s.expected_buckets}"
     return None
 
 
