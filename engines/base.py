@@ -24,8 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from messages.dtypes import dtype_name
-from messages.errors import ErrorCode, make_error
-from messages.schema import ParamSpec, Probe, ShmRef, TensorMeta
+from messages.errors import make_error
+from messages.schema import ParamSpec, Probe, ShmRef, TensorMeta, spec_refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +65,13 @@ class Engine(Protocol):
 def validate_bucket(
     spec: dict[str, ParamSpec], tensors: Sequence[tuple[str, torch.Tensor]], *, cast_ok: bool = False
 ) -> None:
-    """Raise UNKNOWN_TENSOR / SHAPE_MISMATCH for the first tensor `spec` would refuse."""
+    """Raise UNKNOWN_TENSOR / SHAPE_MISMATCH for the first tensor `spec` would refuse
+    (messages.schema.spec_refusal: the daemon's rule too)."""
     for name, t in tensors:
-        want = spec.get(name)
-        if want is None:
-            raise make_error(
-                ErrorCode.UNKNOWN_TENSOR, f"no tensor named {name!r} in this model", details={"tensor": name}
-            )
-        got_dtype = dtype_name(t.dtype)
-        if tuple(t.shape) != tuple(want.shape) or (not cast_ok and got_dtype != want.dtype):
-            raise make_error(
-                ErrorCode.SHAPE_MISMATCH,
-                f"{name}: model has {want.dtype}{list(want.shape)}, bucket has {got_dtype}{list(t.shape)}",
-                details={"tensor": name},
-            )
+        refused = spec_refusal(spec, name, dtype_name(t.dtype), tuple(t.shape), cast_ok)
+        if refused is not None:
+            code, why = refused
+            raise make_error(code, f"this model: {why}", details={"tensor": name})
 
 
 Parts = dict[str, bytes] | None  # per-tensor digest parts from `engines.verify`

@@ -19,7 +19,7 @@ from typing import Any
 from messages.errors import ErrorCode
 from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
-from messages.schema import Begin, Bucket
+from messages.schema import Begin, Bucket, spec_refusal
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
@@ -321,22 +321,10 @@ def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
             continue
         seen.add((id(x.spec), x.cast_ok))
         for t in msg.tensors:
-            spec = x.spec.get(t.name)
-            if spec is None:
-                raise m.error(
-                    ErrorCode.UNKNOWN_TENSOR,
-                    f"engine {eid} has no tensor {t.name!r}",
-                    engine_id=eid,
-                    tensor=t.name,
-                )
-            if tuple(spec.shape) != tuple(t.shape) or (not x.cast_ok and spec.dtype != t.dtype):
-                raise m.error(
-                    ErrorCode.SHAPE_MISMATCH,
-                    f"{t.name}: engine {eid} expects {spec.dtype}{list(spec.shape)}, "
-                    f"bucket has {t.dtype}{list(t.shape)}",
-                    engine_id=eid,
-                    tensor=t.name,
-                )
+            refused = spec_refusal(x.spec, t.name, t.dtype, tuple(t.shape), x.cast_ok)
+            if refused is not None:
+                code, why = refused
+                raise m.error(code, f"engine {eid}: {why}", engine_id=eid, tensor=t.name)
 
 
 def loaded(m: Model, event: Loaded) -> None:
