@@ -37,8 +37,6 @@ class VllmEngine(VllmBase):
         multiprocessing: bool = False,
         llm_args: dict[str, Any] | None = None,
         staging_bytes: int = 64 << 20,
-        lora_rank: int = 0,
-        lora_targets: Sequence[str] = (),
     ) -> None:
         from vllm import LLM
 
@@ -50,22 +48,13 @@ class VllmEngine(VllmBase):
             "enable_prefix_caching": True,
             **(llm_args or {}),
         }
-        if lora_rank:
-            args.update(enable_lora=True, max_lora_rank=vllm_rank(lora_rank), max_loras=1)
         t0 = time.perf_counter()
         self.llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, **args)
         self.startup_seconds = time.perf_counter() - t0
         self.llm_args = args
         self.multiprocessing = multiprocessing
         self._setup(model_dir, staging_bytes)
-        self.lora: Any = None
-        self.lora_request: Any = None
-        self._pending_begin: tuple[str, int] | None = None
-        self._base_begun = False
-        if lora_rank:
-            self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
-            self.spec.update(self.lora.spec)
-            self._reader = Reader()
+        self.lora_request: Any = None  # the adapter generations use (VllmLoraEngine)
         log.info(
             "vllm_started",
             model=self.model_dir,
@@ -88,91 +77,8 @@ class VllmEngine(VllmBase):
     def _after_finalize(self) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-    # -- LoRA slots: adapter tensors stay here; the base reload starts on the first base tensor
-    def begin(self, sync_id: str, version: int) -> None:
-        if self.lora is None:
-            super().begin(sync_id, version)
-            return
-        self.sync_id, self._digest = sync_id, None
-        self._pending_begin, self._base_begun = (sync_id, version), False
-        self.lora.pending.clear()
-
-    def _begin_base(self) -> None:
-        if not self._base_begun and self._pending_begin is not None:
-            super().begin(*self._pending_begin)
-            self._base_begun = True
-
     def _local(self) -> bool:
         return not self.multiprocessing
-
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
-        if self.lora is None:
-            return super().load_bucket(metas, buf, parts)
-        self._check(metas)
-        base = self.lora.take(metas, frombuffer(memoryview(buf)))
-        if base:
-            self._begin_base()
-            self._send_bucket(base, buf, _only(parts, base))
-
-    def load_shm(
-        self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts = None
-    ) -> None:
-        if self.lora is None:
-            return super().load_shm(metas, ref, bucket_checksum, parts)
-        self._check(metas)
-        base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
-        if base:
-            self._begin_base()
-            self._send_shm(base, ref, bucket_checksum, _only(parts, base))
-
-    def load_collective(
-        self,
-        metas: Sequence[TensorMeta],
-        group: dict[str, Any],
-        size: int,
-        bucket_checksum: int,
-        bind: str,
-        seq: int | None = None,
-        next_bucket: dict[str, int] | None = None,
-        mac: tuple[str, int, str] | None = None,
-    ) -> None:
-        if self.lora is not None:
-            if any(m.name in self.lora.spec for m in metas):
-                raise make_error(
-                    ErrorCode.BAD_MESSAGE,
-                    "LoRA adapters travel inline or by shm, "
-                    "not by the collective (push them with transport inline|auto)",
-                )
-            self._begin_base()
-        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
-
-    def finalize(self, sync_id: str) -> str:
-        if self.lora is None:
-            return super().finalize(sync_id)
-        parts = []
-        if self._base_begun:
-            parts.append(super().finalize(sync_id))
-        else:
-            self.finalize_count += 1
-        if self.lora.pending:
-            self.lora_request = self.lora.activate(
-                self.llm, self._pending_begin[1] if self._pending_begin else 0
-            )
-            parts.append(self.lora.digest)
-        self._pending_begin = None
-        self._digest = (
-            parts[0]
-            if len(parts) == 1
-            else xxhash.xxh3_128_hexdigest("".join(p or "" for p in parts).encode())
-        )
-        return self._digest
-
-    def abort(self) -> None:
-        if self.lora is None or self._base_begun:
-            super().abort()
-        if self.lora is not None:
-            self.lora.pending.clear()
-            self._pending_begin, self._base_begun, self._digest = None, False, None
 
     def set_label(self, label: str) -> str:
         """vLLM's weight version: every token generated from now on carries it (spans on
@@ -202,8 +108,6 @@ class VllmEngine(VllmBase):
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "lora", None) is not None:
-            self.lora.close()
         llm = self.__dict__.pop("llm", None)
         if not self.multiprocessing:
             # In-process workers: vLLM's shutdown tears down the process-global
@@ -216,15 +120,113 @@ class VllmEngine(VllmBase):
             shutdown()  # stops vLLM's worker processes
 
 
+class VllmLoraEngine(VllmEngine):
+    """A vLLM engine that also serves one LoRA adapter (`--lora-rank`): adapter tensors stay
+    here (`LoraSlots`) and are activated at finalize; the base model's reload starts only on
+    the first base tensor, so an adapter-only sync never reloads the base."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lora_rank: int,
+        lora_targets: Sequence[str] = (),
+        llm_args: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        lora_args = {"enable_lora": True, "max_lora_rank": vllm_rank(lora_rank), "max_loras": 1}
+        super().__init__(model_dir, llm_args={**(llm_args or {}), **lora_args}, **options)
+        self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
+        self.spec.update(self.lora.spec)
+        self._reader = Reader()
+        self._pending_begin: tuple[str, int] | None = None
+        self._base_begun = False
+
+    def begin(self, sync_id: str, version: int) -> None:
+        self.sync_id, self._digest = sync_id, None
+        self._pending_begin, self._base_begun = (sync_id, version), False
+        self.lora.pending.clear()
+
+    def _begin_base(self) -> None:
+        if not self._base_begun and self._pending_begin is not None:
+            super().begin(*self._pending_begin)
+            self._base_begun = True
+
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
+        self._check(metas)
+        base = self.lora.take(metas, frombuffer(memoryview(buf)))
+        if base:
+            self._begin_base()
+            self._send_bucket(base, buf, _only(parts, base))
+
+    def load_shm(
+        self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts = None
+    ) -> None:
+        self._check(metas)
+        base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
+        if base:
+            self._begin_base()
+            self._send_shm(base, ref, bucket_checksum, _only(parts, base))
+
+    def load_collective(
+        self,
+        metas: Sequence[TensorMeta],
+        group: dict[str, Any],
+        size: int,
+        bucket_checksum: int,
+        bind: str,
+        seq: int | None = None,
+        next_bucket: dict[str, int] | None = None,
+        mac: tuple[str, int, str] | None = None,
+    ) -> None:
+        if any(m.name in self.lora.spec for m in metas):
+            raise make_error(
+                ErrorCode.BAD_MESSAGE,
+                "LoRA adapters travel inline or by shm, "
+                "not by the collective (push them with transport inline|auto)",
+            )
+        self._begin_base()
+        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
+
+    def finalize(self, sync_id: str) -> str:
+        parts: list[str | None] = []
+        if self._base_begun:
+            parts.append(super().finalize(sync_id))
+        else:
+            self.finalize_count += 1
+        if self.lora.pending:
+            self.lora_request = self.lora.activate(
+                self.llm, self._pending_begin[1] if self._pending_begin else 0
+            )
+            parts.append(self.lora.digest)
+        self._pending_begin = None
+        one = parts[0] if len(parts) == 1 else None
+        out = one if one is not None else xxhash.xxh3_128_hexdigest("".join(p or "" for p in parts).encode())
+        self._digest = out
+        return out
+
+    def abort(self) -> None:
+        if self._base_begun:
+            super().abort()
+        self.lora.pending.clear()
+        self._pending_begin, self._base_begun, self._digest = None, False, None
+
+    def close(self) -> None:
+        self.lora.close()
+        super().close()
+
+
 def _only(parts: Parts, metas: Sequence[TensorMeta]) -> Parts:
     return None if parts is None else {m.name: parts[m.name] for m in metas}
 
 
 def make_engine(options: dict[str, Any]) -> VllmEngine:
-    return VllmEngine(
-        options["model"],
-        multiprocessing=bool(options.get("vllm_mp", False)),
-        llm_args=options.get("llm_args") or {},
-        lora_rank=int(options.get("lora_rank") or 0),
-        lora_targets=tuple(options.get("lora_targets") or ()),
-    )
+    common: dict[str, Any] = {
+        "multiprocessing": bool(options.get("vllm_mp", False)),
+        "llm_args": options.get("llm_args") or {},
+    }
+    rank = int(options.get("lora_rank") or 0)
+    if rank:
+        targets = tuple(options.get("lora_targets") or ())
+        return VllmLoraEngine(options["model"], lora_rank=rank, lora_targets=targets, **common)
+    return VllmEngine(options["model"], **common)
