@@ -37,6 +37,7 @@ class ForwardBucket:
     shm_engines: tuple[str, ...] = ()  # read the bucket from the trainer's shared memory
     group: GroupPlan | None = None  # collective: each engine hears of it and receives by broadcast
     spool: bool = False  # write the bucket to the spool before any engine is told
+    handle: object = None  # the bucket's bytes as the service handed them in (BucketIn.handle)
 
 
 @dataclass(frozen=True, slots=True)

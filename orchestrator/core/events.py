@@ -50,6 +50,7 @@ class BucketIn(OfMessage):
     checksum_ok: bool | None = None  # the frame (or the shm slot) hashed right; None: not read
     shm_error: str | None = None  # the trainer's shm slot could not be read (why)
     pending: int = 0  # bucket requests of this connection still unanswered
+    handle: object = None  # the service's hold on the bytes: opaque here, passed on to ForwardBucket
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,9 @@ def bucket(m: Model, event: BucketIn) -> None:
     s.names.update(t.name for t in msg.tensors)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
-        m.outbox.append(ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True))
+        m.outbox.append(
+            ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True, handle=event.handle)
+        )
         m.outbox.append(AckBucket(s.sync_id, key, _advance_acked(s, msg.sender)))
         return
     alive = s.alive(m.engines, m.epoch)[0]
@@ -265,6 +267,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             shm_engines=s.shm_engines if msg.shm is not None else (),
             group=s.group,
             spool=m.limits.spool and s.kind == "sync",
+            handle=event.handle,
         )
     )
 

@@ -23,7 +23,7 @@ from messages.shm import Reader
 from orchestrator import __version__
 from orchestrator.core import Core
 from orchestrator.core import events as ev
-from orchestrator.core.commands import ForwardBucket, Result
+from orchestrator.core.commands import Result
 from orchestrator.daemon.config import Settings
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight, Pending
@@ -156,6 +156,8 @@ class Dispatcher:
             nbytes = len(frame)
             if transport in ("inline", "shm", "mixed"):
                 checksum_ok = checksum(frame.buffer) == msg.checksum
+        held = Pending(msg, frame)
+        self.inflight.held.add(held)
         event = ev.BucketIn(
             msg,
             nbytes,
@@ -163,21 +165,14 @@ class Dispatcher:
             checksum_ok=checksum_ok,
             shm_error=shm_error,
             pending=self.inflight.pending_on(w.ident),
+            handle=held,  # the bytes ride with the event and its ForwardBucket, nowhere else
         )
-        key = (msg.sync_id, (msg.sender, msg.seq))
-        self.inflight.frames[key] = Pending(msg, frame)
-        try:
-            res = self.core.handle(event, time.monotonic())
-        except WeightSyncError:
-            self.inflight.frames.pop(key, None)
-            raise
+        del held
+        res = self.core.handle(event, time.monotonic())
         if res.reply is not None:
-            self.inflight.frames.pop(key, None)
             self.transport.reply_ok(w, res.reply)
         else:
-            self.inflight.bucket_waiters[key].append(w)
-        if not any(isinstance(c, ForwardBucket) for c in res.commands):
-            self.inflight.frames.pop(key, None)  # a resend: nothing to forward
+            self.inflight.bucket_waiters[(msg.sync_id, (msg.sender, msg.seq))].append(w)
         self.stats.buckets += 1
         self.stats.bytes_announced += nbytes
         if frame is not None:  # bytes that passed through this process (not shm, not broadcast)

@@ -26,7 +26,7 @@ from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.core.records import GroupPlan, Spooled
 from orchestrator.daemon import fanout
-from orchestrator.daemon.inflight import Inflight
+from orchestrator.daemon.inflight import Inflight, Pending
 from orchestrator.daemon.journal import Journal
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.recovery import RECOVERY_WINDOW, Recovery
@@ -215,8 +215,8 @@ class Effects:
     def _spool_job(self, c: cmd.ForwardBucket) -> list[Callable[[], object]]:
         """The spool write of a bucket, before any engine is told of it."""
         spool = self.spool
-        p = self.inflight.frames.get((c.sync_id, c.key))
-        if spool is None or not c.spool or p is None:
+        p = c.handle
+        if spool is None or not c.spool or not isinstance(p, Pending):
             return []
         m, data = p.msg, p.frame
         if data is None and m.shm is None:  # a collective bucket with no copy
@@ -285,8 +285,8 @@ class Effects:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _forward(self, c: cmd.ForwardBucket) -> None:
-        p = self.inflight.frames.pop((c.sync_id, c.key), None)
-        if p is None:
+        p = c.handle
+        if not isinstance(p, Pending):
             raise make_error(ErrorCode.INTERNAL, f"no frame for bucket {c.key}")
         m = p.msg
         load = schema.Load(

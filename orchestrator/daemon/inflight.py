@@ -1,6 +1,7 @@
 """What the daemon holds for the syncs in flight: how each sync's buckets travel (its
-route), the bucket frames between arrival and forwarding, the requests waiting for an
-answer, and which trainer connections a sync belongs to.
+route), the requests waiting for an answer, and which trainer connections a sync belongs
+to. A bucket's bytes are not kept here: they travel with the core's event and command
+(`Pending`, an opaque handle to the core) and go when the last of those does.
 
 Rules: plain bookkeeping owned by the loop task; the dispatcher adds, the effects runner
 answers and forgets. A sync's entries go when it completes (`close`), so nothing here
@@ -9,6 +10,7 @@ outlives the sync it belongs to.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from orchestrator.daemon.transport import Waiter
 Key = tuple[str, tuple[int, int]]  # (sync_id, (sender, seq))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True, eq=False)
 class Pending:
     """A bucket between its arrival and its forwarding (its frame, if it has one)."""
 
@@ -31,7 +33,7 @@ class Pending:
 class Inflight:
     def __init__(self) -> None:
         self.routes: dict[str, SyncOpened] = {}
-        self.frames: dict[Key, Pending] = {}
+        self.held: weakref.WeakSet[Pending] = weakref.WeakSet()  # bucket frames still referenced
         self.bucket_waiters: dict[Key, list[Waiter]] = defaultdict(list)
         self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
         self.owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
@@ -59,13 +61,11 @@ class Inflight:
         buckets = [
             w for k in [k for k in self.bucket_waiters if k[0] == sync_id] for w in self.bucket_waiters.pop(k)
         ]
-        for k in [k for k in self.frames if k[0] == sync_id]:
-            del self.frames[k]
         return buckets, self.finish_waiters.pop(sync_id, [])
 
     def view(self, effect_batches: int) -> dict[str, int]:
         return {
-            "pending_buckets": len(self.frames),
+            "pending_buckets": len(self.held),
             "unacked_bucket_requests": sum(len(w) for w in self.bucket_waiters.values()),
             "effect_batches": effect_batches,
         }

@@ -45,6 +45,8 @@ def test_three_versions_reach_every_engine_finalized_once_each(tmp_path, tiny_mo
             assert {"pack", "send", "wait_acks", "finish"} <= set(r.detail["trainer_phases"])
         st = client.status()
     assert st["state"] == "READY" and st["version"] == 3 and st["dirty"] is False
+    # no bucket frame outlives its forwarding (they travel with the core's commands only)
+    assert st["queues"]["pending_buckets"] == 0
     assert [(e["engine_id"], e["finalize_count"], e["version"]) for e in st["engines"]] == [
         ("engine-0", 3, 3),
         ("engine-1", 3, 3),
