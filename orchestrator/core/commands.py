@@ -189,5 +189,10 @@ PERSIST = (Journal, SpoolBegin, SpoolCommit, SpoolDiscard)
 
 @dataclass(slots=True)
 class Result:
-    reply: dict[str, Any] | None  # None: the reply is deferred until the sync completes
+    """What an input did. Its answer is one of three, said here and nowhere else: `reply`
+    (answer now with this body), `later` (the answer comes with a later command: an
+    AckBucket or the sync's CompleteSync), or neither (the input gets no answer)."""
+
+    reply: dict[str, Any] | None
     commands: list[Command] = field(default_factory=list)
+    later: bool = False

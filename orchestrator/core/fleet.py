@@ -109,8 +109,7 @@ def heartbeat(m: Model, event: Heartbeat) -> None:
     if not event.registered_here or x is None or x.state == E.LOST:
         m.reply = reply_body(HeartbeatReply(known=False))  # the engine registers again
         return
-    x.last_seen, x.closed = m.now, False
-    m.reply = reply_body(HeartbeatReply(known=True))
+    x.last_seen, x.closed = m.now, False  # known: no answer (silence means known)
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:

@@ -47,7 +47,7 @@ class Core(Model):
         """Apply `event` at time `now`; raise a typed WeightSyncError (and change
         nothing) if it is refused."""
         self.now = now
-        self.reply = None
+        self.reply, self.later = None, False
         self.outbox = []
         try:
             HANDLERS[type(event)](self, event)
@@ -55,4 +55,4 @@ class Core(Model):
             self.outbox = []
             raise
         out, self.outbox = self.outbox, []
-        return Result(self.reply, out)
+        return Result(self.reply, out, self.later)

@@ -68,7 +68,8 @@ class Model:
         self.last_sync: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(history, maxlen=self.limits.history)
         self.outbox: list[Command] = []
-        self.reply: dict[str, Any] | None = None
+        self.reply: dict[str, Any] | None = None  # this input's answer now (Result.reply)
+        self.later = False  # its answer comes with a later command (Result.later)
         self.now = now
         self.spooled: Spooled | None = None
         self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be

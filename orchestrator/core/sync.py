@@ -240,8 +240,11 @@ def bucket(m: Model, event: BucketIn) -> None:
         s.last_activity, s.trainer_lost_at = m.now, None
         if rec.done:
             m.reply = reply_body(BucketAck(seq=msg.seq, sender=msg.sender, duplicate=True))
+        else:
+            m.later = True
         return
     _check_spec(m, s, msg)
+    m.later = True  # acknowledged once every engine applied it (AckBucket)
     s.last_activity, s.trainer_lost_at = m.now, None
     s.buckets[key] = BucketRecord(event.nbytes, m.now)
     k = s.forwarded.get(msg.sender, -1)
@@ -402,6 +405,7 @@ def finish(m: Model, event: FinishSync) -> None:
     s = m.require_sync(msg.sync_id, "finish")
     if msg.sender >= s.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
+    m.later = True  # answered when the sync completes (CompleteSync), unless refused below
     finished = {**s.finished, msg.sender: msg.buckets}
     if len(finished) < s.senders:  # another sender still streams: wait for its finish
         _record_finish(m, s, event)

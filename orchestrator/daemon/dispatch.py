@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from messages import codec, replies, schema
+from messages import codec, schema
 from messages.checksums import checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from messages.shm import Reader
@@ -171,8 +171,12 @@ class Dispatcher:
         res = self.core.handle(event, time.monotonic())
         if res.reply is not None:
             self.transport.reply_ok(w, res.reply)
-        else:
+        elif res.later:
             self.inflight.bucket_waiters[(msg.sync_id, (msg.sender, msg.seq))].append(w)
+        else:  # a bucket is always answered: no answer at all is our bug (said, not hung on)
+            self.transport.reply_error(
+                w, self.core.error(ErrorCode.INTERNAL, f"bucket seq {msg.seq}: no answer")
+            )
         self.stats.buckets += 1
         self.stats.bytes_announced += nbytes
         if frame is not None:  # bytes that passed through this process (not shm, not broadcast)
@@ -182,7 +186,12 @@ class Dispatcher:
 
     async def finish(self, w: Waiter, msg: schema.Finish) -> None:
         res = self.core.handle(ev.FinishSync(msg), time.monotonic())
-        self.inflight.finish_waiters[msg.sync_id].append(w)
+        if res.later:  # answered when its sync completes
+            self.inflight.finish_waiters[msg.sync_id].append(w)
+        else:  # no answer at all is our bug (said, not hung on)
+            self.transport.reply_error(
+                w, self.core.error(ErrorCode.INTERNAL, f"finish of {msg.sync_id!r}: no answer")
+            )
         await self.effects.execute(res.commands, trigger="finish")
 
     async def local_request(
@@ -234,8 +243,7 @@ class Dispatcher:
             res = self.core.handle(
                 ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id), time.monotonic()
             )
-            if res.reply is not None and not replies.decode(res.reply, replies.HeartbeatReply).known:
-                # silence means known
+            if res.reply is not None:  # only an unknown engine is answered (it registers again)
                 self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply))
             if res.commands:
                 await self.effects.execute(res.commands, trigger="heartbeat")

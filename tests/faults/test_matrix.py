@@ -249,7 +249,13 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
         t0 = time.monotonic()
         c.start_daemon()
         if spool:
-            st = wait_status(c, lambda s: s["state"] == "READY")
+            # READY, and both engines back at the served version: under load one engine may
+            # re-register after the rollback and catch up from the spool a moment later
+            st = wait_status(
+                c,
+                lambda s: s["state"] == "READY"
+                and [(e["state"], e["version"]) for e in s["engines"]] == [("READY", 1)] * 2,
+            )
             r = row(
                 c,
                 "daemon SIGKILL mid-sync, restart",

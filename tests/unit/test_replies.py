@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from messages.errors import ErrorCode, WeightSyncError
-from messages.replies import BeginReply, body, decode
+from messages.replies import BeginReply, BucketAck, HeartbeatReply, body, decode
 from messages.schema import Begin, Register
 from orchestrator.core import Core, Limits
 from orchestrator.core import events as ev
@@ -43,3 +43,27 @@ def test_a_reply_that_does_not_match_its_type_is_bad_message():
         with pytest.raises(WeightSyncError) as ei:
             decode(bad, BeginReply)
         assert ei.value.code is ErrorCode.BAD_MESSAGE and "BeginReply" in ei.value.message
+
+
+def test_every_input_says_whether_it_is_answered_now_later_or_not_at_all():
+    """Result.reply (now), Result.later (with a later command), or neither: the core says,
+    the shell does not guess from a missing body."""
+    from messages.schema import Bucket, Finish, TensorMeta
+
+    core = _core()
+    begun = core.handle(ev.BeginSync(Begin(sync_id="s1", version=1)), 1.0)
+    assert begun.reply is not None and not begun.later
+    meta = (TensorMeta("w", "float32", (4,), 0, 16),)
+    first = core.handle(ev.BucketIn(Bucket(sync_id="s1", seq=0, tensors=meta, checksum=0), 16), 1.0)
+    assert first.reply is None and first.later  # acked once the engine applied it
+    again = core.handle(ev.BucketIn(Bucket(sync_id="s1", seq=0, tensors=meta, checksum=0), 16), 1.0)
+    assert again.reply is None and again.later  # a resend before the engine applied it
+    core.handle(ev.Loaded("e0", "s1", (0, 0)), 1.5)
+    done = core.handle(ev.BucketIn(Bucket(sync_id="s1", seq=0, tensors=meta, checksum=0), 16), 2.0)
+    assert decode(done.reply or {}, BucketAck).duplicate and not done.later
+    fin = core.handle(ev.FinishSync(Finish(sync_id="s1", buckets=1, partial=True)), 2.0)
+    assert fin.reply is None and fin.later  # with the sync's CompleteSync
+    known = core.handle(ev.Heartbeat("e0", registered_here=True), 2.0)
+    assert known.reply is None and not known.later  # silence means known
+    unknown = core.handle(ev.Heartbeat("zz", registered_here=True), 2.0)
+    assert decode(unknown.reply or {}, HeartbeatReply).known is False
