@@ -253,8 +253,10 @@ def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_sta
             # re-register after the rollback and catch up from the spool a moment later
             st = wait_status(
                 c,
-                lambda s: s["state"] == "READY"
-                and [(e["state"], e["version"]) for e in s["engines"]] == [("READY", 1)] * 2,
+                lambda s: (
+                    s["state"] == "READY"
+                    and [(e["state"], e["version"]) for e in s["engines"]] == [("READY", 1)] * 2
+                ),
             )
             r = row(
                 c,
