@@ -100,3 +100,30 @@ def vllm_server(model_dir, log_path, extra=()):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def server_cluster(workdir, model_dir, url):
+    """A daemon and one `--backend vllm-server` engine (`server-0`) attached to `url`;
+    logs shown on failure."""
+    from examples.launch import Cluster
+
+    c = Cluster(
+        workdir,
+        model_dir,
+        engines=0,
+        min_engines=1,
+        backend="vllm-server",
+        daemon_args=["--engine-timeout", "30"],
+    )
+    try:
+        c.start_daemon()
+        c.start_engine("server-0", ["--url", url, "--pause-mode", "keep"])
+        c.wait_engines(1, timeout=120)
+        yield c
+    except BaseException:
+        for p in c.procs:
+            print(f"----- {p.name} -----\n{p.log_tail(60)}")
+        raise
+    finally:
+        c.stop()

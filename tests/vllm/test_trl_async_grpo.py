@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from examples.launch import Cluster
 from examples.tiny import build_tiny_llama
 from orchestrator.daemon.config import child_env
-from tests.vllm.conftest import vllm_server
+from tests.vllm.conftest import server_cluster, vllm_server
 
 pytest.importorskip("trl", reason="the .[trl] extra (make test installs it)")
 
@@ -41,25 +40,8 @@ def fleet(tmp_path_factory, grpo_model):
     work = Path(tmp_path_factory.mktemp("trl-grpo"))
     # --enable-scale-out: the token-in-token-out route, whose outputs carry the weight version
     with vllm_server(grpo_model, work / "server.log", ["--enable-scale-out"]) as url:
-        c = Cluster(
-            work / "cluster",
-            grpo_model,
-            engines=0,
-            min_engines=1,
-            backend="vllm-server",
-            daemon_args=["--engine-timeout", "30"],
-        )
-        try:
-            c.start_daemon()
-            c.start_engine("server-0", ["--url", url, "--pause-mode", "keep"])
-            c.wait_engines(1, timeout=120)
+        with server_cluster(work / "cluster", grpo_model, url) as c:
             yield c, url, work
-        except BaseException:
-            for p in c.procs:
-                print(f"----- {p.name} -----\n{p.log_tail(60)}")
-            raise
-        finally:
-            c.stop()
 
 
 def test_async_grpo_trainer_syncs_every_step_through_weightsync(fleet, grpo_model):

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from engines.torch_engine import greedy, load_model
-from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.schema import Probe
-from tests.vllm.conftest import vllm_server
+from tests.vllm.conftest import server_cluster, vllm_server
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -41,25 +40,8 @@ def server(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir, server):
-    c = Cluster(
-        Path(tmp_path_factory.mktemp("server-cluster")),
-        tiny_model_dir,
-        engines=0,
-        min_engines=1,
-        backend="vllm-server",
-        daemon_args=["--engine-timeout", "30"],
-    )
-    try:
-        c.start_daemon()
-        c.start_engine("server-0", ["--url", server, "--pause-mode", "keep"])
-        c.wait_engines(1, timeout=120)
+    with server_cluster(Path(tmp_path_factory.mktemp("server-cluster")), tiny_model_dir, server) as c:
         yield c
-    except BaseException:
-        for p in c.procs:
-            print(f"----- {p.name} -----\n{p.log_tail(60)}")
-        raise
-    finally:
-        c.stop()
 
 
 def hf(model_dir, weights, prompts, n=6):
