@@ -57,28 +57,29 @@ def begin(m: Model, event: BeginSync) -> None:
     if s is not None and s.sync_id == msg.sync_id and s.version == msg.version and s.kind == "sync":
         _reply_running(m, s)  # a repeated begin (its reply was lost): answered again
         return
+    # the facts the gate's refusal carries when a sync runs (begin is taken only without one)
+    tail: str = ""
+    details: dict[str, object] = {}
     if s is not None and s.kind == "rollback":
-        m.admit(
-            "begin",
-            f": the daemon is rolling the engines back to version {s.version} after a "
-            f"failed sync; retry when it is READY",
-            rollback_running=True,
+        tail = (
+            f": the daemon is rolling the engines back to version {s.version} after a failed "
+            f"sync; retry when it is READY"
         )
-    if s is not None and s.sync_id == msg.sync_id:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"sync {msg.sync_id!r} was begun with version {s.version}")
-    age = m.now - s.started_at if s is not None else 0.0
-    m.admit(
-        "begin",
-        f": sync {s.sync_id!r} (version {s.version}) has been running for {age:.0f}s; wait for "
-        f"it, or end it with `weightsync abort --sync-id {s.sync_id}`"
-        if s is not None
-        else "",
-        **(
-            {"running_sync_id": s.sync_id, "running_version": s.version, "running_seconds": round(age, 3)}
-            if s is not None
-            else {}
-        ),
-    )
+        details = {"rollback_running": True}
+    elif s is not None:
+        if s.sync_id == msg.sync_id:
+            raise m.error(ErrorCode.BAD_MESSAGE, f"sync {msg.sync_id!r} was begun with version {s.version}")
+        age = m.now - s.started_at
+        tail = (
+            f": sync {s.sync_id!r} (version {s.version}) has been running for {age:.0f}s; wait "
+            f"for it, or end it with `weightsync abort --sync-id {s.sync_id}`"
+        )
+        details = {
+            "running_sync_id": s.sync_id,
+            "running_version": s.version,
+            "running_seconds": round(age, 3),
+        }
+    m.admit("begin", tail, **details)
     if msg.sync_id in m.ended:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
