@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
@@ -36,6 +37,22 @@ from messages.schema import Probe, TensorMeta
 from messages.shm import Segment
 
 log = structlog.get_logger()
+
+
+class WorkerFailure(msgspec.Struct, frozen=True):
+    code: str  # an ErrorCode value
+    message: str
+
+
+class WorkerLoad(msgspec.Struct, frozen=True):
+    """One vLLM worker's answer to a load RPC (engines.vllm.extension): what it loaded and
+    its phases, or its typed refusal."""
+
+    loaded: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = {}
+    error: WorkerFailure | None = None
+
 
 EXTENSION = "engines.vllm.extension.WeightSyncExtension"
 
@@ -164,16 +181,17 @@ class VllmBase:
         )
 
     def _timed(self, method: str, **kw: Any) -> list[Any]:
-        """Run a load rpc; add the workers' own split of its time to this sync's phases."""
-        try:
-            results = self.rpc(method, _arg(**kw))
-        except Exception as exc:
-            for code in (ErrorCode.CHECKSUM_MISMATCH, ErrorCode.UNAUTHORIZED):
-                if f"{code.value}:" in str(exc):  # a worker verified the bytes it received
-                    raise make_error(code, str(exc)[-500:]) from None
-            raise
-        first = results[0] if results and isinstance(results[0], dict) else {}
-        for phase, seconds in (first.get("phases") or {}).items():
+        """Run a load rpc (one `WorkerLoad` per worker); raise the first worker's typed
+        refusal; add the workers' own split of its time to this sync's phases."""
+        results = self.rpc(method, _arg(**kw))
+        loads = [msgspec.convert(r, WorkerLoad) for r in results]
+        for w in loads:
+            if w.error is not None:
+                code = (
+                    w.error.code if w.error.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED.value
+                )
+                raise make_error(ErrorCode(code), w.error.message[-500:])
+        for phase, seconds in (loads[0].phases if loads else {}).items():
             self._add(phase, seconds)
         return results
 

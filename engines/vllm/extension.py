@@ -95,6 +95,19 @@ def load_into(
     return kept
 
 
+class WorkerError(ValueError):
+    """A typed refusal in a vLLM worker (`code`: an ErrorCode value). The load RPCs return it
+    as data, `{"error": {"code", "message"}}` (engines.vllm.base.WorkerLoad), so the engine
+    reads the code instead of searching the exception's text."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+    def result(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
 def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: int) -> dict[str, bytes]:
     """Check a bucket received by broadcast against its checksum and return every tensor's
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
@@ -105,7 +118,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
         parts=True,
     )
     if got != expected:
-        raise ValueError("CHECKSUM_MISMATCH: collective bucket arrived corrupted")
+        raise WorkerError("CHECKSUM_MISMATCH", "collective bucket arrived corrupted")
     return parts or {}
 
 
@@ -122,7 +135,7 @@ def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
     try:
         check_load_mac(bytes.fromhex(key_hex), int(sender), seq, host.numpy(), bytes.fromhex(tag_hex))
     except MessageError as exc:
-        raise ValueError(f"UNAUTHORIZED: {exc.reason}") from None
+        raise WorkerError("UNAUTHORIZED", exc.reason) from None
 
 
 # In-process workers only: the engine puts a received frame here for the duration of one
@@ -234,7 +247,7 @@ class WeightSyncExtension:
         phases: dict[str, float] = {}
         if a.get("checksum") is not None:
             if checksum(mv) != a["checksum"]:
-                raise ValueError(f"CHECKSUM_MISMATCH: {where} is corrupted")
+                return WorkerError("CHECKSUM_MISMATCH", f"{where} is corrupted").result()
             phases["worker_checksum"] = time.perf_counter() - t0
         self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
         return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
@@ -264,8 +277,11 @@ class WeightSyncExtension:
         nxt = a.get("next")
         if nxt:
             st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
-        verify_mac(buf, a.get("seq") or 0, a.get("mac"))
-        parts = verify_received(buf, a["tensors"], a["checksum"])
+        try:
+            verify_mac(buf, a.get("seq") or 0, a.get("mac"))
+            parts = verify_received(buf, a["tensors"], a["checksum"])
+        except WorkerError as exc:  # refused before anything loaded: said as data
+            return exc.result()
         phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
         self._ws_apply(buf, a["tensors"], parts, phases)
         return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}

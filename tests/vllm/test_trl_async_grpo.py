@@ -96,13 +96,13 @@ def test_async_grpo_trainer_syncs_every_step_through_weightsync(fleet, grpo_mode
         # what the server generates right after the sync carries that version
         assert s["label_after"] == [str(s["version"])], s
     # the engine got each step's weights: a step with a gradient changed the digest (a
-    # group whose rewards all tie gives a zero gradient and the same weights)
+    # step whose groups' rewards all tie has none; Adam's momentum may still move it)
     sent = [s["sent_digest"] for s in syncs]
     steps = [h for h in out["log_history"] if "loss" in h]
     assert len(steps) == STEPS
     for k, h in enumerate(steps, start=1):
-        assert (sent[k] != sent[k - 1]) == (h["grad_norm"] > 0), (k, h["grad_norm"], sent)
-    assert sent[-1] != sent[0]
+        if h["grad_norm"] > 0:
+            assert sent[k] != sent[k - 1], (k, h["grad_norm"], sent)
     # TRL's own version counter moved once per sync, after it returned
     assert [s["trl_version_before"] for s in syncs] == list(range(STEPS + 1))
     assert out["trl_model_version"] == STEPS + 1
