@@ -121,6 +121,12 @@ class TrainerClient:
     def status(self, timeout: float | None = None) -> dict[str, Any]:
         return self.conn.request(lambda i: schema.Status(id=i), timeout)
 
+    def next_version(self, last: int | None = None) -> int:
+        """The version after both `last` (this trainer's own) and what the fleet served, so a
+        restarted trainer never pushes a version the fleet already served."""
+        served = self.status().get("last_ready_version")
+        return max(v for v in (last, served, 0) if v is not None) + 1
+
     def begin(
         self,
         version: int,

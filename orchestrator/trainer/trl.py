@@ -67,9 +67,7 @@ class WeightSyncTransfer:
         client = self.client
         if client is None:  # init_weight_transfer sets it; for the type checker
             raise RuntimeError("weightsync client not connected")
-        served = client.status().get("last_ready_version")
-        version = max(v for v in (self.version, served, 0) if v is not None) + 1
-        r = client.push(iterator, version, delta=self.delta, **self.push_options)
+        r = client.push(iterator, client.next_version(self.version), delta=self.delta, **self.push_options)
         self.version, self.last = r.version, r
 
     def destroy(self) -> None:

@@ -105,11 +105,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
     def _push(self, weights: Iterable[tuple[str, Any]], global_steps: int | None) -> dict[str, Any]:
         if self.client is None:
             self.client = TrainerClient(self.addr, timeout=self.timeout, **self.client_options)
-        if global_steps is None:
-            served = self.client.status().get("last_ready_version")
-            version = max(v for v in (self.version, served, 0) if v is not None) + 1
-        else:
-            version = int(global_steps)
+        version = self.client.next_version(self.version) if global_steps is None else int(global_steps)
         t0 = time.perf_counter()
         r = self.client.push(weights, version, bucket_bytes=self.bucket_size, transport=self.transport)
         self.version = r.version
