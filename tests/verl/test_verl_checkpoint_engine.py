@@ -60,12 +60,12 @@ def update_weights(cluster, actors, rollout, weights, global_steps):
     for e in actors:
         e.init_process_group(**actor_kwargs)
     rollout.init_process_group(**rollout_kwargs)
-    seen: dict = {"tensors": {}, "status_at_first": None}
+    seen: dict = {"tensors": {}, "committed_at_first": None}
 
     async def adapter():  # what verl's server adapter does with receive_weights
         async for name, t in rollout.receive_weights(global_steps=global_steps):
-            if seen["status_at_first"] is None:
-                seen["status_at_first"] = cluster.status()
+            if seen["committed_at_first"] is None:
+                seen["committed_at_first"] = rollout.receiver.engine.committed
             seen["tensors"][name] = t.clone()
 
     async def step():
@@ -97,8 +97,11 @@ def test_update_weights_commits_fleet_wide_before_the_adapter_sees_a_tensor(flee
         assert seen["tensors"].keys() == weights.keys()
         for name, t in weights.items():
             assert torch.equal(seen["tensors"][name], t), name
-        # and only after the daemon had committed the version on every engine
-        st = seen["status_at_first"]
+        # and only after the daemon's commit of that version reached the rollout side: the
+        # daemon sends it once every participant finalized with equal digests (the daemon
+        # reports READY a moment later, when the holding engine has answered it)
+        assert seen["committed_at_first"] == step
+        st = cluster.status()
         assert st["last_ready_version"] == step
         assert {e["engine_id"]: (e["state"], e["version"]) for e in st["engines"]} == {
             "engine-0": ("READY", step),
