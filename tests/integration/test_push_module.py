@@ -127,6 +127,7 @@ if rank == 0:
                                   "engines": [e["digest"] for e in r.engines]}), flush=True)
 else:
     push_module(None, model, 1)
+dist.barrier()  # no rank tears gloo down while its peer is still working (rank 1 aborted once)
 dist.destroy_process_group()
 """
 
