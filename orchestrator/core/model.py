@@ -350,7 +350,6 @@ class Model:
         )
         self.remember_ended(s.sync_id, err.code.value, f"{status}: {err.message}")
         self.sync = None
-        self.reply = {"state": self.state.value, "version": self.served_version, "dirty": self.dirty}
 
     def close_ready(self, trigger: str) -> None:
         """End the running sync READY: every participant finalized with the same digest."""

@@ -633,6 +633,7 @@ def abort(m: Model, event: AbortSync) -> None:
         m.error(code, f"sync aborted by {who}: {event.reason or 'no reason given'}", aborted_by=event.by),
         by=event.by,
     )
+    m.reply = {"state": m.state.value, "version": m.served_version, "dirty": m.dirty}  # the abort's answer
 
 
 def failed(m: Model, event: EngineFailed) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -33,6 +34,19 @@ from orchestrator.daemon.transport import Stats, Transport, Waiter
 log = structlog.get_logger()
 
 DAEMON_VERSION = __version__
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Where an input's answer goes: `send(body)` when the core answers now (`first`: before
+    the commands the input caused, as a bucket's ack or an engine's registration must go;
+    else once they persisted), `park()` when it answers later, `fail(err)` when it gave no
+    answer to an input that expects one."""
+
+    send: Callable[[dict[str, Any]], None]
+    park: Callable[[], None] | None = None
+    fail: Callable[[WeightSyncError], None] | None = None
+    first: bool = False
 
 
 class Dispatcher:
@@ -62,15 +76,42 @@ class Dispatcher:
         self.failpoints = failpoints
         self.fail_internal = fail_internal
 
-    async def feed(
-        self, event: ev.Event, then: Callable[[Result], None] | None = None, trigger: str = ""
-    ) -> Result:
-        """The event into the core (a refusal raises, having changed nothing), then its
-        commands; `then(result)` is this input's own reply, sent after they persisted."""
+    def decide(
+        self, event: ev.Event, answer: Answer | None = None
+    ) -> tuple[Result, Callable[[], None] | None]:
+        """The one way into the core: the event in (a refusal raises, having changed nothing),
+        and its answer routed as the core said: now (`first`: before the commands the input
+        caused; else returned, to be sent once they persisted), later (parked until a later
+        command answers it), or not at all (our bug when the input expected one: said)."""
         res = self.core.handle(event, time.monotonic())
-        done = (lambda: then(res)) if then is not None else None
-        await self.effects.execute(res.commands, done, trigger or event.TRIGGER)
+        if answer is None:
+            return res, None
+        if res.reply is not None:
+            body = res.reply
+            if answer.first:
+                answer.send(body)
+                return res, None
+            return res, lambda: answer.send(body)
+        if res.later and answer.park is not None:
+            answer.park()
+        elif answer.fail is not None:
+            answer.fail(self.core.error(ErrorCode.INTERNAL, f"{event.TRIGGER}: no answer"))
+        return res, None
+
+    async def feed(self, event: ev.Event, answer: Answer | None = None) -> Result:
+        """`decide`, then the commands, in the effects runner's order (journal and spool,
+        engines, replies)."""
+        res, then = self.decide(event, answer)
+        await self.effects.execute(res.commands, then, event.TRIGGER)
         return res
+
+    def _trainer(self, w: Waiter, park: Callable[[], None] | None = None, first: bool = False) -> Answer:
+        return Answer(
+            lambda body: self.transport.reply_ok(w, body),
+            park,
+            lambda err: self.transport.reply_error(w, err),
+            first,
+        )
 
     def _error(self, err: MessageError) -> WeightSyncError:
         """A decode refusal, saying where the daemon is."""
@@ -109,16 +150,13 @@ class Dispatcher:
             elif isinstance(msg, schema.Begin):
                 if msg.bucket_bytes is not None:
                     self.inflight.bucket_bytes[msg.sync_id] = msg.bucket_bytes
-                await self.feed(ev.BeginSync(msg), lambda r: self.transport.reply_ok(w, r.reply or {}))
+                await self.feed(ev.BeginSync(msg), self._trainer(w))
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)
             elif isinstance(msg, schema.Finish):
                 await self.finish(w, msg)
             elif isinstance(msg, schema.Abort):
-                await self.feed(
-                    ev.AbortSync(msg.sync_id, msg.reason, msg.code, msg.by),
-                    lambda r: self.transport.reply_ok(w, r.reply or {}),
-                )
+                await self.feed(ev.AbortSync(msg.sync_id, msg.reason, msg.code, msg.by), self._trainer(w))
         except WeightSyncError as err:
             log.info(
                 "request_refused", type=msg.TYPE, code=err.code.value, reason=err.message, sync_id=sync_id
@@ -168,31 +206,23 @@ class Dispatcher:
             handle=held,  # the bytes ride with the event and its ForwardBucket, nowhere else
         )
         del held
-        res = self.core.handle(event, time.monotonic())
-        if res.reply is not None:
-            self.transport.reply_ok(w, res.reply)
-        elif res.later:
-            self.inflight.bucket_waiters[(msg.sync_id, (msg.sender, msg.seq))].append(w)
-        else:  # a bucket is always answered: no answer at all is our bug (said, not hung on)
-            self.transport.reply_error(
-                w, self.core.error(ErrorCode.INTERNAL, f"bucket seq {msg.seq}: no answer")
-            )
+        key = (msg.sync_id, (msg.sender, msg.seq))
+        # The ack goes before the forwarding it causes, or waits for the engines (cumulative).
+        answer = self._trainer(w, lambda: self.inflight.bucket_waiters[key].append(w), first=True)
+        res, then = self.decide(event, answer)  # a refused bucket is not counted below
         self.stats.buckets += 1
         self.stats.bytes_announced += nbytes
         if frame is not None:  # bytes that passed through this process (not shm, not broadcast)
             self.stats.bytes_in += nbytes
             self.metrics.received_bytes.inc(nbytes)
-        await self.effects.execute(res.commands, trigger="bucket")  # forwarding drops the frame
+        del event, frame
+        await self.effects.execute(res.commands, then, "bucket")  # forwarding drops the frame
 
     async def finish(self, w: Waiter, msg: schema.Finish) -> None:
-        res = self.core.handle(ev.FinishSync(msg), time.monotonic())
-        if res.later:  # answered when its sync completes
-            self.inflight.finish_waiters[msg.sync_id].append(w)
-        else:  # no answer at all is our bug (said, not hung on)
-            self.transport.reply_error(
-                w, self.core.error(ErrorCode.INTERNAL, f"finish of {msg.sync_id!r}: no answer")
-            )
-        await self.effects.execute(res.commands, trigger="finish")
+        # answered when its sync completes
+        await self.feed(
+            ev.FinishSync(msg), self._trainer(w, lambda: self.inflight.finish_waiters[msg.sync_id].append(w))
+        )
 
     async def local_request(
         self,
@@ -240,13 +270,9 @@ class Dispatcher:
         engine_id = self.transport.engine_of(ident)
         if isinstance(msg, schema.Heartbeat):
             self.transport.stats.heartbeats += 1
-            res = self.core.handle(
-                ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id), time.monotonic()
-            )
-            if res.reply is not None:  # only an unknown engine is answered (it registers again)
-                self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=res.reply))
-            if res.commands:
-                await self.effects.execute(res.commands, trigger="heartbeat")
+            # only an unknown engine is answered (it registers again)
+            hb = ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id)
+            await self.feed(hb, self._engine(ident, msg.id))
             return
         if engine_id is None:
             log.warning("unregistered_engine_message", type=msg.TYPE)
@@ -307,12 +333,37 @@ class Dispatcher:
             seconds_c.inc(seconds)
             buckets_c.inc(buckets)
 
+    def _engine(self, ident: bytes, req_id: int, extra: dict[str, Any] | None = None) -> Answer:
+        """An engine's answer: always before the commands its input caused (a registration
+        precedes the catch-up buckets it starts)."""
+        return Answer(
+            lambda body: self.transport.reply_engine(
+                ident, schema.Ok(id=req_id, body={**body, **(extra or {})})
+            ),
+            first=True,
+        )
+
     async def register(self, ident: bytes, msg: schema.Register) -> None:
         event = ev.EngineRegistered(
             msg, other_connection=self.transport.other_connection(msg.engine_id, ident)
         )
+        extra = None
+        if msg.fanout and "fanout" in self.transport.bound:  # v4: where to take published buckets
+            extra = {"fanout": self.transport.bound["fanout"]}
+
+        def registered(body: dict[str, Any]) -> None:
+            self.transport.registered(msg.engine_id, ident)
+            log.info(
+                "engine_registered",
+                engine_id=msg.engine_id,
+                backend=msg.backend,
+                version=msg.version,
+                state=body.get("state"),
+            )
+            self._engine(ident, msg.id, extra).send(body)
+
         try:
-            res = self.core.handle(event, time.monotonic())
+            await self.feed(event, Answer(registered, first=True))
         except WeightSyncError as err:
             log.error(
                 "engine_refused",
@@ -332,20 +383,6 @@ class Dispatcher:
                     details=err.details or None,
                 ),
             )
-            return
-        self.transport.registered(msg.engine_id, ident)
-        log.info(
-            "engine_registered",
-            engine_id=msg.engine_id,
-            backend=msg.backend,
-            version=msg.version,
-            state=res.reply.get("state") if res.reply else None,
-        )
-        body = dict(res.reply or {})
-        if msg.fanout and "fanout" in self.transport.bound:  # v4: where to take published buckets
-            body["fanout"] = self.transport.bound["fanout"]
-        self.transport.reply_engine(ident, schema.Ok(id=msg.id, body=body))
-        await self.effects.execute(res.commands, trigger="register")
 
     async def engine_disconnected(self, ident: bytes) -> None:
         eid = self.transport.engine_of(ident)
@@ -365,4 +402,4 @@ class Dispatcher:
             raise RuntimeError("failpoint crash_on_loaded")
 
 
-__all__ = ["DAEMON_VERSION", "Dispatcher", "make_error"]
+__all__ = ["DAEMON_VERSION", "Answer", "Dispatcher", "make_error"]

@@ -179,7 +179,8 @@ class Service:
         self.effects.feed = self.feed
         self.effects.fail_internal = self.fail_internal
         self.effects.publish = self._publish
-        self.core.handle(ev.SpoolChanged(self.effects.spooled()), time.monotonic())
+        # before any engine is connected: what the spool holds, nothing to send yet
+        self.dispatch.decide(ev.SpoolChanged(self.effects.spooled()))
 
     async def feed(self, event: ev.Event) -> None:
         await self.dispatch.feed(event)
@@ -380,7 +381,7 @@ class Service:
     def shutdown(self) -> None:
         try:
             self.storage.close()  # what was submitted is written; then the journal is ours
-            res = self.core.handle(ev.Shutdown(), time.monotonic())
+            res, _ = self.dispatch.decide(ev.Shutdown())
             for c in res.commands:
                 if isinstance(c, cmd.Journal):
                     self.effects.persist_now(c)  # the same write the storage thread makes

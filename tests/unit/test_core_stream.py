@@ -129,7 +129,10 @@ def test_a_prepared_that_differs_fails_the_sync_named_with_nothing_finalized(cas
     else:
         out += prepared(core, "e1", c).commands
     assert core.state is State.LOADING_BUCKETS  # prepared, but the trainer has not finished
-    out += finish(core, c, chain=c.value ^ 1 if case == "trainer_chain_differs" else None).commands
+    res = finish(core, c, chain=c.value ^ 1 if case == "trainer_chain_differs" else None)
+    # the finish is answered once, by the failed sync's CompleteSync (no success body now)
+    assert res.later and res.reply is None
+    out += res.commands
     assert core.state is State.IDLE and core.dirty
     assert not [x for x in out if isinstance(x, cmd.SendFinalize)], "nothing may be finalized"
     (done,) = [x for x in out if isinstance(x, cmd.CompleteSync)]
