@@ -34,6 +34,7 @@ from engines.base import (
 )
 from engines.delta import BaseStore
 from engines.prefetch import Prefetcher
+from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
 from messages.buckets import iter_buckets, unpack
@@ -59,8 +60,8 @@ class Applier(threading.Thread):
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
         self.failpoints = failpoints or {}
-        self.jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self.out: queue.Queue[schema.Message | tuple[str, Any]] = queue.Queue()
+        self.jobs: queue.Queue[Job | LoadJob | None] = queue.Queue()
+        self.out: queue.Queue[schema.Message] = queue.Queue()  # reports for the worker's Syncs
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
@@ -77,7 +78,7 @@ class Applier(threading.Thread):
         """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
         receiving it (collective) now, while the applier may still load earlier buckets."""
         pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
-        self.submit("load", (msg, pending))
+        self.jobs.put(LoadJob(msg, pending))
 
     def _add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -97,13 +98,17 @@ class Applier(threading.Thread):
         if fut is not None and self.prefetcher is not None:
             fut.add_done_callback(lambda _f: self.prefetcher.release())
 
-    def submit(self, kind: str, arg: Any) -> None:
-        self.jobs.put((kind, arg))
+    def submit(self, job: Job, payload: Any = None) -> None:
+        """A job from the engine's `Syncs`, run in order (a bucket through `accept`)."""
+        if isinstance(job, schema.Load):
+            self.accept(job, payload)
+        else:
+            self.jobs.put(job)
 
     def stop(self) -> None:
         self.jobs.put(None)
 
-    def _emit(self, item: schema.Message | tuple[str, Any]) -> None:
+    def _emit(self, item: schema.Message) -> None:
         self.out.put(item)
         os.write(self.wake_fd, b"x")
 
@@ -113,32 +118,41 @@ class Applier(threading.Thread):
             if job is None:
                 self.verifier.stop()
                 return
-            kind, arg = job
             try:
-                getattr(self, "_do_" + kind)(arg)
+                self._run(job)
             except WeightSyncError as err:
-                self._fail(arg, err.code.value, err.message)
+                self._fail(job, err.code.value, err.message)
             except Exception as exc:  # an engine bug: report it as a typed failure, loudly
-                log.exception("engine_operation_crashed", op=kind)
-                self._fail(arg, ErrorCode.ENGINE_FAILED.value, f"{kind}: {type(exc).__name__}: {exc}")
+                op = type(job).__name__
+                log.exception("engine_operation_crashed", op=op)
+                self._fail(job, ErrorCode.ENGINE_FAILED.value, f"{op}: {type(exc).__name__}: {exc}")
 
-    def _fail(self, arg: Any, code: str, message: str) -> None:
-        msg = arg[0] if isinstance(arg, tuple) else arg
-        sync_id = getattr(msg, "sync_id", None) or ""
-        self.failed.add(sync_id)
-        seq = getattr(msg, "seq", None)
-        log.warning("engine_operation_failed", sync_id=sync_id, seq=seq, code=code, reason=message)
+    def _run(self, job: Job | LoadJob) -> None:
+        if isinstance(job, Begin):
+            self._do_begin(job)
+        elif isinstance(job, LoadJob):
+            self._do_load(job)
+        elif isinstance(job, schema.OpenStream):
+            self._do_stream(job)
+        elif isinstance(job, schema.Finalize):
+            self._do_finalize(job)
+        elif isinstance(job, schema.Commit):
+            self._do_commit(job)
+        elif isinstance(job, schema.Abort):
+            self._do_abort(job)
+        else:  # a job the engine's Syncs never makes: our bug
+            raise WeightSyncError(f"unknown applier job {type(job).__name__}", code=ErrorCode.INTERNAL)
+
+    def _fail(self, job: Job | LoadJob, code: str, message: str) -> None:
+        msg = job.msg if isinstance(job, LoadJob) else job
+        seq, sender = (msg.seq, msg.sender) if isinstance(msg, schema.Load) else (None, None)
+        self.failed.add(msg.sync_id)
+        log.warning("engine_operation_failed", sync_id=msg.sync_id, seq=seq, code=code, reason=message)
         self._emit(
-            schema.Failed(
-                sync_id=sync_id,
-                code=code,
-                message=message[:4000],
-                seq=seq,
-                sender=getattr(msg, "sender", None),
-            )
+            schema.Failed(sync_id=msg.sync_id, code=code, message=message[:4000], seq=seq, sender=sender)
         )
 
-    def _do_begin(self, msg: schema.Load | schema.Finalize) -> None:
+    def _do_begin(self, msg: Begin) -> None:
         t0 = time.perf_counter()
         self.engine.begin(msg.sync_id, msg.version)
         self.base.discard()
@@ -146,8 +160,8 @@ class Applier(threading.Thread):
         self.phases = {"begin": time.perf_counter() - t0}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
 
-    def _do_load(self, arg: tuple[schema.Load, Any]) -> None:
-        msg, pending = arg
+    def _do_load(self, job: LoadJob) -> None:
+        msg, pending = job.msg, job.payload
         if msg.sync_id in self.failed:
             if msg.group is not None:
                 self._release(pending)
@@ -418,7 +432,6 @@ class Applier(threading.Thread):
         phases = {**self.phases, "finalize": t1 - t0, "canary": seconds - (t1 - t0)}
         if isinstance(self.engine, ReportsPhases):
             phases.update(self.engine.last_phases)  # the engine's own split
-        self._emit(("finalized", (msg.version, digest)))
         self._emit(
             schema.Finalized(
                 sync_id=msg.sync_id,
@@ -457,7 +470,6 @@ class Applier(threading.Thread):
         if self.current == msg.sync_id:
             self.engine.abort()
             self.current = None
-            self._emit(("aborted", msg.sync_id))
             log.info("sync_aborted", sync_id=msg.sync_id)
 
 

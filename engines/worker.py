@@ -5,10 +5,10 @@ Rules:
   (copies, the post-load step, probes) runs on one applier thread fed by a queue, so
   heartbeats keep flowing while a long finalize runs; the applier hands results back
   through a queue and wakes the main thread through a pipe, never through the socket.
-- The finalize guard lives here, independent of the orchestrator: a second `finalize`
-  for a sync_id is refused with `failed{duplicate: true}` and the post-load step is not
-  run again. A resent bucket (same sync_id, sender, seq) is acknowledged, not re-applied.
-- A new sync_id starts the engine's `begin` lazily, on the first message of that sync.
+- What a message means for the engine's syncs (which starts, supersedes or ends one; the
+  finalize guard; resent buckets) is decided by `engines.session.Syncs`, the engine's
+  own state machine; this loop carries out its actions (applier jobs, messages, stopped
+  streams) and feeds it the applier's reports.
 - Progress is cumulative and coalesced: `loaded {sender, seq: k}` says every bucket of
   that sender up to seq k is applied, sent at most once per report interval (a failure
   goes at once), so the daemon reads a few reports per window, not one per bucket.
@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -33,28 +32,16 @@ import zmq
 
 from engines.applier import Applier
 from engines.base import Engine, LabelsOutputs, ReceivesCollective
+from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 from messages.link import Link
-from messages.progress import Progress
 from messages.shm import shm_available
 
 log = structlog.get_logger()
 
 REFUSED_GRACE = 2.0  # seconds of refused CURVE handshakes before an engine gives up
-
-
-@dataclass(slots=True)
-class SyncTrack:
-    """What the main thread knows of one sync (for the guards), and its progress."""
-
-    sync_id: str
-    version: int
-    progress: Progress
-    queued: set[tuple[int, int]] = field(default_factory=set)
-    finalize_requested: bool = False
-    failed: bool = False
 
 
 class Worker:
@@ -89,12 +76,8 @@ class Worker:
         self.heartbeat_interval = heartbeat_interval
         self.ctx = ctx or zmq.Context.instance()
         self.info = engine.describe()
-        self.version: int | None = None
-        self.digest: str | None = engine.digest()
-        self.syncs: dict[str, SyncTrack] = {}
-        self.current: SyncTrack | None = None
-        self.finalized_syncs: set[str] = set()  # the guard: post-load ran (or is running)
-        self.duplicates_refused = 0
+        # the engine's syncs, their guards and its served version (engines/session.py)
+        self.state = Syncs(None, engine.digest())
         self._stop = threading.Event()
         self._next_id = 0
         self._register_ids: set[int] = set()
@@ -267,42 +250,54 @@ class Worker:
                 return
             self._outq.popleft()
 
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    @property
+    def digest(self) -> str | None:
+        return self.state.digest
+
+    @property
+    def duplicates_refused(self) -> int:
+        return self.state.duplicates_refused
+
+    def _do(self, actions: list[Action], applier: Applier) -> None:
+        """Carry out what the engine's `Syncs` decided: this thread's I/O."""
+        for a in actions:
+            if isinstance(a, Submit):
+                applier.submit(a.job, a.payload)
+            elif isinstance(a, Send):
+                if isinstance(a.msg, schema.Failed) and a.msg.duplicate:
+                    log.warning("duplicate_finalize_refused", sync_id=a.msg.sync_id, engine_id=self.engine_id)
+                self._send(a.msg)
+            else:
+                if a.stream:
+                    applier.cancel_stream(a.sync_id)
+                if a.published:
+                    self.fanout.end(a.sync_id)
+
     def _drain_results(self, applier: Applier) -> None:
         while True:
             try:
                 item = applier.out.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):
-                kind, arg = item
-                if kind == "finalized":
-                    self.version, self.digest = arg
-                elif kind == "aborted":
-                    self.version, self.digest = None, None
-                continue
-            if isinstance(item, schema.Loaded):  # reported by `_report`, coalesced
-                t = self.syncs.get(item.sync_id)
-                if t is not None:
-                    t.progress.apply(item.sender, item.seq, item.seconds)
-                continue
-            if isinstance(item, schema.Failed):
-                t = self.syncs.get(item.sync_id)
-                if t is not None:
-                    t.failed = True
-                self.version, self.digest = None, None
-            self._send(item)
+            self._do(self.state.result(item), applier)
 
     def _unreported(self) -> bool:
-        return self.current is not None and self.current.progress.unreported()
+        c = self.state.current
+        return c is not None and c.progress.unreported()
 
     def _report_interval(self) -> float:
-        return self.fanout.report_interval(self.current.sync_id) if self.current is not None else 0.0
+        c = self.state.current
+        return self.fanout.report_interval(c.sync_id) if c is not None else 0.0
 
     def _report(self) -> None:
         """Send how far each sender's buckets are applied, if that moved and the last
         report is a report interval old (REPORT_INTERVAL, or the fan-out's for a fleet)."""
-        t = self.current
-        if t is None or t.failed:
+        t = self.state.reporting()
+        if t is None:
             return
         now = time.monotonic()
         if now - self._last_report < self._report_interval():
@@ -311,30 +306,9 @@ class Worker:
             self._last_report = now
             self._send(loaded)
 
-    def _track(self, msg: schema.Load | schema.OpenStream | schema.Finalize, applier: Applier) -> SyncTrack:
-        t = self.syncs.get(msg.sync_id)
-        if t is None:
-            if self.current is not None:  # one sync at a time: a new one supersedes (a
-                applier.cancel_stream(self.current.sync_id)  # restarted daemon never aborts it)
-                self.fanout.end(self.current.sync_id)  # its published buckets come no more
-            t = SyncTrack(msg.sync_id, msg.version, Progress(msg.sync_id))
-            self.syncs = {msg.sync_id: t}  # only the running sync matters
-            self.current = t
-            self.version, self.digest = None, None  # weights are about to change
-            applier.submit("begin", msg)
-        return t
-
     def _on_load(self, msg: schema.Load, payload: list[Any], applier: Applier) -> None:
         """A bucket, sent to this engine or published to all."""
-        t = self._track(msg, applier)
-        key = (msg.sender, msg.seq)
-        if key in t.progress.applied:  # a resend: say again that it is applied
-            self._send(t.progress.again(msg.sender, msg.seq))
-            return
-        if key in t.queued or t.failed:
-            return
-        t.queued.add(key)
-        applier.accept(msg, payload[0] if payload else None)
+        self._do(self.state.feed(msg, payload[0] if payload else None), applier)
 
     def _on_message(self, frames: list[Any], applier: Applier) -> None:
         try:
@@ -345,40 +319,8 @@ class Worker:
         msg = decoded.msg
         if isinstance(msg, schema.Load):
             self._on_load(msg, decoded.payload, applier)
-        elif isinstance(msg, schema.OpenStream):
-            if msg.sync_id in self.syncs:  # a repeated open: the stream runs already
-                return
-            self._track(msg, applier)
-            applier.submit("stream", msg)
-        elif isinstance(msg, schema.Finalize):
-            if msg.sync_id in self.finalized_syncs:
-                self.duplicates_refused += 1
-                log.warning(
-                    "duplicate_finalize_refused",
-                    sync_id=msg.sync_id,
-                    version=msg.version,
-                    engine_id=self.engine_id,
-                )
-                self._send(
-                    schema.Failed(
-                        sync_id=msg.sync_id,
-                        code=ErrorCode.INVALID_STATE.value,
-                        message="finalize already ran for this sync; refused",
-                        duplicate=True,
-                    )
-                )
-                return
-            t = self._track(msg, applier)
-            self.finalized_syncs.add(msg.sync_id)
-            t.finalize_requested = True
-            applier.submit("finalize", msg)
-        elif isinstance(msg, schema.Commit):
-            applier.submit("commit", msg)
-        elif isinstance(msg, schema.Abort):
-            self.fanout.end(msg.sync_id)  # a published bucket arriving late starts nothing
-            if msg.sync_id in self.syncs:
-                applier.cancel_stream(msg.sync_id)  # a stream in progress stops receiving now
-                applier.submit("abort", msg)
+        elif isinstance(msg, (schema.OpenStream, schema.Finalize, schema.Commit, schema.Abort)):
+            self._do(self.state.feed(msg), applier)
         elif isinstance(msg, schema.Ok):
             try:
                 if msg.id in self._register_ids:
@@ -414,8 +356,7 @@ class Worker:
             return
         self._reregister_sent = True
         log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
-        if self.current is not None:  # a restarted daemon: that sync is over
-            applier.cancel_stream(self.current.sync_id)
+        self._do(self.state.restarted_daemon(), applier)  # a restarted daemon: that sync is over
         self._send(self._register_msg())
 
 
