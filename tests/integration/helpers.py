@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -81,6 +82,13 @@ def slow():
         yield item
 c.push(slow(), version, bucket_bytes=64 * 1024, transport=transport)
 """
+
+
+def sigint_default() -> None:
+    """`preexec_fn` for a child a test interrupts with SIGINT: a shell that starts the suite
+    in the background hands its children SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler (the child would never see the Ctrl-C the test sends)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(pred: Any, timeout: float, what: str, every: float = 0.1) -> Any:

@@ -22,7 +22,7 @@ from examples.launch import Cluster, spawn
 from examples.tiny import perturbed
 from messages.errors import ErrorCode, WeightSyncError
 
-from .helpers import FAST_DAEMON, running_daemon, ws
+from .helpers import FAST_DAEMON, running_daemon, sigint_default, ws
 
 pytestmark = pytest.mark.slow
 
@@ -181,6 +181,7 @@ def test_2_an_interrupted_push_releases_its_sync(cluster, tmp_path, tiny_model_d
     v = next_version(cluster)
     p = subprocess.Popen(
         [sys.executable, "-c", STALLING_TRAINER, cluster.addr, str(tiny_model_dir), str(v), "inline"],
+        preexec_fn=sigint_default,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

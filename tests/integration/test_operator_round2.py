@@ -32,7 +32,7 @@ from messages.buckets import iter_buckets
 from messages.canary import make_probes
 from messages.errors import DataError, ErrorCode
 
-from .helpers import running_daemon, ws
+from .helpers import running_daemon, sigint_default, ws
 
 pytestmark = pytest.mark.slow
 
@@ -211,6 +211,7 @@ def test_7_a_ctrl_c_during_a_push_says_so_and_exits_130(empty, tmp_path, tiny_st
     p = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "push", str(d), "--version", "1", "--addr", empty.addr]
         + ["--engines-wait", "60"],
+        preexec_fn=sigint_default,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
