@@ -70,6 +70,40 @@ class HeartbeatReply(msgspec.Struct, frozen=True, kw_only=True):
     known: bool
 
 
+class EngineFinal(msgspec.Struct, frozen=True, kw_only=True):
+    """One participant of a READY sync: what its finalize reported."""
+
+    engine_id: str
+    digest: str
+    finalize_count: int
+    probes: tuple[tuple[int, ...], ...]  # the canaries' greedy tokens, per probe
+    seconds: float
+    phases: dict[str, float]  # where its finalize's time went
+
+
+class FinishReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The answer to `finish` (sent when the sync completes READY; a failure is an error),
+    and the status's `last_sync` of a READY sync. Optional fields are left out when unset."""
+
+    sync_id: str
+    version: int
+    status: str  # READY, or ROLLED_BACK for the daemon's own rollback
+    digest: str  # what every participant holds
+    kind: str  # sync, or rollback
+    buckets: int
+    bytes: int
+    seconds: float
+    engine_ids: tuple[str, ...]  # the participants
+    transport: str
+    engines: tuple[EngineFinal, ...]
+    stream: bool = False  # it travelled on the collective stream
+    group: str | None = None  # the collective group, its size and backend
+    world_size: int | None = None
+    backend: str | None = None
+    # a rollback: the failed sync it repairs, as status's last_sync showed it (untyped, as status is)
+    rolled_back_from: dict[str, Any] | None = None
+
+
 def body(reply: msgspec.Struct) -> dict[str, Any]:
     """The fields a reply travels as."""
     out = msgspec.to_builtins(reply)

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.replies import EngineFinal, FinishReply
+from messages.replies import body as reply_body
 from messages.schema import ParamSpec, Probe
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
@@ -370,21 +372,24 @@ class Model:
                 fin.probes,
             )
             x.move("serve")
-        body = syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now)
-        body["digest"] = digest
-        if s.rollback_of is not None:
-            body["rolled_back_from"] = s.rollback_of
-        body["engines"] = [
-            {
-                "engine_id": eid,
-                "digest": f.digest,
-                "probes": [list(p) for p in f.probes],
-                "finalize_count": f.finalize_count,
-                "seconds": f.seconds,
-                "phases": dict(f.phases),
-            }
-            for eid, f in sorted(s.finalized.items())
-        ]
+        body = reply_body(
+            FinishReply(
+                **syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now),
+                digest=digest,
+                rolled_back_from=s.rollback_of,
+                engines=tuple(
+                    EngineFinal(
+                        engine_id=eid,
+                        digest=f.digest,
+                        probes=tuple(tuple(p) for p in f.probes),
+                        finalize_count=f.finalize_count,
+                        seconds=f.seconds,
+                        phases=dict(f.phases),
+                    )
+                    for eid, f in sorted(s.finalized.items())
+                ),
+            )
+        )
         self.last_sync = {**body, "at": self.now}
         self.outbox.append(
             Journal(

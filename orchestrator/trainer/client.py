@@ -29,7 +29,8 @@ from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.fanout import window_cap
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
-from messages.replies import BeginReply
+from messages.replies import BeginReply, FinishReply
+from messages.replies import body as reply_body
 from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
 from orchestrator.trainer.connection import Connection, error_from_reply
@@ -180,8 +181,9 @@ class TrainerClient:
         timeout: float | None = None,
         partial: bool = False,
         chain: int | None = None,
-    ) -> dict[str, Any]:
-        return self.conn.request(
+    ) -> FinishReply:
+        """Finish the sync; its answer comes once every participant finalized (READY)."""
+        body = self.conn.request(
             lambda i: schema.Finish(
                 sync_id=sync_id,
                 buckets=buckets,
@@ -193,6 +195,7 @@ class TrainerClient:
             ),
             self.finish_timeout if timeout is None else timeout,
         )
+        return decode_reply(body, FinishReply)
 
     def abort(
         self,
@@ -386,7 +389,7 @@ class TrainerClient:
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
                 t_finish = time.perf_counter()
-                body = self.finish(
+                done = self.finish(
                     sync_id,
                     streamed.buckets,
                     digest=None if partial else digester.hexdigest(),
@@ -425,12 +428,12 @@ class TrainerClient:
             buckets=streamed.buckets,
             bytes=streamed.nbytes,
             seconds=seconds,
-            engines=body.get("engines", []),
+            engines=[reply_body(e) for e in done.engines],
             digest=digester.hexdigest(),
-            state=body.get("status", "READY"),
+            state=done.status,
             retries=streamed.retries,
             detail={
-                **body,
+                **reply_body(done),
                 "transport": started.transport,
                 "trainer_phases": trainer_phases,
                 "window": streamed.window,

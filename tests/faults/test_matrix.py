@@ -305,7 +305,7 @@ def test_duplicate_resent_and_reordered_buckets_apply_once(tmp_path, tiny_model_
         again = client.send_bucket(sid, buckets[2])  # resent after its ack
         assert again.get("duplicate") is True
         body = client.finish(sid, len(buckets), digest=digest(w2.items()))
-        assert body["status"] == "READY"
+        assert body.status == "READY"
         r = row(
             c,
             "duplicate, resent and reordered buckets",
@@ -331,7 +331,7 @@ def test_corrupted_bucket_is_refused_and_the_retry_succeeds(tmp_path, tiny_model
         assert client.status()["state"] == "LOADING_BUCKETS"  # nothing applied, sync goes on
         for b in buckets:
             client.send_bucket(sid, b)
-        assert client.finish(sid, len(buckets), digest=digest(w2.items()))["status"] == "READY"
+        assert client.finish(sid, len(buckets), digest=digest(w2.items())).status == "READY"
         r = row(
             c,
             "corrupted bucket",

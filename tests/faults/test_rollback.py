@@ -95,7 +95,7 @@ def test_engine_registering_mid_sync_joins_at_that_version_after_ready(spooled, 
         for b in buckets[1:]:
             client.send_bucket(sid, b)
         r2 = client.finish(sid, len(buckets), digest=digest(w2.items()))
-        assert sorted(e["engine_id"] for e in r2["engines"]) == ["engine-0", "engine-1"]
+        assert sorted(e.engine_id for e in r2.engines) == ["engine-0", "engine-1"]
         st = wait_status(spooled, lambda s: engine_view(s)["engine-late"]["state"] == "READY")
         assert engine_view(st)["engine-late"]["digest"] == digest(w2.items())
 

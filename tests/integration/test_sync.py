@@ -113,7 +113,7 @@ def test_finish_with_missing_buckets_is_incomplete_then_retry_succeeds(client, t
         client.send_bucket(sid, b)
     client.send_bucket(sid, buckets[0])  # a resend is acknowledged, not re-applied
     body = client.finish(sid, len(buckets), digest=digest(weights.items()))
-    assert body["status"] == "READY" and body["version"] == v
+    assert body.status == "READY" and body.version == v
 
 
 def test_older_version_is_stale(client, tiny_state):
@@ -143,7 +143,7 @@ def test_corrupted_frame_is_refused_and_nothing_applied(client, tiny_state):
     assert [e["digest"] for e in st["engines"]] == [e["digest"] for e in served["engines"]]
     client.send_bucket(sid, b)  # the trainer retries the same seq with good bytes
     body = client.finish(sid, 1, digest=digest(weights.items()))
-    assert body["digest"] == digest(weights.items())
+    assert body.digest == digest(weights.items())
 
 
 def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from messages.errors import ErrorCode, WeightSyncError
-from messages.replies import BeginReply, BucketAck, HeartbeatReply, body, decode
+from messages.replies import BeginReply, BucketAck, FinishReply, HeartbeatReply, body, decode
 from messages.schema import Begin, Register
 from orchestrator.core import Core, Limits
 from orchestrator.core import events as ev
@@ -67,3 +67,14 @@ def test_every_input_says_whether_it_is_answered_now_later_or_not_at_all():
     assert known.reply is None and not known.later  # silence means known
     unknown = core.handle(ev.Heartbeat("zz", registered_here=True), 2.0)
     assert decode(unknown.reply or {}, HeartbeatReply).known is False
+    from messages.schema import Finalized
+
+    out = core.handle(ev.EngineFinalized("e0", Finalized(sync_id="s1", version=1, digest="d" * 32)), 3.0)
+    (complete,) = [c for c in out.commands if type(c).__name__ == "CompleteSync"]
+    r = decode(complete.body or {}, FinishReply)  # the finish's answer, typed
+    assert (r.status, r.version, r.digest, r.buckets, r.engine_ids) == ("READY", 1, "d" * 32, 1, ("e0",))
+    assert [(e.engine_id, e.digest) for e in r.engines] == [("e0", "d" * 32)] and not r.stream
+    assert "stream" not in (complete.body or {}) and "group" not in (complete.body or {})  # unset: left out
+    with pytest.raises(WeightSyncError) as ei:
+        decode({**(complete.body or {}), "engines": [{"engine_id": "e0"}]}, FinishReply)
+    assert ei.value.code is ErrorCode.BAD_MESSAGE

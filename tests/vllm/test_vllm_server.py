@@ -66,7 +66,7 @@ def test_server_is_paused_while_loading_and_serves_new_weights_at_ready(
             for b in buckets[1:]:
                 client.send_bucket(sid, b)
             body = client.finish(sid, len(buckets), digest=digest(weights.items()))
-            assert body["status"] == "READY" and len(buckets) >= 4
+            assert body.status == "READY" and len(buckets) >= 4
             assert _get(server + "/is_paused")["is_paused"] is False
             # the server labels what it generates with the committed version
             assert _get(server + "/weight_info")["weight_version"] == str(v)
