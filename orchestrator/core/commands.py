@@ -142,19 +142,14 @@ class StartRollback:
 
 
 @dataclass(frozen=True, slots=True)
-class StartCatchUp:
-    """Feed the spooled version to one engine only, as its private sync `sync_id`."""
+class SendSpooled:
+    """Send spooled bucket `seq` of the served version to one engine, as a `load` of its
+    private catch-up sync `sync_id` (the shell reads the bytes; the core paces them)."""
 
     engine_id: str
     sync_id: str
     version: int
-
-
-@dataclass(frozen=True, slots=True)
-class CatchUpAck:
-    engine_id: str
-    sync_id: str
-    key: tuple[int, int]  # (sender, seq): every seq of that sender up to it is applied
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +175,7 @@ Command = (
     | SpoolCommit
     | SpoolDiscard
     | StartRollback
-    | StartCatchUp
-    | CatchUpAck
+    | SendSpooled
     | CatchUpDone
 )
 PERSIST = (Journal, SpoolBegin, SpoolCommit, SpoolDiscard)

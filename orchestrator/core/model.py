@@ -27,9 +27,9 @@ from orchestrator.core.commands import (
     EngineLost,
     Journal,
     SendAbort,
+    SendSpooled,
     SpoolCommit,
     SpoolDiscard,
-    StartCatchUp,
 )
 from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupPlan, Limits, Spooled, SyncRecord
 from orchestrator.core.states import EngineState, State
@@ -426,10 +426,17 @@ class Model:
             return
         self._own_syncs += 1
         sync_id = f"catchup-{engine_id}-{self.run_id}-{self._own_syncs}"
-        self.catchups[engine_id] = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
+        c = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
+        self.catchups[engine_id] = c
         x.move("join")
-        self.outbox.append(StartCatchUp(engine_id, sync_id, self.last_ready_version))
+        self.send_spooled(engine_id, c)
         # (its finalize carries the spooled version's canaries: `sync.loaded`)
+
+    def send_spooled(self, engine_id: str, c: CatchUp) -> None:
+        """The catch-up's next spooled buckets, keeping `recovery_window` in flight."""
+        while c.sent < c.total and c.sent - c.applied < self.limits.recovery_window:
+            self.outbox.append(SendSpooled(engine_id, c.sync_id, c.version, c.sent))
+            c.sent += 1
 
     def end_catchup(self, engine_id: str, ok: bool, reason: str = "") -> None:
         c = self.catchups.pop(engine_id, None)

@@ -237,7 +237,12 @@ class CatchUp:
     total: int
     last_progress: float
     through: dict[int, int] = field(default_factory=dict)  # sender -> highest seq applied
+    sent: int = 0  # spooled buckets sent so far (seqs 0..sent-1; the spool's sender is 0)
     finalize_sent: bool = False
+
+    @property
+    def applied(self) -> int:
+        return sum(t + 1 for t in self.through.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +260,7 @@ class Limits:
     max_pending: int = 64  # unanswered bucket requests per trainer connection
     fanout_bytes: int | None = None  # the fan-out's per-connection queue budget (None: no fan-out)
     max_delta_chain: int = 16  # delta versions the spool replays on top of a dense one
+    recovery_window: int = 2  # spooled buckets a catch-up (or rollback) has in flight
 
     def pending_per_sender(self, senders: int) -> int:
         """Unanswered bucket requests each of a sync's `senders` connections may have:

@@ -23,7 +23,6 @@ from messages.schema import Begin, Bucket, spec_refusal
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
-    CatchUpAck,
     ForwardBucket,
     Journal,
     OpenStreams,
@@ -347,8 +346,8 @@ def loaded(m: Model, event: Loaded) -> None:
     if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
         if through > c.through.get(sender, -1):
             c.through[sender] = through
-            m.outbox.append(CatchUpAck(eid, event.sync_id, (sender, through)))
-        if sum(t + 1 for t in c.through.values()) >= c.total and not c.finalize_sent:
+            m.send_spooled(eid, c)
+        if c.applied >= c.total and not c.finalize_sent:
             c.finalize_sent = True
             m.outbox.append(SendFinalize(eid, event.sync_id, c.version, m.spooled_probes))
         return

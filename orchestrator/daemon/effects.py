@@ -258,6 +258,13 @@ class Effects:
                 self.transport.send_engine(eid, [header])
         elif isinstance(c, cmd.EngineLost):
             log.warning("engine_lost", engine_id=c.engine_id, cause=c.cause)
+        elif isinstance(c, cmd.SendSpooled):
+            rec = self.recovery
+            if rec is None:  # the core only asks for these with a spool
+                raise make_error(ErrorCode.INTERNAL, "SendSpooled without a spool")
+            failure = rec.send_spooled(c)
+            if failure is not None and self.feed is not None:
+                await self.feed(failure)
         else:
             self._recovery_command(c)
 
@@ -267,10 +274,6 @@ class Effects:
             raise make_error(ErrorCode.INTERNAL, f"{type(c).__name__} without a spool")
         if isinstance(c, cmd.StartRollback):
             rec.start_rollback(c)
-        elif isinstance(c, cmd.StartCatchUp):
-            rec.start_catchup(c)
-        elif isinstance(c, cmd.CatchUpAck):
-            rec.catchup_acked(c)
         elif isinstance(c, cmd.CatchUpDone):
             self.metrics.catchups.labels("ok" if c.ok else "failed").inc()
             rec.catchup_done(c)

@@ -1,10 +1,12 @@
 """Feeding the spooled version back to engines: rollback (all engines, as a sync the FSM
-runs like any other) and catch-up (one rejoining engine, privately).
+runs like any other, its buckets and finish fed through the dispatcher as a trainer's
+would be) and catch-up (one rejoining engine, privately: the core paces it with
+`SendSpooled`, one command per bucket; this module reads the bucket and sends it).
 
-Rules: this module decides what to send next, never when a state changes (the FSM does)
-and never touches a socket itself: it calls the service, on the service's task. At most
-`window` spooled buckets are read into memory per feed, so a rollback costs the same
-memory as a trainer's sync. A spool read error ends the feed with a typed failure.
+Rules: this module never decides when a state changes (the core does) and never touches
+a socket itself: it calls the service, on the service's task. At most `window` spooled
+buckets are read into memory per feed, so a rollback costs the same memory as a
+trainer's sync. A spool read error ends the feed with a typed failure.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
+from orchestrator.core.records import Limits
 from orchestrator.daemon.spool import Spool, SpoolEntry
 
 log = structlog.get_logger()
-RECOVERY_WINDOW = 2  # spooled buckets a rollback or catch-up has in flight
+RECOVERY_WINDOW = Limits().recovery_window  # spooled buckets a rollback has in flight
 
 OnReply = Callable[[dict[str, Any] | None, WeightSyncError | None], None]
 
@@ -54,7 +57,6 @@ class Feed:
     version: int
     entries: list[SpoolEntry]
     window: int
-    engine_id: str | None = None  # None: a rollback to every engine
     digest: str = ""  # a rollback finishes expecting it (the served version's)
     next: int = 0
     inflight: set[tuple[int, int]] = field(default_factory=set)
@@ -89,7 +91,6 @@ class Recovery:
         self.spool = spool
         self.window = window
         self.rollback: Feed | None = None
-        self.catchups: dict[str, Feed] = {}
 
     # -- commands from the FSM ----------------------------------------------------------
     def start_rollback(self, cmd: cmd.StartRollback) -> None:
@@ -98,22 +99,36 @@ class Recovery:
             "rollback_started", sync_id=cmd.sync_id, version=cmd.version, buckets=len(self.rollback.entries)
         )
 
-    def start_catchup(self, cmd: cmd.StartCatchUp) -> None:
-        self.catchups[cmd.engine_id] = Feed(
-            cmd.sync_id, cmd.version, self.spool.entries(), self.window, engine_id=cmd.engine_id
+    def send_spooled(self, c: cmd.SendSpooled) -> ev.Event | None:
+        """Spooled bucket `c.seq`, read from disk and sent to one catching-up engine; the
+        event that fails the catch-up if the spool cannot be read."""
+        entries = self.spool.entries()
+        try:
+            e = entries[c.seq]
+            frame = zmq.Frame(self.spool.read(e))
+        except (OSError, IndexError) as exc:
+            log.error("spool_read_failed", sync_id=c.sync_id, seq=c.seq, reason=str(exc))
+            return ev.EngineFailed(
+                c.engine_id,
+                schema.Failed(sync_id=c.sync_id, code=ErrorCode.INTERNAL.value, message="spool unreadable"),
+            )
+        if c.seq == 0:
+            log.info("engine_catchup_started", engine_id=c.engine_id, sync_id=c.sync_id, version=c.version)
+        header = codec.encode_header(
+            schema.Load(
+                sync_id=c.sync_id,
+                version=c.version,
+                seq=c.seq,
+                tensors=tensor_metas(e),
+                checksum=e.checksum,
+                sender=0,
+                hold=any(x.gen > 0 for x in entries),  # see `Feed.hold`
+            )
         )
-        log.info("engine_catchup_started", engine_id=cmd.engine_id, sync_id=cmd.sync_id, version=cmd.version)
-
-    def catchup_acked(self, cmd: cmd.CatchUpAck) -> None:
-        f = self.catchups.get(cmd.engine_id)
-        if f is not None and f.sync_id == cmd.sync_id:  # cumulative: every seq up to key's
-            sender, through = cmd.key
-            f.inflight = {k for k in f.inflight if k[0] != sender or k[1] > through}
+        self.engines.send_engine(c.engine_id, [header, frame])
+        return None
 
     def catchup_done(self, cmd: cmd.CatchUpDone) -> None:
-        f = self.catchups.get(cmd.engine_id)
-        if f is not None and f.sync_id == cmd.sync_id:
-            del self.catchups[cmd.engine_id]
         if cmd.ok:
             log.info("engine_rejoined", engine_id=cmd.engine_id, sync_id=cmd.sync_id)
         else:
@@ -131,8 +146,6 @@ class Recovery:
 
     # -- pumping (called by the service's loop) -----------------------------------------
     async def pump(self) -> None:
-        for f in list(self.catchups.values()):
-            await self._pump_catchup(f)
         if self.rollback is not None:
             await self._pump_rollback(self.rollback)
 
@@ -149,33 +162,6 @@ class Recovery:
             f.inflight.add((0, i))
             out.append((i, f.entries[i], frame))
         return out
-
-    async def _pump_catchup(self, f: Feed) -> None:
-        due = self._due(f)
-        if due is None or f.engine_id is None:
-            await self.feed(
-                ev.EngineFailed(
-                    f.engine_id or "",
-                    schema.Failed(
-                        sync_id=f.sync_id, code=ErrorCode.INTERNAL.value, message="spool unreadable"
-                    ),
-                )
-            )
-            return
-        hold = f.hold
-        for i, e, frame in due:
-            header = codec.encode_header(
-                schema.Load(
-                    sync_id=f.sync_id,
-                    version=f.version,
-                    seq=i,
-                    tensors=tensor_metas(e),
-                    checksum=e.checksum,
-                    sender=0,
-                    hold=hold,
-                )
-            )
-            self.engines.send_engine(f.engine_id, [header, frame])
 
     async def _pump_rollback(self, f: Feed) -> None:
         due = self._due(f)

@@ -320,7 +320,8 @@ class Service:
         return (
             self.core.state in (State.IDLE, State.READY)
             and self.effects.batches == 0
-            and (r is None or (r.rollback is None and not r.catchups))
+            and (r is None or r.rollback is None)
+            and not self.core.catchups  # its engine's reports pace it: no coalescing
         )
 
     async def _drain(

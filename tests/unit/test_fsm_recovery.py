@@ -116,10 +116,11 @@ def test_a_rollback_failing_at_one_engine_fails_that_engine_and_rolls_the_others
 def test_engine_registering_at_ready_catches_up_privately_and_counts_once_finalized():
     o = ready_v1_spooled()
     res = o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
-    (start,) = cmds(res, fsm.StartCatchUp)
+    (start,) = cmds(res, fsm.SendSpooled)
     assert o.engines["e2"].state == "JOINING" and o.state is State.READY
+    assert (start.engine_id, start.version, start.seq) == ("e2", 1, 0)
     out = o.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
-    assert cmds(out, fsm.CatchUpAck) and cmds(out, fsm.SendFinalize) == [
+    assert not cmds(out, fsm.SendSpooled) and cmds(out, fsm.SendFinalize) == [
         fsm.SendFinalize("e2", start.sync_id, 1, ())
     ]
     out = o.handle(
@@ -130,10 +131,27 @@ def test_engine_registering_at_ready_catches_up_privately_and_counts_once_finali
     assert (o.engines["e2"].state, o.engines["e2"].version) == ("READY", 1)
 
 
+def test_the_core_paces_a_catch_up_within_its_window_and_finalizes_after_the_last_bucket():
+    o = to_ready(spooled_new())
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 5)), o.now)  # five spooled buckets
+    res = o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
+    sent = cmds(res, fsm.SendSpooled)
+    assert [c.seq for c in sent] == list(range(o.limits.recovery_window)) == [0, 1]
+    sid = sent[0].sync_id
+    assert [c.seq for c in cmds(o.handle(ev.Loaded("e2", sid, (0, 0)), 5.1), fsm.SendSpooled)] == [2]
+    assert not cmds(o.handle(ev.Loaded("e2", sid, (0, 0)), 5.2), fsm.SendSpooled)  # no progress: nothing
+    out = o.handle(ev.Loaded("e2", sid, (0, 2)), 5.3)  # cumulative: 1 and 2 applied
+    assert [c.seq for c in cmds(out, fsm.SendSpooled)] == [3, 4] and not cmds(out, fsm.SendFinalize)
+    out = o.handle(ev.Loaded("e2", sid, (0, 4)), 5.4)
+    assert not cmds(out, fsm.SendSpooled) and cmds(out, fsm.SendFinalize) == [
+        fsm.SendFinalize("e2", sid, 1, ())
+    ]
+
+
 def test_catch_up_with_a_wrong_digest_leaves_the_engine_stale():
     o = ready_v1_spooled()
     (start,) = cmds(
-        o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.StartCatchUp
+        o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.SendSpooled
     )
     o.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
     out = o.handle(
@@ -175,7 +193,7 @@ def test_the_daemons_own_sync_ids_never_repeat_across_daemon_runs():
             c.sync_id
             for c in cmds(
                 o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0),
-                fsm.StartCatchUp,
+                fsm.SendSpooled,
             )
         ]
     assert len(ids) == 2 and ids[0] != ids[1]
@@ -213,7 +231,7 @@ def test_a_rollback_and_a_catch_up_check_the_spooled_versions_canaries():
     o2 = ready_v1_spooled()
     o2.handle(ev.SpoolChanged(Spooled(1, "d", 1, (probe,))), o2.now)
     (start,) = cmds(
-        o2.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.StartCatchUp
+        o2.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.SendSpooled
     )
     out = o2.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
     assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", start.sync_id, 1, (probe,))]
