@@ -104,6 +104,36 @@ class FinishReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     rolled_back_from: dict[str, Any] | None = None
 
 
+class EngineView(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine as `status` shows it (the fields a trainer acts on; the rest is display)."""
+
+    engine_id: str
+    state: str  # READY, STALE, LOADING, FINALIZING, JOINING or LOST
+    version: int | None = None  # the version it holds (verified only when READY)
+    digest: str | None = None
+    finalize_count: int = 0
+    labels: bool = False  # it labels its outputs (vLLM): serving a version once `label` says it
+    label: str | None = None  # the label it set last (None: none yet)
+
+
+class StatusReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to `status`, as far as a trainer acts on it (`TrainerClient.fleet`): the
+    full object is documented JSON for people and tools (docs/PROTOCOL.md), and its
+    display-only parts are left out of this type."""
+
+    state: str
+    version: int | None = None  # the served version (None: none, or not READY)
+    last_ready_version: int | None = None  # the last version the fleet committed
+    digest: str | None = None
+    dirty: bool = False
+    engines: tuple[EngineView, ...] = ()
+    min_engines: int = 1
+    rollback_pending: bool = False
+
+    def live(self) -> list[EngineView]:
+        return [e for e in self.engines if e.state != "LOST"]
+
+
 def body(reply: msgspec.Struct) -> dict[str, Any]:
     """The fields a reply travels as."""
     out = msgspec.to_builtins(reply)

@@ -66,6 +66,7 @@ class EngineRecord:
             "pid": self.pid,
             "transports": list(self.transports),
             "collective_ranks": self.collective_ranks,
+            "labels": self.labels,  # it labels outputs: served once `label` says the version
             **({"label": self.label} if self.labels else {}),
             "delta": self.delta,
         }

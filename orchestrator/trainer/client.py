@@ -29,7 +29,7 @@ from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.fanout import window_cap
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
-from messages.replies import BeginReply, FinishReply
+from messages.replies import BeginReply, FinishReply, StatusReply
 from messages.replies import body as reply_body
 from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
@@ -120,12 +120,18 @@ class TrainerClient:
         return self.conn.request(lambda i: schema.Hello(id=i, client="weightsync-client"))
 
     def status(self, timeout: float | None = None) -> dict[str, Any]:
+        """The whole status object, as `weightsync status --json` prints it."""
         return self.conn.request(lambda i: schema.Status(id=i), timeout)
+
+    def fleet(self, timeout: float | None = None) -> StatusReply:
+        """The status, typed: what a trainer acts on (decoded once, BAD_MESSAGE if it does
+        not match)."""
+        return decode_reply(self.status(timeout), StatusReply)
 
     def next_version(self, last: int | None = None) -> int:
         """The version after both `last` (this trainer's own) and what the fleet served, so a
         restarted trainer never pushes a version the fleet already served."""
-        served = self.status().get("last_ready_version")
+        served = self.fleet().last_ready_version
         return max(v for v in (last, served, 0) if v is not None) + 1
 
     def begin(
@@ -458,11 +464,7 @@ class TrainerClient:
 
     def served_versions(self) -> dict[str, int | None]:
         """engine_id -> the version it serves now (None: none verified), lost engines left out."""
-        return {
-            e["engine_id"]: (e["version"] if e["state"] == "READY" else None)
-            for e in self.status()["engines"]
-            if e["state"] != "LOST"
-        }
+        return {e.engine_id: (e.version if e.state == "READY" else None) for e in self.fleet().live()}
 
     def wait_ready(self, min_version: int, *, timeout: float = 300.0, poll: float = 0.1) -> dict[str, int]:
         """Block until the daemon is READY at `min_version` or newer and every live engine
@@ -471,25 +473,25 @@ class TrainerClient:
         labels its outputs (vLLM) counts only once its label says the version it serves."""
         deadline = time.monotonic() + timeout
         while True:
-            st = self.status()
-            live = [e for e in st["engines"] if e["state"] != "LOST"]
+            st = self.fleet()
+            live = st.live()
             behind = [
-                e["engine_id"]
+                e.engine_id
                 for e in live
-                if e["state"] != "READY"
-                or e["version"] is None
-                or e["version"] < min_version
-                or ("label" in e and e["label"] != str(e["version"]))
+                if e.state != "READY"
+                or e.version is None
+                or e.version < min_version
+                or (e.labels and e.label != str(e.version))
             ]
-            if st["state"] == "READY" and (st["version"] or -1) >= min_version and live and not behind:
-                return {e["engine_id"]: e["version"] for e in live}
+            if st.state == "READY" and (st.version or -1) >= min_version and live and not behind:
+                return {e.engine_id: e.version for e in live if e.version is not None}
             if time.monotonic() >= deadline:
                 raise make_error(
                     ErrorCode.TIMEOUT,
                     f"version {min_version} not served everywhere within "
-                    f"{timeout}s: daemon {st['state']} at {st['version']}, behind: {behind}",
-                    state=st["state"],
-                    version=st["version"],
+                    f"{timeout}s: daemon {st.state} at {st.version}, behind: {behind}",
+                    state=st.state,
+                    version=st.version,
                     details={"behind": behind},
                 )
             time.sleep(poll)

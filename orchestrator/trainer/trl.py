@@ -51,8 +51,7 @@ class WeightSyncTransfer:
         """Connect to the daemon and learn the version the fleet serves."""
         if self.client is None:
             self.client = TrainerClient(self.addr, **self.client_options)
-        served = self.client.status().get("last_ready_version")
-        self.version = int(served) if served is not None else None
+        self.version = self.client.fleet().last_ready_version
 
     def pause(self) -> None:
         """Nothing to send: each engine pauses its own server during the sync."""

@@ -102,8 +102,8 @@ class Watcher:
         return _whole(step.path)
 
     def served(self) -> int | None:
-        v = self.client.status().get("last_ready_version")
-        return int(v) if v is not None else None
+        served: int | None = self.client.fleet().last_ready_version
+        return served
 
     def run_once(self, now: float | None = None) -> None:
         """One scan: push every step directory complete now, in order."""

@@ -78,3 +78,19 @@ def test_every_input_says_whether_it_is_answered_now_later_or_not_at_all():
     with pytest.raises(WeightSyncError) as ei:
         decode({**(complete.body or {}), "engines": [{"engine_id": "e0"}]}, FinishReply)
     assert ei.value.code is ErrorCode.BAD_MESSAGE
+
+
+def test_the_status_a_trainer_acts_on_decodes_from_the_cores_snapshot():
+    from messages.replies import StatusReply
+
+    core = _core()
+    core.handle(ev.EngineRegistered(Register(engine_id="e1", backend="vllm", labels=True)), 0.5)
+    st = decode(core.snapshot(1.0), StatusReply)
+    assert (st.state, st.version, st.last_ready_version, st.min_engines) == ("IDLE", None, None, 1)
+    assert [(e.engine_id, e.state, e.version, e.labels, e.label) for e in st.engines] == [
+        ("e0", "STALE", None, False, None),
+        ("e1", "STALE", None, True, None),  # labels outputs, none set yet
+    ]
+    with pytest.raises(WeightSyncError) as ei:
+        decode({**core.snapshot(1.0), "engines": [{"state": "READY"}]}, StatusReply)  # no engine_id
+    assert ei.value.code is ErrorCode.BAD_MESSAGE

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import save_file
 
+from messages.replies import StatusReply
 from orchestrator.trainer.watch import Watcher
 
 
@@ -19,8 +20,8 @@ class Recorder:
         self.pushes: list[int] = []
         self.delta_base = SimpleNamespace(version=None)
 
-    def status(self):
-        return {"last_ready_version": self.served}
+    def fleet(self):
+        return StatusReply(state="READY", last_ready_version=self.served)
 
     def push(self, named, version, **kw):
         assert list(named)  # the checkpoint reads
