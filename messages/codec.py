@@ -17,6 +17,7 @@ from functools import cache
 from typing import Any, Union
 
 import msgspec
+import zmq
 
 from messages import schema
 from messages.dtypes import ITEMSIZE
@@ -26,13 +27,15 @@ from messages.schema import INDEX32_MAX, MAX_TENSORS_PER_BUCKET, MESSAGE_TYPES, 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 _BASE_KEYS = ("v", "type", "id")
+# A frame as ZeroMQ hands it over (`copy=False`: zmq.Frame) or as a caller builds it.
+Frame = bytes | bytearray | memoryview | zmq.Frame
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
     msg: Message
-    payload: list[Any]
+    payload: list[Frame]
 
 
 class _Envelope(msgspec.Struct):
@@ -56,10 +59,10 @@ def _decoder(allowed: tuple[str, ...]) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(Union[types] if len(types) > 1 else types[0])
 
 
-def _raw_bytes(raw: Any) -> Any:
+def _raw_bytes(raw: Frame) -> bytes | bytearray | memoryview:
     if isinstance(raw, (bytes, bytearray, memoryview)):
         return raw
-    return getattr(raw, "buffer", None) or getattr(raw, "bytes", raw)
+    return raw.buffer
 
 
 def _envelope(buf: Any, allowed: tuple[str, ...]) -> _Envelope:
@@ -133,12 +136,11 @@ def _check_patch(where: str, p: schema.Patch, nbytes: int, numel: int, itemsize:
         raise _bad(f"{where}: xor patch of {nbytes} bytes for a {numel * itemsize}-byte tensor")
 
 
-def frame_len(frame: Any) -> int:
-    buf = getattr(frame, "buffer", frame)
-    return memoryview(buf).nbytes
+def frame_len(frame: Frame) -> int:
+    return memoryview(_raw_bytes(frame)).nbytes
 
 
-def _validate(msg: Message, payload: list[Any]) -> None:
+def _validate(msg: Message, payload: list[Frame]) -> None:
     if msg.PAYLOAD == "bucket":
         shm, size = msg.shm, msg.size  # type: ignore[attr-defined]
         if shm is not None and size is not None:
@@ -176,13 +178,13 @@ def encode_header(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
 
 
-def encode(msg: Message, payload: Sequence[Any] = ()) -> list[Any]:
+def encode(msg: Message, payload: Sequence[Frame] = ()) -> list[Frame]:
     """Frames for `send_multipart(frames, copy=False)`: header then payload untouched."""
     return [encode_header(msg), *payload]
 
 
 def decode(
-    frames: Sequence[Any], *, allowed: Sequence[str] | None = None, max_header_bytes: int = MAX_HEADER_BYTES
+    frames: Sequence[Frame], *, allowed: Sequence[str] | None = None, max_header_bytes: int = MAX_HEADER_BYTES
 ) -> Decoded:
     """`[header, *payload]` -> Decoded(msg, payload). Raises MessageError on anything wrong."""
     if not frames:
@@ -208,7 +210,7 @@ def decode(
     return Decoded(msg, payload)
 
 
-def peek_id(raw: Any) -> int:
+def peek_id(raw: Frame) -> int:
     """Best-effort request id of a header that failed to decode, so the error correlates."""
     try:
         buf = _raw_bytes(raw)
