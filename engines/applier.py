@@ -389,16 +389,17 @@ class Applier(threading.Thread):
         """{seq, size} of the collective load right behind `msg` in the queue (same sync and
         group), whose receive the vLLM workers may post before loading `msg`; else None."""
         with self.jobs.mutex:
-            job = self.jobs.queue[0] if self.jobs.queue else None
-        if job is None or job[0] != "load":
+            job: Job | LoadJob | None = self.jobs.queue[0] if self.jobs.queue else None
+        if not isinstance(job, LoadJob):
             return None
-        nxt = job[1][0]
+        nxt = job.msg
         if (
             nxt.sync_id != msg.sync_id
             or nxt.group is None
             or msg.group is None
             or nxt.group.id != msg.group.id
             or nxt.sync_id in self.failed
+            or nxt.size is None
         ):
             return None
         return {"seq": nxt.seq, "size": nxt.size}

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from messages.buckets import Digester, hash_bucket
 from messages.checksums import checksum
+from messages.collective import Member
 from messages.dtypes import DTYPES
 from messages.schema import TensorMeta
+from messages.shm import Reader
 
 
 def keep_pending_weights(flat: torch.Tensor) -> int:
@@ -143,6 +146,26 @@ def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
 LOCAL_BUFFERS: dict[str, Any] = {}
 
 
+@dataclass
+class WorkerReload:
+    """One vLLM worker's side of the syncs (this process only): the reload running, the
+    finalize guard, what it loaded and holds, and its collective member."""
+
+    sync_id: str | None = None
+    version: int | None = None
+    reloading: bool = False
+    finalized: set[str] = field(default_factory=set)  # the guard, in the worker itself
+    finalize_count: int = 0
+    digester: Digester = field(default_factory=Digester)  # a new one at each begin
+    digest: str | None = None
+    reader: Reader = field(default_factory=Reader)
+    loaded: int = 0
+    mode: str | None = None  # layerwise, or process_weights_after_loading
+    kept: int = 0
+    member: Member | None = None  # this worker's collective group member
+    posted: tuple[tuple[Any, Any, Any], Any] | None = None  # a receive posted ahead
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
 
@@ -151,25 +174,10 @@ class WeightSyncExtension:
     vllm_config: Any
     device: Any
 
-    def _ws(self) -> dict[str, Any]:
-        st = getattr(self, "_ws_state", None)
+    def _ws(self) -> WorkerReload:
+        st: WorkerReload | None = getattr(self, "_ws_state", None)
         if st is None:
-            from messages.shm import Reader
-
-            st = {
-                "sync_id": None,
-                "version": None,
-                "reloading": False,
-                "finalized": set(),
-                "finalize_count": 0,
-                "digester": None,
-                "digest": None,
-                "reader": Reader(),
-                "loaded": 0,
-                "mode": None,
-                "kept": 0,
-            }
-            self._ws_state = st
+            st = self._ws_state = WorkerReload()
         return st
 
     def _ws_model(self) -> torch.nn.Module:
@@ -179,52 +187,45 @@ class WeightSyncExtension:
     def ws_info(self, arg: str = "{}") -> dict[str, Any]:
         st = self._ws()
         return {
-            "sync_id": st["sync_id"],
-            "version": st["version"],
-            "reloading": st["reloading"],
-            "finalize_count": st["finalize_count"],
-            "digest": st["digest"],
+            "sync_id": st.sync_id,
+            "version": st.version,
+            "reloading": st.reloading,
+            "finalize_count": st.finalize_count,
+            "digest": st.digest,
             "rank": getattr(self, "rank", 0),
-            "mode": st["mode"],
-            "loaded": st["loaded"],
-            "kept": st["kept"],
+            "mode": st.mode,
+            "loaded": st.loaded,
+            "kept": st.kept,
         }
 
     def ws_begin(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)
         st = self._ws()
-        if st["reloading"]:
-            if st["sync_id"] == a["sync_id"]:
+        if st.reloading:
+            if st.sync_id == a["sync_id"]:
                 return self.ws_info()  # repeated begin of the same sync
             self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
-        if "posted" in st:  # a receive left posted by an ended sync: leave that group
+        if st.posted is not None:  # a receive left posted by an ended sync: leave that group
             self.ws_collective_close()
         model = self._ws_model()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(model)
-            st["mode"] = "layerwise"
+            st.mode = "layerwise"
         except ImportError:
-            st["mode"] = "process_weights_after_loading"
-        st.update(
-            sync_id=a["sync_id"],
-            version=a["version"],
-            reloading=True,
-            digester=Digester(),
-            digest=None,
-            loaded=0,
-            kept=0,
-        )
+            st.mode = "process_weights_after_loading"
+        st.sync_id, st.version, st.reloading = a["sync_id"], a["version"], True
+        st.digester, st.digest, st.loaded, st.kept = Digester(), None, 0, 0
         return self.ws_info()
 
-    def _ws_running(self, a: dict[str, Any], method: str) -> dict[str, Any]:
+    def _ws_running(self, a: dict[str, Any], method: str) -> WorkerReload:
         """The worker's state, if `a`'s sync is the reload running here."""
         st = self._ws()
-        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+        if not st.reloading or st.sync_id != a["sync_id"]:
             raise RuntimeError(
                 f"{method} for sync {a['sync_id']!r} but the running reload is "
-                f"{st['sync_id']!r} (reloading={st['reloading']})"
+                f"{st.sync_id!r} (reloading={st.reloading})"
             )
         return st
 
@@ -242,7 +243,7 @@ class WeightSyncExtension:
             where = "the engine's frame"
         else:
             ref = a["shm"]
-            mv = st["reader"].view(ref["name"], ref["offset"], ref["size"])
+            mv = st.reader.view(ref["name"], ref["offset"], ref["size"])
             where = f"shared-memory bucket {ref['name']}"
         phases: dict[str, float] = {}
         if a.get("checksum") is not None:
@@ -250,7 +251,7 @@ class WeightSyncExtension:
                 return WorkerError("CHECKSUM_MISMATCH", f"{where} is corrupted").result()
             phases["worker_checksum"] = time.perf_counter() - t0
         self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
-        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
+        return {"loaded": st.loaded, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_collective_load(self, arg: str) -> dict[str, Any]:
         """arg: {sync_id, group: GroupRef, seq, size, checksum, tensors, bind, next: {seq,
@@ -262,13 +263,11 @@ class WeightSyncExtension:
         t0 = time.perf_counter()
         a = json.loads(arg)
         st = self._ws_running(a, "ws_collective_load")
-        from messages.collective import Member
-
-        member = st.get("member")
+        member = st.member
         if member is None:
-            member = st["member"] = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0), slots=2)
+            member = st.member = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0), slots=2)
         key = (a["group"]["id"], a.get("seq"), a["size"])
-        posted = st.pop("posted", None)
+        posted, st.posted = st.posted, None
         if posted is not None and posted[0] != key:
             member.close()  # a receive posted for another bucket would take this one's bytes
             raise RuntimeError(f"collective bucket {key} arrived, but {posted[0]} was posted")
@@ -276,7 +275,7 @@ class WeightSyncExtension:
         t1 = time.perf_counter()
         nxt = a.get("next")
         if nxt:
-            st["posted"] = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
+            st.posted = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
         try:
             verify_mac(buf, a.get("seq") or 0, a.get("mac"))
             parts = verify_received(buf, a["tensors"], a["checksum"])
@@ -284,7 +283,7 @@ class WeightSyncExtension:
             return exc.result()
         phases = {"worker_receive": t1 - t0, "worker_checksum": time.perf_counter() - t1}
         self._ws_apply(buf, a["tensors"], parts, phases)
-        return {"loaded": st["loaded"], "seconds": time.perf_counter() - t0, "phases": phases}
+        return {"loaded": st.loaded, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
         """What vLLM's weight-transfer engine (backend weightsync) holds: digest, count."""
@@ -294,8 +293,8 @@ class WeightSyncExtension:
         return {"native": True, **engine.info()}
 
     def ws_collective_close(self, arg: str = "{}") -> str:
-        self._ws().pop("posted", None)  # shut down with the group
-        member = self._ws().pop("member", None)
+        st = self._ws()
+        member, st.posted, st.member = st.member, None, None  # the posted receive goes with the group
         if member is not None:
             member.close()
         return "ok"
@@ -308,44 +307,44 @@ class WeightSyncExtension:
         phases: dict[str, float] | None = None,
     ) -> None:
         st = self._ws()
-        st["kept"] += load_into(
+        st.kept += load_into(
             self._ws_model(),
             flat,
             metas,
-            st["digester"],
-            layerwise=st["mode"] == "layerwise",
+            st.digester,
+            layerwise=st.mode == "layerwise",
             parts=parts,
             phases=phases,
         )
-        st["loaded"] += len(metas)
+        st.loaded += len(metas)
 
     def ws_finalize(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)
         st = self._ws()
-        if a["sync_id"] in st["finalized"]:
+        if a["sync_id"] in st.finalized:
             return {**self.ws_info(), "duplicate": True}
-        if not st["reloading"] or st["sync_id"] != a["sync_id"]:
+        if not st.reloading or st.sync_id != a["sync_id"]:
             raise RuntimeError(f"ws_finalize for sync {a['sync_id']!r} without its begin")
         t0 = time.perf_counter()
         self._ws_end_reload()
-        st["finalized"].add(a["sync_id"])
-        st["finalize_count"] += 1
-        st["digest"] = st["digester"].hexdigest()
+        st.finalized.add(a["sync_id"])
+        st.finalize_count += 1
+        st.digest = st.digester.hexdigest()
         return {**self.ws_info(), "duplicate": False, "seconds": time.perf_counter() - t0}
 
     def ws_abort(self, arg: str) -> dict[str, Any]:
         a = json.loads(arg)
         st = self._ws()
-        if st["reloading"] and st["sync_id"] == a["sync_id"]:
+        if st.reloading and st.sync_id == a["sync_id"]:
             self._ws_end_reload()  # mixed weights, but the model is runnable again
-            st.update(digest=None, version=None)
+            st.digest, st.version = None, None
         return self.ws_info()
 
     def _ws_end_reload(self) -> None:
         st = self._ws()
         model = self._ws_model()
         model_config = self.vllm_config.model_config
-        if st["mode"] == "layerwise":
+        if st.mode == "layerwise":
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(model, model_config)
@@ -353,8 +352,8 @@ class WeightSyncExtension:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
             process_weights_after_loading(model, model_config, self.device)
-        st["reloading"] = False
-        st["reader"].prune()  # drop mappings of slots the trainer unlinked; keep the rest
+        st.reloading = False
+        st.reader.prune()  # drop mappings of slots the trainer unlinked; keep the rest
 
     # -- for tests: the hazard this project exists for ----------------------------------
     def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
@@ -371,7 +370,7 @@ class WeightSyncExtension:
 
         st = self._ws()
         ref = a["shm"]
-        flat = frombuffer(st["reader"].view(ref["name"], ref["offset"], ref["size"]))
+        flat = frombuffer(st.reader.view(ref["name"], ref["offset"], ref["size"]))
         tensors = [
             (
                 m["name"],
