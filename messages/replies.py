@@ -8,13 +8,17 @@ BAD_MESSAGE, never a KeyError deep in the reader. Fields a newer daemon adds are
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import msgspec
 
 from messages.errors import ErrorCode, make_error
 
 R = TypeVar("R", bound=msgspec.Struct)
+
+# A JSON value: what status views, journal rows and reply bodies are made of.
+Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
+JsonObject = dict[str, Json]
 
 
 class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,26 +85,33 @@ class EngineFinal(msgspec.Struct, frozen=True, kw_only=True):
     phases: dict[str, float]  # where its finalize's time went
 
 
-class FinishReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """The answer to `finish` (sent when the sync completes READY; a failure is an error),
-    and the status's `last_sync` of a READY sync. Optional fields are left out when unset."""
+class SyncSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """An ended sync as `status.last_sync` shows it and the finish's answer starts with;
+    optional fields are left out when unset."""
 
     sync_id: str
     version: int
-    status: str  # READY, or ROLLED_BACK for the daemon's own rollback
-    digest: str  # what every participant holds
+    status: str  # READY, FAILED, ABORTED, or ROLLED_BACK for the daemon's own rollback
     kind: str  # sync, or rollback
     buckets: int
     bytes: int
     seconds: float
     engine_ids: tuple[str, ...]  # the participants
     transport: str
-    engines: tuple[EngineFinal, ...]
     stream: bool = False  # it travelled on the collective stream
     group: str | None = None  # the collective group, its size and backend
     world_size: int | None = None
     backend: str | None = None
-    # a rollback: the failed sync it repairs, as status's last_sync showed it (untyped, as status is)
+
+
+class FinishReply(SyncSummary, frozen=True, kw_only=True, omit_defaults=True):
+    """The answer to `finish` (sent when the sync completes READY; a failure is an error),
+    and the status's `last_sync` of a READY sync."""
+
+    digest: str  # what every participant holds
+    engines: tuple[EngineFinal, ...]
+    # a rollback: the failed sync it repairs, as status's last_sync showed it (its shape
+    # depends on how that sync ended, a daemon restart included: left untyped)
     rolled_back_from: dict[str, Any] | None = None
 
 

@@ -15,8 +15,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.replies import EngineFinal, FinishReply
+from messages.replies import EngineFinal, FinishReply, Json, JsonObject
 from messages.replies import body as reply_body
 from messages.schema import ParamSpec, Probe
 from orchestrator.core import syncs
@@ -50,7 +52,7 @@ class Model:
         dirty: bool = False,
         now: float = 0.0,
         run_id: str = "0",
-        history: Iterable[dict[str, Any]] = (),
+        history: Iterable[JsonObject] = (),
         ended: Iterable[tuple[str, str | None, str]] = (),
     ) -> None:
         self.limits = limits or Limits()
@@ -180,9 +182,9 @@ class Model:
         """The canaries of the version the spool holds (a rollback or catch-up re-runs them)."""
         return self.spooled.probes if self.spooled is not None else ()
 
-    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+    def snapshot(self, now: float | None = None) -> JsonObject:
         """The status object's core part; with `now`, each engine's heartbeat age."""
-        engines = []
+        engines: list[Json] = []
         for x in sorted(self.engines.values(), key=lambda x: x.engine_id):
             v = x.view()
             if now is not None:
@@ -318,7 +320,7 @@ class Model:
             self.want_rollback = bool(blamed) and live and self.can_roll_back()
         status = "ABORTED" if trigger == "abort" else "FAILED"
         self.last_sync = {
-            **syncs.summary(s, status, self.now),
+            **reply_body(syncs.summary(s, status, self.now)),
             "code": err.code.value,
             "reason": err.message,
             "by": by,
@@ -374,7 +376,9 @@ class Model:
             x.move("serve")
         body = reply_body(
             FinishReply(
-                **syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now),
+                **msgspec.structs.asdict(
+                    syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now)
+                ),
                 digest=digest,
                 rolled_back_from=s.rollback_of,
                 engines=tuple(

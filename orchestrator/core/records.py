@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.errors import WeightSyncError
+from messages.replies import JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
 from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
@@ -53,7 +54,7 @@ class EngineRecord:
         self.state = engine_move(self.state, trigger)
         self.epoch.value += 1
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         return {
             "engine_id": self.engine_id,
             "backend": self.backend,
@@ -95,7 +96,7 @@ class GroupPlan:
     def rank_of(self, engine_id: str) -> int:
         return next(r for eid, r, _ in self.members if eid == engine_id)
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         return {
             "group": self.id,
             "backend": self.backend,
@@ -200,7 +201,7 @@ class SyncRecord:
             return max(p.nbytes for p in self.prepared.values())
         return self.nbytes
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         return {
             "sync_id": self.sync_id,
             "version": self.version,

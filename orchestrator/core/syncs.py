@@ -6,8 +6,8 @@ changes here: the core's triggers (sync.py) ask, then decide.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from messages.replies import SyncSummary
 from messages.schema import Begin, Probe
 from orchestrator.core.records import EngineRecord, GroupPlan, SyncRecord
 
@@ -145,21 +145,22 @@ def can_stream(msg: Begin, participants: tuple[str, ...], engines: dict[str, Eng
     )
 
 
-def summary(s: SyncRecord, status: str, now: float) -> dict[str, Any]:
-    return {
-        "sync_id": s.sync_id,
-        "version": s.version,
-        "status": status,
-        "kind": s.kind,
-        "buckets": s.bucket_count,
-        "bytes": s.byte_count,
-        "seconds": round(now - s.started_at, 6),
-        "engine_ids": list(s.participants),
-        "transport": s.transport,
-        **({"stream": True} if s.stream else {}),
-        **(
-            {"group": s.group.id, "world_size": s.group.world_size, "backend": s.group.backend}
-            if s.group
-            else {}
-        ),
-    }
+def summary(s: SyncRecord, status: str, now: float) -> SyncSummary:
+    """The ended sync `s`: the part of `status.last_sync` and of the finish's answer that
+    every outcome shares."""
+    g = s.group
+    return SyncSummary(
+        sync_id=s.sync_id,
+        version=s.version,
+        status=status,
+        kind=s.kind,
+        buckets=s.bucket_count,
+        bytes=s.byte_count,
+        seconds=round(now - s.started_at, 6),
+        engine_ids=tuple(s.participants),
+        transport=s.transport,
+        stream=s.stream,
+        group=g.id if g else None,
+        world_size=g.world_size if g else None,
+        backend=g.backend if g else None,
+    )
