@@ -38,6 +38,7 @@ from typing import Any
 
 import zmq
 
+from engines.session import duplicate_finalize
 from messages import codec, fanout, replies, schema, stream
 from messages.checksums import checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
@@ -391,15 +392,7 @@ class Fleet:
 
     def _finalize(self, e: SimEngine, msg: schema.Finalize) -> None:
         if msg.sync_id in e.finalized:  # the engine's own guard: the post-load step runs once
-            self._send(
-                e,
-                schema.Failed(
-                    sync_id=msg.sync_id,
-                    code=ErrorCode.INVALID_STATE.value,
-                    message="finalize already ran for this sync; refused",
-                    duplicate=True,
-                ),
-            )
+            self._send(e, duplicate_finalize(msg.sync_id))
             return
         if e.fault == "no_finalize":
             return

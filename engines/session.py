@@ -55,6 +55,16 @@ TABLE: dict[tuple[Phase, str], Phase] = {
 OPENS: dict[str, Phase] = {"load": Phase.LOADING, "stream": Phase.STREAMING, "finalize": Phase.FINALIZING}
 
 
+def duplicate_finalize(sync_id: str) -> schema.Failed:
+    """What an engine answers a second `finalize` of `sync_id` (its post-load step ran)."""
+    return schema.Failed(
+        sync_id=sync_id,
+        code=ErrorCode.INVALID_STATE.value,
+        message="finalize already ran for this sync; refused",
+        duplicate=True,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Begin:
     """The applier's job that starts a sync on the engine (`Engine.begin`)."""
@@ -187,16 +197,7 @@ class Syncs:
     def _finalize(self, msg: schema.Finalize, out: list[Action]) -> None:
         if msg.sync_id in self.finalized:
             self.duplicates_refused += 1
-            out.append(
-                Send(
-                    schema.Failed(
-                        sync_id=msg.sync_id,
-                        code=ErrorCode.INVALID_STATE.value,
-                        message="finalize already ran for this sync; refused",
-                        duplicate=True,
-                    )
-                )
-            )
+            out.append(Send(duplicate_finalize(msg.sync_id)))
             return
         s = self._open(msg.sync_id, msg.version, "finalize", out)
         self.finalized.add(msg.sync_id)
