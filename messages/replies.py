@@ -8,6 +8,7 @@ BAD_MESSAGE, never a KeyError deep in the reader. Fields a newer daemon adds are
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar, Union
 
 import msgspec
@@ -145,7 +146,7 @@ class StatusReply(msgspec.Struct, frozen=True, kw_only=True):
         return [e for e in self.engines if e.state != "LOST"]
 
 
-def body(reply: msgspec.Struct) -> dict[str, Any]:
+def body(reply: msgspec.Struct) -> JsonObject:
     """The fields a reply travels as."""
     out = msgspec.to_builtins(reply)
     if not isinstance(out, dict):
@@ -153,7 +154,7 @@ def body(reply: msgspec.Struct) -> dict[str, Any]:
     return out
 
 
-def decode(fields: dict[str, Any], cls: type[R]) -> R:
+def decode(fields: Mapping[str, object], cls: type[R]) -> R:
     """The reply `cls` from the fields that arrived; BAD_MESSAGE if they do not match."""
     try:
         return msgspec.convert(fields, cls)
