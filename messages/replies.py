@@ -81,7 +81,8 @@ class EngineFinal(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     digest: str
     finalize_count: int
-    probes: tuple[tuple[int, ...], ...]  # the canaries' greedy tokens, per probe
+    # lists, not tuples: the body a trainer gets back in SyncResult is plain JSON
+    probes: list[list[int]]  # the canaries' greedy tokens, per probe
     seconds: float
     phases: dict[str, float]  # where its finalize's time went
 
@@ -97,7 +98,7 @@ class SyncSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     buckets: int
     bytes: int
     seconds: float
-    engine_ids: tuple[str, ...]  # the participants
+    engine_ids: list[str]  # the participants
     transport: str
     stream: bool = False  # it travelled on the collective stream
     group: str | None = None  # the collective group, its size and backend
@@ -110,7 +111,7 @@ class FinishReply(SyncSummary, frozen=True, kw_only=True, omit_defaults=True):
     and the status's `last_sync` of a READY sync."""
 
     digest: str  # what every participant holds
-    engines: tuple[EngineFinal, ...]
+    engines: list[EngineFinal]
     # a rollback: the failed sync it repairs, as status's last_sync showed it (its shape
     # depends on how that sync ended, a daemon restart included: left untyped)
     rolled_back_from: dict[str, Any] | None = None

@@ -381,17 +381,17 @@ class Model:
                 ),
                 digest=digest,
                 rolled_back_from=s.rollback_of,
-                engines=tuple(
+                engines=[
                     EngineFinal(
                         engine_id=eid,
                         digest=f.digest,
-                        probes=tuple(tuple(p) for p in f.probes),
+                        probes=[list(p) for p in f.probes],
                         finalize_count=f.finalize_count,
                         seconds=f.seconds,
                         phases=dict(f.phases),
                     )
                     for eid, f in sorted(s.finalized.items())
-                ),
+                ],
             )
         )
         self.last_sync = {**body, "at": self.now}

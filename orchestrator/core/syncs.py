@@ -157,7 +157,7 @@ def summary(s: SyncRecord, status: str, now: float) -> SyncSummary:
         buckets=s.bucket_count,
         bytes=s.byte_count,
         seconds=round(now - s.started_at, 6),
-        engine_ids=tuple(s.participants),
+        engine_ids=list(s.participants),
         transport=s.transport,
         stream=s.stream,
         group=g.id if g else None,

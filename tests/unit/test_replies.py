@@ -72,7 +72,7 @@ def test_every_input_says_whether_it_is_answered_now_later_or_not_at_all():
     out = core.handle(ev.EngineFinalized("e0", Finalized(sync_id="s1", version=1, digest="d" * 32)), 3.0)
     (complete,) = [c for c in out.commands if type(c).__name__ == "CompleteSync"]
     r = decode(complete.body or {}, FinishReply)  # the finish's answer, typed
-    assert (r.status, r.version, r.digest, r.buckets, r.engine_ids) == ("READY", 1, "d" * 32, 1, ("e0",))
+    assert (r.status, r.version, r.digest, r.buckets, r.engine_ids) == ("READY", 1, "d" * 32, 1, ["e0"])
     assert [(e.engine_id, e.digest) for e in r.engines] == [("e0", "d" * 32)] and not r.stream
     assert "stream" not in (complete.body or {}) and "group" not in (complete.body or {})  # unset: left out
     with pytest.raises(WeightSyncError) as ei:
