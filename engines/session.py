@@ -136,12 +136,9 @@ class Syncs:
         c = self.current
         return c if c is not None and c.sync_id == sync_id else None
 
-    def _move(self, s: Sync, trigger: str) -> bool:
-        nxt = TABLE.get((s.phase, trigger))
-        if nxt is None:
-            return False
-        s.phase = nxt
-        return True
+    def _move(self, s: Sync, trigger: str) -> None:
+        """`s`'s phase after `trigger`, if the table has the pair (else unchanged)."""
+        s.phase = TABLE.get((s.phase, trigger), s.phase)
 
     def _open(self, sync_id: str, version: int, trigger: str, out: list[Action]) -> Sync:
         """`sync_id`'s record; its first message starts it, superseding the running one."""

@@ -259,19 +259,19 @@ class Effects:
         elif isinstance(c, cmd.EngineLost):
             log.warning("engine_lost", engine_id=c.engine_id, cause=c.cause)
         elif isinstance(c, cmd.SendSpooled):
-            rec = self.recovery
-            if rec is None:  # the core only asks for these with a spool
-                raise make_error(ErrorCode.INTERNAL, "SendSpooled without a spool")
-            failure = rec.send_spooled(c)
+            failure = self._recovery_of(c).send_spooled(c)
             if failure is not None and self.feed is not None:
                 await self.feed(failure)
         else:
             self._recovery_command(c)
 
-    def _recovery_command(self, c: cmd.Command) -> None:
-        rec = self.recovery
-        if rec is None:  # the core only asks for these with a spool
+    def _recovery_of(self, c: cmd.Command) -> Recovery:
+        if self.recovery is None:  # the core only asks for these with a spool
             raise make_error(ErrorCode.INTERNAL, f"{type(c).__name__} without a spool")
+        return self.recovery
+
+    def _recovery_command(self, c: cmd.Command) -> None:
+        rec = self._recovery_of(c)
         if isinstance(c, cmd.StartRollback):
             rec.start_rollback(c)
         elif isinstance(c, cmd.CatchUpDone):

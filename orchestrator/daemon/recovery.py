@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Protocol
 
 import msgspec
@@ -61,12 +60,7 @@ class Feed:
     next: int = 0
     inflight: set[tuple[int, int]] = field(default_factory=set)
     finishing: bool = False
-
-    @cached_property
-    def hold(self) -> bool:
-        """The version is kept as base + deltas: engines keep what the replay loads until
-        it ends (`Load.hold`), so one without a base of its own rebuilds it too."""
-        return any(e.gen > 0 for e in self.entries)
+    hold: bool = False  # engines keep what the replay loads until it ends (`Spool.layered`)
 
     def due(self) -> list[int]:
         n: list[int] = []
@@ -94,7 +88,14 @@ class Recovery:
 
     # -- commands from the FSM ----------------------------------------------------------
     def start_rollback(self, cmd: cmd.StartRollback) -> None:
-        self.rollback = Feed(cmd.sync_id, cmd.version, self.spool.entries(), self.window, digest=cmd.digest)
+        self.rollback = Feed(
+            cmd.sync_id,
+            cmd.version,
+            self.spool.entries(),
+            self.window,
+            digest=cmd.digest,
+            hold=self.spool.layered,
+        )
         log.warning(
             "rollback_started", sync_id=cmd.sync_id, version=cmd.version, buckets=len(self.rollback.entries)
         )
@@ -102,9 +103,8 @@ class Recovery:
     def send_spooled(self, c: cmd.SendSpooled) -> ev.Event | None:
         """Spooled bucket `c.seq`, read from disk and sent to one catching-up engine; the
         event that fails the catch-up if the spool cannot be read."""
-        entries = self.spool.entries()
         try:
-            e = entries[c.seq]
+            e = self.spool.entry(c.seq)
             frame = zmq.Frame(self.spool.read(e))
         except (OSError, IndexError) as exc:
             log.error("spool_read_failed", sync_id=c.sync_id, seq=c.seq, reason=str(exc))
@@ -122,7 +122,7 @@ class Recovery:
                 tensors=tensor_metas(e),
                 checksum=e.checksum,
                 sender=0,
-                hold=any(x.gen > 0 for x in entries),  # see `Feed.hold`
+                hold=self.spool.layered,
             )
         )
         self.engines.send_engine(c.engine_id, [header, frame])

@@ -135,6 +135,16 @@ class Spool:
     def entries(self) -> list[SpoolEntry]:
         return list(self._entries)
 
+    def entry(self, i: int) -> SpoolEntry:
+        """The committed version's bucket `i` (IndexError past the last)."""
+        return self._entries[i]
+
+    @property
+    def layered(self) -> bool:
+        """The version is kept as base + deltas (`SpoolInfo.chain`): a replay's engines keep
+        what it loads until it ends (`Load.hold`), so one without a base rebuilds it too."""
+        return self.info is not None and self.info.chain > 0
+
     def read(self, entry: SpoolEntry) -> bytes:
         if self._dir is None:
             raise OSError("the spool holds no version")
