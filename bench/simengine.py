@@ -40,7 +40,7 @@ import zmq
 
 from engines.session import duplicate_finalize
 from messages import codec, fanout, replies, schema, stream
-from messages.checksums import checksum, combine, part_hasher
+from messages.checksums import bucket_checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
 from messages.progress import Progress
 from messages.schema import REPORT_INTERVAL
@@ -360,7 +360,7 @@ class Fleet:
         if e.fault_seq("fail_at") == msg.seq:
             self._failed(e, msg, ErrorCode.ENGINE_FAILED, "simulated failure")
             return
-        if payload and checksum(payload[0].buffer) != msg.checksum:
+        if payload and bucket_checksum(payload[0].buffer, msg.tensors) != msg.checksum:
             self._failed(e, msg, ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq} arrived corrupted")
             return
         if e.progress is None or e.progress.sync_id != msg.sync_id:

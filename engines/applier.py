@@ -38,7 +38,7 @@ from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
 from messages.buckets import iter_buckets, unpack
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
@@ -280,7 +280,7 @@ class Applier(threading.Thread):
             metas = stream.decode_metas(h, meta_raw)
         except MessageError as exc:
             raise WeightSyncError(exc.reason, code=exc.code) from None
-        if checksum(buf) != h.checksum:
+        if bucket_checksum(buf, metas) != h.checksum:
             raise WeightSyncError(f"bucket seq {h.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         t1 = time.perf_counter()
         self._add("checksum", t1 - t0)
@@ -308,7 +308,7 @@ class Applier(threading.Thread):
         if buf is None:  # the engine's own workers received and loaded it (vLLM)
             return
         t0 = time.perf_counter()
-        if checksum(buf) != msg.checksum:
+        if bucket_checksum(buf, msg.tensors) != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         self._add("checksum", time.perf_counter() - t0)
         self._apply(msg, buf)

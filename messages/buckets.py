@@ -1,7 +1,8 @@
 """Named tensors <-> flat byte buckets, and the weight digest.
 
 Rules: a bucket is one contiguous uint8 buffer with tensors back to back at 64-byte
-aligned offsets; its header lists `TensorMeta`s and an xxh3-64 checksum of the buffer.
+aligned offsets; its header lists `TensorMeta`s and its checksum (messages.checksums: over its tensors'
+digest parts, so one pass over the bytes gives both).
 Packing copies each tensor once (that copy is the wire image); unpacking never copies:
 it returns views into the received buffer. `digest()` is the one definition of "the same
 weights" used by trainers and every engine.
@@ -16,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from messages.checksums import checksum, combine, part_hasher
+from messages.checksums import bucket_hash, checksum_of, combine, part_hasher
 from messages.dtypes import DTYPES, dtype_name
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
@@ -135,7 +135,8 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
     """dst[:] = src for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
-    chunk of `dst` to every streaming hasher (the checksum and the digest in one loop)."""
+    chunk of `dst` to every streaming hasher (the tensor's part, which serves the checksum
+    and the digest alike)."""
     n = src.numel()
     for off in range(0, n, CHUNK):
         d = dst[off : off + CHUNK]
@@ -161,33 +162,28 @@ def _pack(
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
-    frame_hash = xxhash.xxh3_64()  # streaming: equal to checksum(data) at the end
+    parts: list[bytes] = []  # every tensor's part: its digest part and a piece of the checksum
     pos = 0
     for meta, (name, t) in zip(metas, items, strict=True):
-        if meta.offset > pos:  # padding is part of the checksummed frame: make it zeros
-            pad = data[pos : meta.offset]
-            pad.zero_()
-            frame_hash.update(_buffer(pad))
-        if isinstance(t, Patched):  # the digest is of the tensor the patch rebuilds
-            if meta.nbytes:
-                copy_hashing(data[meta.offset : meta.offset + meta.nbytes], t.data, frame_hash)
-            if digester is not None:
-                digester.add(name, t.patch.result)
-            pos = meta.offset + meta.nbytes
-            continue
-        tensor_hash = digester.start(name, t) if digester is not None else None
-        hashers = (frame_hash,) if tensor_hash is None else (frame_hash, tensor_hash)
-        if meta.nbytes and isinstance(t, Cast):  # the casting copy writes the bucket itself
-            dst = data[meta.offset : meta.offset + meta.nbytes]
+        if meta.offset > pos:  # padding: zeros, so the frame is the same every time
+            data[pos : meta.offset].zero_()
+        h = part_hasher(meta.name, meta.dtype, meta.shape)
+        dst = data[meta.offset : meta.offset + meta.nbytes]
+        if not meta.nbytes:
+            pass
+        elif isinstance(t, Patched):
+            copy_hashing(dst, t.data, h)
+        elif isinstance(t, Cast):  # the casting copy writes the bucket itself
             dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
-            for h in hashers:
-                h.update(_buffer(dst))
-        elif meta.nbytes:
-            copy_hashing(data[meta.offset : meta.offset + meta.nbytes], as_bytes(t), *hashers)
-        if digester is not None:
-            digester.finish(name, tensor_hash)
+            h.update(_buffer(dst))
+        else:
+            copy_hashing(dst, as_bytes(t), h)
+        part = h.digest()
+        parts.append(part)
+        if digester is not None:  # a patch's digest part is the tensor it rebuilds
+            digester.add(name, t.patch.result if isinstance(t, Patched) else part)
         pos = meta.offset + meta.nbytes
-    return PackedBucket(seq, tuple(metas), data, frame_hash.intdigest())
+    return PackedBucket(seq, tuple(metas), data, checksum_of(parts))
 
 
 def iter_buckets(
@@ -247,35 +243,13 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
         yield m.name, t.view(m.shape) if m.shape else t.reshape(())
 
 
-# Chunk of `hash_bucket`'s single pass: the checksum reads a chunk from memory, the
-# tensor's digest hash reads it again from cache.
-HASH_CHUNK = 1 << 20
-
-
 def hash_bucket(
     buf: Any, metas: Sequence[TensorMeta], parts: bool = False
 ) -> tuple[int, dict[str, bytes] | None]:
     """The bucket checksum of `buf` and, with `parts`, every tensor's digest part
-    (`Digester.add`), in one pass over the bytes."""
-    mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
-    if not parts:
-        return checksum(mv), None
-    frame = xxhash.xxh3_64()
-    out: dict[str, bytes] = {}
-    pos = 0
-    for m in metas:
-        if m.offset > pos:
-            frame.update(mv[pos : m.offset])
-        h = Digester.start_meta(m.name, m.dtype, tuple(m.shape))
-        for off in range(m.offset, m.offset + m.nbytes, HASH_CHUNK):
-            chunk = mv[off : min(off + HASH_CHUNK, m.offset + m.nbytes)]
-            frame.update(chunk)
-            h.update(chunk)
-        out[m.name] = h.digest()
-        pos = m.offset + m.nbytes
-    if pos < mv.nbytes:
-        frame.update(mv[pos:])
-    return frame.intdigest(), out
+    (`Digester.add`): the same single pass over the bytes either way."""
+    got, pieces = bucket_hash(buf, metas)
+    return got, ({m.name: p for m, p in zip(metas, pieces, strict=True)} if parts else None)
 
 
 class Digester:

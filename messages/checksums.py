@@ -1,12 +1,31 @@
-"""The bucket checksum (xxh3-64 of the bucket's bytes) and the weight digest's pieces (a
-tensor's part: xxh3-128 of its name, dtype, shape and bytes; the digest: over the sorted
-parts). Torch-free: the daemon and the simulated engines use them."""
+"""The weight digest's pieces (a tensor's part: xxh3-128 of its name, dtype, shape and
+bytes; the digest: over the sorted parts) and the bucket checksum, which is made of the
+same parts: xxh3-64 over the parts of the bucket's tensors, in order. One pass over a
+bucket's bytes therefore yields both its checksum and every tensor's digest part
+(`bucket_hash`); the padding between tensors (zeros, never loaded) is not covered.
+Torch-free: the daemon and the simulated engines use them."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import xxhash
+
+
+class Ranged(Protocol):
+    """What `bucket_hash` reads of a tensor's meta (messages.schema.TensorMeta)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 def checksum(buf: Any) -> int:
@@ -23,6 +42,30 @@ def part_hasher(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     h.update(b"\0" + dtype.encode() + b"\0")
     h.update(repr(tuple(shape)).encode())
     return h
+
+
+def checksum_of(parts: Iterable[bytes]) -> int:
+    """A bucket's checksum from its tensors' parts, in the bucket's order."""
+    return xxhash.xxh3_64_intdigest(b"".join(parts))
+
+
+def bucket_hash(buf: Any, metas: Iterable[Ranged]) -> tuple[int, list[bytes]]:
+    """The checksum of a bucket and every tensor's part, in one pass over its bytes
+    (a range past the buffer's end reads short, so the checksum does not match)."""
+    if hasattr(buf, "numpy"):
+        buf = buf.numpy()
+    mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
+    parts = []
+    for m in metas:
+        h = part_hasher(m.name, m.dtype, tuple(m.shape))
+        if m.nbytes:
+            h.update(mv[m.offset : m.offset + m.nbytes])
+        parts.append(h.digest())
+    return checksum_of(parts), parts
+
+
+def bucket_checksum(buf: Any, metas: Iterable[Ranged]) -> int:
+    return bucket_hash(buf, metas)[0]
 
 
 def combine(parts: dict[str, bytes]) -> str:

@@ -31,7 +31,7 @@ from engines.base import EngineInfo, validate_bucket
 from messages.buckets import digest as weights_digest
 from messages.buckets import iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, TensorMeta
 from messages.shm import Segment
@@ -157,7 +157,7 @@ class VllmBase:
             sync_id=self.sync_id,
             tensors=wire,
             parts=_hex(parts),
-            checksum=None if parts is not None else checksum(self.staging.view(0, n)),
+            checksum=None if parts is not None else bucket_checksum(self.staging.view(0, n), metas),
             shm={"name": self.staging.name, "offset": 0, "size": n},
         )
 

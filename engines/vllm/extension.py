@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from messages.buckets import Digester, hash_bucket
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from messages.collective import Member
 from messages.dtypes import DTYPES
 from messages.schema import TensorMeta
@@ -111,13 +111,17 @@ class WorkerError(ValueError):
         return {"error": {"code": self.code, "message": self.message}}
 
 
+def _metas(wire: list[dict[str, Any]]) -> list[TensorMeta]:
+    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"]) for m in wire]
+
+
 def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: int) -> dict[str, bytes]:
     """Check a bucket received by broadcast against its checksum and return every tensor's
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
     got, parts = hash_bucket(
         host.numpy(),
-        [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"]) for m in metas],
+        _metas(metas),
         parts=True,
     )
     if got != expected:
@@ -247,7 +251,7 @@ class WeightSyncExtension:
             where = f"shared-memory bucket {ref['name']}"
         phases: dict[str, float] = {}
         if a.get("checksum") is not None:
-            if checksum(mv) != a["checksum"]:
+            if bucket_checksum(mv, _metas(a["tensors"])) != a["checksum"]:
                 return WorkerError("CHECKSUM_MISMATCH", f"{where} is corrupted").result()
             phases["worker_checksum"] = time.perf_counter() - t0
         self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from messages import codec, schema
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 from messages.shm import Reader
 from orchestrator import __version__
@@ -176,7 +176,7 @@ class Dispatcher:
             nbytes = msg.size
             if payload and transport == "collective" and route is not None and route.spool:
                 frame = payload[0]
-                checksum_ok = checksum(frame.buffer) == msg.checksum
+                checksum_ok = bucket_checksum(frame.buffer, msg.tensors) == msg.checksum
         elif msg.shm is not None:
             nbytes = msg.shm.size
             if transport in ("shm", "mixed"):
@@ -187,13 +187,13 @@ class Dispatcher:
                 else:
                     if transport == "mixed":  # cut an inline frame for the engines without shm
                         frame = bytes(view)
-                        checksum_ok = checksum(frame) == msg.checksum
+                        checksum_ok = bucket_checksum(frame, msg.tensors) == msg.checksum
                     del view  # pure shm: the daemon never touches the bytes; engines verify
         else:
             frame = payload[0]
             nbytes = len(frame)
             if transport in ("inline", "shm", "mixed"):
-                checksum_ok = checksum(frame.buffer) == msg.checksum
+                checksum_ok = bucket_checksum(frame.buffer, msg.tensors) == msg.checksum
         held = Pending(msg, frame)
         self.inflight.held.add(held)
         event = ev.BucketIn(

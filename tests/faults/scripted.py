@@ -113,8 +113,8 @@ class ScriptedEngine(Peer):
 def bucket_frames(sync_id: str, seq: int = 0, value: float = 1.0) -> tuple[schema.Bucket, bytes]:
     import struct
 
-    from messages.checksums import checksum
+    from messages.checksums import bucket_checksum
 
     frame = struct.pack("<4f", value, value, value, value)
     meta = (schema.TensorMeta("w", "float32", (4,), 0, 16),)
-    return schema.Bucket(sync_id=sync_id, seq=seq, tensors=meta, checksum=checksum(frame)), frame
+    return schema.Bucket(sync_id=sync_id, seq=seq, tensors=meta, checksum=bucket_checksum(frame, meta)), frame

@@ -13,7 +13,7 @@ import pytest
 from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, WeightSyncError
 from messages.keys import client_keys, generate
 from orchestrator.trainer.client import TrainerClient
@@ -183,7 +183,7 @@ def test_with_keys_the_collective_store_is_curve_and_every_bucket_carries_a_mac(
             tag = real(key, h, data, metas)  # the trainer's own tag, over the bytes it packed
             if h.seq == 1 and not tampered:  # then, in flight: other bytes, a checksum to match
                 data[0] ^= 0xFF  # the slot the broadcast sends (data views it)
-                object.__setattr__(h, "checksum", checksum(data))
+                object.__setattr__(h, "checksum", bucket_checksum(data, wire_stream.decode_metas(h, metas)))
                 tampered.append(h.seq)
             return tag
 

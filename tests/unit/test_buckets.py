@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from messages.buckets import ALIGN, checksum, digest, iter_buckets, unpack
+from messages.buckets import ALIGN, digest, iter_buckets, unpack
+from messages.checksums import bucket_checksum
 from messages.dtypes import DTYPES
 
 
@@ -24,7 +25,7 @@ def _sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
 def _roundtrip(named, bucket_bytes=1 << 20):
     out = {}
     for b in iter_buckets(named, bucket_bytes):
-        assert checksum(b.frame()) == b.checksum
+        assert bucket_checksum(b.frame(), b.tensors) == b.checksum
         for name, t in unpack(b.tensors, bytes(b.frame())):
             out[name] = t
     return out
@@ -77,7 +78,7 @@ def test_checksum_detects_one_flipped_bit():
     (b,) = list(iter_buckets([("a", torch.randn(256))]))
     raw = bytearray(b.frame())
     raw[100] ^= 0x01
-    assert checksum(bytes(raw)) != b.checksum
+    assert bucket_checksum(bytes(raw), b.tensors) != b.checksum
 
 
 def test_unsupported_dtype_is_refused_before_packing():
@@ -110,3 +111,42 @@ def test_digest_is_independent_of_order_and_bucketing(sizes, bucket_bytes, seed)
     got = _roundtrip(shuffled, bucket_bytes)
     assert digest(named) == digest(shuffled) == digest(got.items())
     assert set(got) == {n for n, _ in named}
+
+
+def test_one_pass_gives_the_checksum_and_every_digest_part(monkeypatch):
+    """Packing hashes each tensor's bytes once: that hash is the tensor's digest part and
+    a piece of the bucket's checksum, so an engine's single pass (hash_bucket) checks the
+    bucket and yields the parts of the digest the trainer computed."""
+    import messages.buckets as mb
+    from messages.buckets import Digester, hash_bucket
+    from messages.checksums import part_hasher
+
+    fed = []
+
+    class Counting:
+        def __init__(self, *a):
+            self.h = part_hasher(*a)
+
+        def update(self, b):
+            fed.append(memoryview(b).nbytes)
+            self.h.update(b)
+
+        def digest(self):
+            return self.h.digest()
+
+    monkeypatch.setattr(mb, "part_hasher", Counting)
+    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int32)), ("c", torch.randn(64))]
+    d = Digester()
+    (b,) = list(iter_buckets(named, 1 << 20, digester=d))
+    assert sum(fed) == sum(m.nbytes for m in b.tensors)  # every byte hashed once, padding never
+    got, parts = hash_bucket(b.frame(), b.tensors, parts=True)
+    assert got == b.checksum
+    assert d.hexdigest() == digest(named)
+    ref = Digester()
+    for name, p in parts.items():
+        ref.add(name, p)
+    assert ref.hexdigest() == digest(named)
+    raw = bytearray(b.frame())
+    last = b.tensors[-1]
+    raw[last.offset + last.nbytes - 1] ^= 0x80  # the bucket's very last byte
+    assert bucket_checksum(bytes(raw), b.tensors) != b.checksum

@@ -6,7 +6,7 @@ from __future__ import annotations
 import zmq
 
 from messages import codec, fanout, schema
-from messages.checksums import checksum
+from messages.checksums import bucket_checksum
 from orchestrator.core.records import EngineRecord, Epoch, SyncRecord
 from orchestrator.core.states import EngineState
 from orchestrator.daemon.fanout import Plan, plan
@@ -21,7 +21,7 @@ def load(sync_id: str, seq: int, shm: bool = False) -> list[bytes]:
         version=1,
         seq=seq,
         tensors=META,
-        checksum=checksum(frame),
+        checksum=bucket_checksum(frame, META),
         shm=schema.ShmRef(name="weightsync.trainer.1.0123456789ab", offset=0, size=16) if shm else None,
     )
     return [fanout.DATA, codec.encode_header(msg), *(() if shm else (frame,))]
