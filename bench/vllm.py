@@ -11,7 +11,11 @@ direct, ...) after one warm-up round, medians of `--repeats`:
 - disk: what a user does without weightsync, `safetensors.save_file` then vLLM's
   `reload_weights(weights_path=...)` on the same in-process LLM.
 `--profile` prints where one sync's time goes, per engine and in the trainer (medians
-over the repeats; phases overlap: the trainer packs while the engine loads).
+over the repeats; phases overlap: the trainer packs while the engine loads), and the
+account of its passes over the model's bytes: for each pass, who reads and writes what,
+in which process and thread, its bytes and seconds. With two sizes or more, each pass's
+cost is split into a fixed part and a per-MB part (a line through the sizes), and so is
+weightsync's overhead above the direct load.
 `--check` exits 1 naming each missed target.
 """
 
@@ -28,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 RATIO_TARGET = 1.3  # weightsync (shm, collective) / direct
+INLINE_TARGET = 2.0  # weightsync inline / direct
+PER_MB_TARGET = 0.1  # ms of weightsync's overhead above direct, per MB (shm), fitted over sizes
 
 
 def _direct(llm: Any, buckets: list) -> float:
@@ -135,6 +141,159 @@ def run_size(
     }
 
 
+PASS_COLUMNS = ("process", "thread", "reads -> writes")
+
+
+def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
+    """One sync's passes over the model's bytes (medians over the repeats), and the direct
+    load's for comparison. `bytes` is what the pass reads; seconds are its own time on
+    its thread (`cpu` rows: that process's CPU, every thread)."""
+    n = res["model_bytes"]
+    rows = res["profiles"][transport]
+    tr = _median_phases([r["trainer"] for r in rows])
+    en = _median_phases([next(iter(r["engines"].values()), {}) for r in rows])
+    cpu = _median_phases([r["cpu"] for r in rows])
+    slot = {"shm": "its shm slot", "inline": "its ring buffer", "collective": "its ring buffer"}[transport]
+    out = [
+        ("trainer: pack", "trainer", "main", f"tensors -> {slot}", n, tr.get("pack_copy", 0.0)),
+        ("trainer: hash", "trainer", "main", f"{slot} -> every tensor's part", n, tr.get("pack_hash", 0.0)),
+    ]
+    if transport == "inline":
+        out.append(
+            (
+                "daemon: forward",
+                "daemon",
+                "all (CPU)",
+                "socket -> frame -> part check -> socket (and the control messages)",
+                n,
+                cpu.get("daemon", 0.0),
+            )
+        )
+    else:
+        out.append(
+            (
+                "daemon: control",
+                "daemon",
+                "all (CPU)",
+                "messages only: no byte of the model",
+                0,
+                cpu.get("daemon", 0.0),
+            )
+        )
+    if transport == "collective":
+        out.append(
+            (
+                "worker: receive",
+                "engine",
+                "vLLM worker",
+                "group -> receive buffer",
+                n,
+                en.get("worker_receive", 0.0),
+            )
+        )
+        out.append(
+            (
+                "worker: hash",
+                "engine",
+                "vLLM worker",
+                "receive buffer -> parts, checked",
+                n,
+                en.get("worker_checksum", 0.0),
+            )
+        )
+    else:
+        out.append(
+            ("engine: hash", "engine", "verifier", "bucket -> parts, checked", n, en.get("checksum", 0.0))
+        )
+    out.append(
+        (
+            "vLLM: load",
+            "engine",
+            "applier (vLLM's loaders)",
+            "bucket -> layer buffers -> parameters (2 passes, as in direct)",
+            2 * n,
+            en.get("vllm_load_weights", 0.0),
+        )
+    )
+    out.append(
+        (
+            "vLLM: keep pending",
+            "engine",
+            "applier",
+            "weights of layers a bucket cut -> copies",
+            int(en.get("vllm_keep_pending_bytes", 0.0)),
+            en.get("vllm_keep_pending", 0.0),
+        )
+    )
+    out.append(
+        (
+            "direct: load",
+            "bench",
+            "vLLM's loaders",
+            "tensors -> layer buffers -> parameters",
+            2 * n,
+            res["median_s"]["direct"],
+        )
+    )
+    return [
+        dict(zip(("pass", "process", "thread", "reads -> writes", "bytes", "seconds"), r, strict=True))
+        for r in out
+    ]
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line through (MB, seconds): (fixed ms, ms per MB)."""
+    if len(points) < 2:
+        return float("nan"), float("nan")
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else float("nan")
+    return (my - slope * mx) * 1e3, slope * 1e3
+
+
+def overhead_fit(results: list[dict[str, Any]], transport: str) -> tuple[float, float]:
+    """weightsync's time above the direct load, as fixed ms + ms per MB of the model."""
+    return fit(
+        [
+            (r["model_bytes"] / 1e6, r["median_s"][transport] - r["median_s"]["direct"])
+            for r in results
+            if transport in r["median_s"]
+        ]
+    )
+
+
+def pass_table(res: dict[str, Any], transport: str) -> str:
+    lines = [
+        f"  passes over the bytes, {transport} ({res['model_bytes'] / 1e6:.1f} MB; medians):",
+        f"    {'pass':20s} {'process':8s} {'thread':26s} {'reads -> writes':66s} {'MB':>7s} {'ms':>7s} {'ms/MB':>6s}",
+    ]
+    for p in passes(res, transport):
+        mb = p["bytes"] / 1e6
+        lines.append(
+            f"    {p['pass']:20s} {p['process']:8s} {p['thread']:26s} {p['reads -> writes']:66s} "
+            f"{mb:7.1f} {p['seconds'] * 1e3:7.1f} {p['seconds'] * 1e3 / mb if mb else 0.0:6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def fit_table(results: list[dict[str, Any]], transports: list[str]) -> str:
+    """Each pass's fixed and per-MB cost, fitted over the sizes."""
+    sizes = ", ".join(f"{r['size']} {r['model_bytes'] / 1e6:.0f} MB" for r in results)
+    lines = [f"fixed + per-MB cost, fitted over {sizes}:"]
+    for t in transports:
+        fixed, per_mb = overhead_fit(results, t)
+        lines.append(f"  weightsync {t} above direct: {fixed:.1f} ms + {per_mb:.3f} ms/MB")
+        by_pass: dict[str, list[tuple[float, float]]] = {}
+        for r in results:
+            for p in passes(r, t):
+                by_pass.setdefault(p["pass"], []).append((r["model_bytes"] / 1e6, p["seconds"]))
+        for name, pts in by_pass.items():
+            f, s = fit(pts)
+            lines.append(f"    {name:20s} {f:7.1f} ms + {s:.3f} ms/MB")
+    return "\n".join(lines)
+
+
 def report(res: dict[str, Any], profile: bool) -> str:
     n = res["model_bytes"]
     lines = [
@@ -164,7 +323,11 @@ def report(res: dict[str, Any], profile: bool) -> str:
             engines = sorted({e for r in rows for e in r["engines"]})
             for e in engines:
                 ph = _median_phases([r["engines"].get(e, {}) for r in rows])
-                lines.append(f"    {e}  " + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in ph.items()))
+                lines.append(
+                    f"    {e}  "
+                    + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in ph.items() if not k.endswith("_bytes"))
+                )
+            lines.append(pass_table(res, t))
     return "\n".join(lines)
 
 
@@ -172,10 +335,10 @@ def missed_targets(results: list[dict[str, Any]]) -> list[str]:
     out = []
     for res in results:
         ratios = res["ratio_vs_direct"]
-        for t in ("shm", "collective"):
-            if t in ratios and ratios[t] > RATIO_TARGET:
+        for t, target in (("shm", RATIO_TARGET), ("collective", RATIO_TARGET), ("inline", INLINE_TARGET)):
+            if t in ratios and ratios[t] > target:
                 out.append(
-                    f"vLLM {t} <= {RATIO_TARGET}x direct: {ratios[t]:.2f}x ({res['size']}, "
+                    f"vLLM {t} <= {target}x direct: {ratios[t]:.2f}x ({res['size']}, "
                     f"{res['model_bytes'] / 1e6:.0f} MB)"
                 )
         if "disk" in res["median_s"]:
@@ -185,6 +348,12 @@ def missed_targets(results: list[dict[str, Any]]) -> list[str]:
                         f"vLLM {t} faster than the disk path: {m * 1e3:.0f} ms vs "
                         f"{res['median_s']['disk'] * 1e3:.0f} ms ({res['size']})"
                     )
+    if len(results) >= 2 and "shm" in results[0]["median_s"]:
+        fixed, per_mb = overhead_fit(results, "shm")
+        if per_mb > PER_MB_TARGET:
+            out.append(
+                f"vLLM shm overhead above direct <= {PER_MB_TARGET} ms/MB: {per_mb:.3f} ms/MB (+ {fixed:.1f} ms)"
+            )
     return out
 
 
@@ -208,10 +377,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res = run_size(size, Path(tmp), args.bucket_bytes, args.repeats, transports, args.disk)
             print(report(res, args.profile), flush=True)
             results.append(res)
+    if args.profile and len(results) >= 2:
+        print(fit_table(results, transports), flush=True)
     missed = missed_targets(results)
     for line in missed:
         print(f"MISSED: {line}")
-    out = {"machine": machine(), "results": results, "missed": missed}
+    accounts = {f"{r['size']}/{t}": passes(r, t) for r in results for t in transports}
+    out = {
+        "machine": machine(),
+        "results": results,
+        "passes": accounts,
+        "missed": missed,
+    }
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     if args.check and missed:

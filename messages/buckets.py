@@ -10,6 +10,7 @@ weights" used by trainers and every engine.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class PackedBucket:
     tensors: tuple[TensorMeta, ...]
     data: torch.Tensor  # uint8, contiguous; `memoryview(data.numpy())` is the wire frame
     checksum: int
+    copy_s: float = 0.0  # packing's two passes over the bytes, timed apart (bench.vllm's account)
+    hash_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -133,18 +136,25 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> None:
+def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> tuple[float, float]:
     """dst[:] = src for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
     chunk of `dst` to every streaming hasher (the tensor's part, which serves the checksum
-    and the digest alike)."""
+    and the digest alike). Returns the seconds spent copying and hashing."""
     n = src.numel()
+    copying = hashing = 0.0
+    t0 = time.perf_counter()
     for off in range(0, n, CHUNK):
         d = dst[off : off + CHUNK]
         copy_bytes(d, src[off : off + CHUNK])
+        t1 = time.perf_counter()
+        copying += t1 - t0
         if hashers:
             v = d.numpy()
             for h in hashers:
                 h.update(v)
+        t0 = time.perf_counter()
+        hashing += t0 - t1
+    return copying, hashing
 
 
 def _pack(
@@ -163,6 +173,7 @@ def _pack(
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
     parts: list[bytes] = []  # every tensor's part: its digest part and a piece of the checksum
+    copying = hashing = 0.0
     pos = 0
     for meta, (name, t) in zip(metas, items, strict=True):
         if meta.offset > pos:  # padding: zeros, so the frame is the same every time
@@ -171,19 +182,21 @@ def _pack(
         dst = data[meta.offset : meta.offset + meta.nbytes]
         if not meta.nbytes:
             pass
-        elif isinstance(t, Patched):
-            copy_hashing(dst, t.data, h)
         elif isinstance(t, Cast):  # the casting copy writes the bucket itself
+            t0 = time.perf_counter()
             dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
+            t1 = time.perf_counter()
             h.update(_buffer(dst))
+            copying, hashing = copying + t1 - t0, hashing + time.perf_counter() - t1
         else:
-            copy_hashing(dst, as_bytes(t), h)
+            c, hs = copy_hashing(dst, t.data if isinstance(t, Patched) else as_bytes(t), h)
+            copying, hashing = copying + c, hashing + hs
         part = h.digest()
         parts.append(part)
         if digester is not None:  # a patch's digest part is the tensor it rebuilds
             digester.add(name, t.patch.result if isinstance(t, Patched) else part)
         pos = meta.offset + meta.nbytes
-    return PackedBucket(seq, tuple(metas), data, checksum_of(parts))
+    return PackedBucket(seq, tuple(metas), data, checksum_of(parts), copying, hashing)
 
 
 def iter_buckets(

@@ -32,9 +32,9 @@ from messages.schema import TensorMeta
 from messages.shm import Reader
 
 
-def keep_pending_weights(flat: torch.Tensor) -> int:
+def keep_pending_weights(flat: torch.Tensor) -> tuple[int, int]:
     """Copy out the weights vLLM still holds from `flat` when a bucket's load returns;
-    return how many.
+    return how many, and their bytes.
 
     vLLM's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
     `make_online_process_loader`) does not load a weight when it arrives: it appends the
@@ -47,14 +47,15 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     ptr = flat.untyped_storage().data_ptr()
-    kept = 0
+    kept = nbytes = 0
     for info in list(LAYERWISE_INFO.values()):
         for _name, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
                     bound.arguments[key] = value.clone()
                     kept += 1
-    return kept
+                    nbytes += value.numel() * value.element_size()
+    return kept, nbytes
 
 
 def load_into(
@@ -79,7 +80,7 @@ def load_into(
     with torch.no_grad():
         model.load_weights(iter(tensors))  # type: ignore[operator]  # vLLM models define it
     t1 = time.perf_counter()
-    kept = keep_pending_weights(flat) if layerwise else 0
+    kept, kept_bytes = keep_pending_weights(flat) if layerwise else (0, 0)
     t2 = time.perf_counter()
     if parts is not None:  # hex from the engine process, bytes from this worker's own pass
         for name, _t in tensors:
@@ -93,6 +94,7 @@ def load_into(
             ("vllm_load_weights", t1 - t0),
             ("vllm_keep_pending", t2 - t1),
             ("worker_digest", time.perf_counter() - t2),
+            ("vllm_keep_pending_bytes", float(kept_bytes)),  # a count, for the pass account
         ):
             phases[phase] = phases.get(phase, 0.0) + s
     return kept

@@ -224,9 +224,11 @@ class Stream:
             return full[:n]
 
         chain = Chain()
-        phases = {"pack": 0.0, "send": 0.0}
+        phases = {"pack": 0.0, "send": 0.0, "pack_copy": 0.0, "pack_hash": 0.0}
         t_loop = time.perf_counter()
         for b in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
+            phases["pack_copy"] += b.copy_s
+            phases["pack_hash"] += b.hash_s
             t0 = time.perf_counter()
             metas = encode_metas(b.tensors)
             h = bucket_header(b.seq, metas, b.nbytes, b.checksum, mac=key is not None)
@@ -298,7 +300,7 @@ class Stream:
             else:
                 self.conn.send(self.bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
-        phases = {"pack": 0.0, "send": 0.0, "wait_acks": 0.0}
+        phases = {"pack": 0.0, "send": 0.0, "wait_acks": 0.0, "pack_copy": 0.0, "pack_hash": 0.0}
 
         def wait_one() -> None:
             t0 = time.perf_counter()
@@ -369,6 +371,8 @@ class Stream:
         for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             f = _InFlight(bucket, time.monotonic())
             inflight[bucket.seq] = f
+            phases["pack_copy"] += bucket.copy_s
+            phases["pack_hash"] += bucket.hash_s
             t0 = time.perf_counter()
             send(f)
             phases["send"] += time.perf_counter() - t0

@@ -161,7 +161,8 @@ def test_every_output_is_labelled_with_the_committed_version_and_a_failed_sync_k
     vllm_cluster, tiny_model_dir, tiny_state
 ):
     """vLLM's weight version labels each output; each engine sets it at commit (after every
-    participant finalized, before READY) and reports the label a real generation carries.
+    participant finalized, before READY) and reports the label its engine core now stamps
+    on every output (read back from the core, as the server backend reads `/weight_info`).
     An aborted sync leaves the committed label: no output says a version that was not
     committed fleet-wide."""
     from messages.buckets import iter_buckets
