@@ -88,6 +88,7 @@ def run_size(
     buckets = [list(unpack(b.tensors, bytes(b.frame()))) for b in iter_buckets(weights.items(), bucket_bytes)]
     times: dict[str, list[float]] = {"direct": [], "disk": [], **{t: [] for t in transports}}
     profiles: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+    direct_cpu: list[float] = []
 
     set_process_env(vllm_process_env(False))
     from vllm import LLM
@@ -101,9 +102,11 @@ def run_size(
         pids = {p.name: p.popen.pid for p in cluster.procs}
         for r in range(repeats + 1):  # round 0 warms every path up and is not counted
             keep = r > 0
+            c0 = time.process_time()  # this process: vLLM and its intra-op threads
             d = _direct(llm, buckets)
             if keep:
                 times["direct"].append(d)
+                direct_cpu.append(time.process_time() - c0)
             for t in transports:
                 version += 1
                 with cpu_used(pids) as cpu:
@@ -138,6 +141,8 @@ def run_size(
         "all_s": times,
         "ratio_vs_direct": {k: med[k] / med["direct"] for k in med},
         "profiles": profiles,
+        "direct_cpu_s": statistics.median(direct_cpu),
+        "cpus": os.cpu_count() or 1,
     }
 
 
@@ -154,10 +159,15 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
     en = _median_phases([next(iter(r["engines"].values()), {}) for r in rows])
     cpu = _median_phases([r["cpu"] for r in rows])
     slot = {"shm": "its shm slot", "inline": "its ring buffer", "collective": "its ring buffer"}[transport]
-    out = [
-        ("trainer: pack", "trainer", "main", f"tensors -> {slot}", n, tr.get("pack_copy", 0.0)),
-        ("trainer: hash", "trainer", "main", f"{slot} -> every tensor's part", n, tr.get("pack_hash", 0.0)),
-    ]
+    if "pack_copy" in tr:
+        out = [
+            ("trainer: pack", "trainer", "main", f"tensors -> {slot}", n, tr["pack_copy"]),
+            ("trainer: hash", "trainer", "main", f"{slot} -> every tensor's part", n, tr["pack_hash"]),
+        ]
+    else:  # a trainer that does not time its copy and its hash apart
+        out = [
+            ("trainer: pack+hash", "trainer", "main", f"tensors -> {slot}, hashed", n, tr.get("pack", 0.0))
+        ]
     if transport == "inline":
         out.append(
             (
@@ -239,6 +249,18 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         dict(zip(("pass", "process", "thread", "reads -> writes", "bytes", "seconds"), r, strict=True))
         for r in out
     ]
+
+
+def cpu_floor(res: dict[str, Any], transport: str) -> str:
+    """The least wall time one sync's CPU allows on this host's cores, against direct: a
+    sync cannot end before all of its processes' CPU seconds are spent."""
+    cpu = _median_phases([r["cpu"] for r in res["profiles"][transport]])
+    total, cores, direct = sum(cpu.values()), res["cpus"], res["median_s"]["direct"]
+    return (
+        f"  CPU floor, {transport}: {total * 1e3:.0f} ms of CPU on {cores} cores >= "
+        f"{total / cores * 1e3:.0f} ms wall = x{total / cores / direct:.2f} direct "
+        f"(direct: {res['direct_cpu_s'] * 1e3:.0f} ms CPU in {direct * 1e3:.0f} ms)"
+    )
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -328,6 +350,7 @@ def report(res: dict[str, Any], profile: bool) -> str:
                     + "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in ph.items() if not k.endswith("_bytes"))
                 )
             lines.append(pass_table(res, t))
+            lines.append(cpu_floor(res, t))
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """`python -m bench.vllm` runs end to end: every path alternates with direct, the profile
-splits each sync into phases per process, and --check names what it misses."""
+splits each sync into phases per process and accounts for each pass over the model's
+bytes, and --check names what it misses."""
 
 from __future__ import annotations
 
@@ -55,4 +56,17 @@ def test_bench_vllm_alternates_paths_and_profiles_each_sync(tmp_path):
             assert set(row["cpu"]) == {"trainer", "daemon", "engine-0"}
     assert "checksum" in res["profiles"]["shm"][0]["engines"]["engine-0"]
     assert "profile, shm" in r.stdout and "CPU per sync" in r.stdout
+    n = res["model_bytes"]
+    for t in ("shm", "inline"):
+        rows = {p["pass"]: p for p in data["passes"][f"tiny/{t}"]}
+        # each of the model's bytes is copied and hashed once by the trainer, hashed once
+        # by the engine, then loaded by vLLM's two passes, as in the direct load
+        for name in ("trainer: pack", "trainer: hash", "engine: hash"):
+            assert rows[name]["bytes"] == n and rows[name]["seconds"] > 0, rows[name]
+        assert rows["vLLM: load"]["bytes"] == rows["direct: load"]["bytes"] == 2 * n
+        assert 0 <= rows["vLLM: keep pending"]["bytes"] <= n
+        assert f"passes over the bytes, {t}" in r.stdout and f"CPU floor, {t}" in r.stdout
+    assert ("daemon: forward" in {p["pass"] for p in data["passes"]["tiny/inline"]}) and (
+        "daemon: control" in {p["pass"] for p in data["passes"]["tiny/shm"]}
+    )
     assert data["machine"]["cpus"] >= 1
