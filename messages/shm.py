@@ -206,6 +206,15 @@ class Reader:
             self._maps[name] = cached = (total, mm)
         return memoryview(cached[1])[offset : offset + size]
 
+    def check(self, name: str, offset: int, size: int) -> None:
+        """The checks `view` makes of a peer's segment (name, owner, type, size), without
+        mapping it: for a process that only vouches for a slot it never reads."""
+        cached = self._maps.get(name)
+        if cached is not None and cached[0] >= offset + size:
+            return
+        fd, _ = open_segment(name, offset + size)
+        os.close(fd)
+
     def prune(self) -> None:
         """Drop the mappings of segments that are gone (their owner unlinked them): a
         mapping would keep their memory. The others stay mapped for the next sync (a

@@ -181,14 +181,13 @@ class Dispatcher:
             nbytes = msg.shm.size
             if transport in ("shm", "mixed"):
                 try:  # the same check every engine makes (messages.shm.open_segment)
-                    view = self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+                    if transport == "mixed":  # cut an inline frame for the engines without shm
+                        frame = bytes(self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size))
+                        checksum_ok = bucket_checksum(frame, msg.tensors) == msg.checksum
+                    else:  # pure shm: the daemon never touches the bytes (nor maps them); engines verify
+                        self.shm_reader.check(msg.shm.name, msg.shm.offset, msg.shm.size)
                 except MessageError as exc:
                     shm_error = exc.reason
-                else:
-                    if transport == "mixed":  # cut an inline frame for the engines without shm
-                        frame = bytes(view)
-                        checksum_ok = bucket_checksum(frame, msg.tensors) == msg.checksum
-                    del view  # pure shm: the daemon never touches the bytes; engines verify
         else:
             frame = payload[0]
             nbytes = len(frame)
