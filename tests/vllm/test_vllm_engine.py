@@ -272,3 +272,21 @@ def test_inline_buckets_reach_vllms_loaders_as_views_of_the_received_frame(
     assert "worker_checksum" not in vllm_engine.last_phases  # verified once, upstream
     got = vllm_engine.probe([Probe(p, 8) for p in PROMPTS])
     assert [list(g) for g in got] == [list(e) for e in hf_greedy(tiny_model_dir, weights, PROMPTS)]
+
+
+def test_the_label_read_back_at_commit_is_what_the_next_outputs_carry(vllm_engine, tiny_state):
+    """`set_label` reads the weight version back from vLLM's engine core instead of
+    generating a token; every output generated afterwards carries that same label."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from orchestrator.trainer.rollout import label_spans
+
+    for label in ("41", "42"):
+        assert vllm_engine.set_label(label) == label
+        outs = vllm_engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [label_spans(o.outputs[0]) for o in outs] == [[(int(label), 0, 3)]] * 2
