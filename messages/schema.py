@@ -19,7 +19,7 @@ from msgspec import Meta
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
