@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,30 +33,36 @@ from messages.schema import TensorMeta
 from messages.shm import Reader
 
 
-def keep_pending_weights(flat: torch.Tensor) -> tuple[int, int]:
-    """Copy out the weights vLLM still holds from `flat` when a bucket's load returns;
-    return how many, and their bytes.
+def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    """The weights vLLM's layerwise reload still holds as views of `flat`: (the loader
+    call's bound arguments, the argument's name, the view).
 
     vLLM's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
     `make_online_process_loader`) does not load a weight when it arrives: it appends the
     loader call's bound arguments, the weight tensor included, to
     `LAYERWISE_INFO[layer].loaded_weights` and replays them in `_layerwise_process` once
     the layer's last weight has arrived. Weights of a layer split across buckets therefore
-    outlive this call while `flat` (a receive buffer or the trainer's shm slot) is about
-    to be reused: those, and only those, are cloned. Everything else was consumed by the
-    layer's processing and needs no copy."""
+    outlive the bucket's `load_weights` call; everything else was consumed by the layer's
+    processing."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     ptr = flat.untyped_storage().data_ptr()
-    kept = nbytes = 0
     for info in list(LAYERWISE_INFO.values()):
         for _name, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
-                    bound.arguments[key] = value.clone()
-                    kept += 1
-                    nbytes += value.numel() * value.element_size()
-    return kept, nbytes
+                    yield bound.arguments, key, value
+
+
+def keep_pending_weights(flat: torch.Tensor) -> int:
+    """Copy out the weights vLLM still holds from `flat` when a bucket's load returns
+    (`pending_weights`): `flat` (a receive buffer or the trainer's shm slot) is about to
+    be reused. Those, and only those, are cloned; returns how many."""
+    kept = 0
+    for args, key, value in list(pending_weights(flat)):
+        args[key] = value.clone()
+        kept += 1
+    return kept
 
 
 def load_into(
@@ -80,7 +87,7 @@ def load_into(
     with torch.no_grad():
         model.load_weights(iter(tensors))  # type: ignore[operator]  # vLLM models define it
     t1 = time.perf_counter()
-    kept, kept_bytes = keep_pending_weights(flat) if layerwise else (0, 0)
+    kept = keep_pending_weights(flat) if layerwise else 0
     t2 = time.perf_counter()
     if parts is not None:  # hex from the engine process, bytes from this worker's own pass
         for name, _t in tensors:
@@ -94,7 +101,6 @@ def load_into(
             ("vllm_load_weights", t1 - t0),
             ("vllm_keep_pending", t2 - t1),
             ("worker_digest", time.perf_counter() - t2),
-            ("vllm_keep_pending_bytes", float(kept_bytes)),  # a count, for the pass account
         ):
             phases[phase] = phases.get(phase, 0.0) + s
     return kept
