@@ -28,13 +28,6 @@ class Ranged(Protocol):
     def nbytes(self) -> int: ...
 
 
-def checksum(buf: Any) -> int:
-    """xxh3-64 of a buffer (bytes, memoryview, zmq.Frame buffer, uint8 tensor)."""
-    if hasattr(buf, "numpy"):  # a torch tensor, without importing torch here
-        buf = buf.numpy()
-    return xxhash.xxh3_64_intdigest(buf)
-
-
 def part_hasher(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     """A streaming hash of tensor `name`'s digest part: feed it the bytes, then `.digest()`."""
     h = xxhash.xxh3_128()

@@ -78,7 +78,6 @@ def test_nccl_broadcast_through_the_collective_group():
 OPENER = r"""
 import json, sys, time, torch
 from messages.cuda_ipc import open_handle
-from messages.checksums import checksum
 ref = json.loads(sys.stdin.readline())
 ref["handle"] = bytes.fromhex(ref["handle"]); ref["ref_counter_handle"] = bytes.fromhex(ref["ref_counter_handle"])
 ref["event_handle"] = bytes.fromhex(ref["event_handle"]) if ref["event_handle"] else ref["event_handle"]
