@@ -266,10 +266,11 @@ def hash_bucket(
 
 
 class Digester:
-    """Order-independent digest over named tensors: sorted (name, per-tensor hash) pairs.
+    """Order-independent digest over named tensors: the sum of their parts modulo 2**128.
 
     Per tensor: xxh3-128 of name, dtype, shape and bytes. Equal state dicts give equal
-    digests whatever order or bucketing they were streamed in.
+    digests whatever order or bucketing they were streamed in, and the digests of disjoint
+    sets of tensors add up to their union's (`messages.checksums.add_digests`).
     """
 
     def __init__(self) -> None:

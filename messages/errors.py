@@ -23,6 +23,7 @@ class ErrorCode(str, Enum):
     UNKNOWN_TENSOR = "UNKNOWN_TENSOR"
     SHAPE_MISMATCH = "SHAPE_MISMATCH"
     INCOMPLETE_SYNC = "INCOMPLETE_SYNC"
+    DUPLICATE_TENSOR = "DUPLICATE_TENSOR"  # a sharded push: two sources sent the same tensor
     NO_ENGINES = "NO_ENGINES"
     ENGINE_FAILED = "ENGINE_FAILED"
     CANARY_MISMATCH = "CANARY_MISMATCH"
@@ -126,6 +127,7 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.STALE_VERSION: StateError,
     ErrorCode.STALE_BASE: StateError,
     ErrorCode.INCOMPLETE_SYNC: StateError,
+    ErrorCode.DUPLICATE_TENSOR: DataError,
     ErrorCode.CHECKSUM_MISMATCH: DataError,
     ErrorCode.UNKNOWN_TENSOR: DataError,
     ErrorCode.SHAPE_MISMATCH: DataError,

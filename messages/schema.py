@@ -19,7 +19,7 @@ from msgspec import Meta
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
@@ -256,7 +256,14 @@ class Begin(Message, frozen=True, tag="begin"):
     sync_id: Id
     version: Version
     id: RequestId = 0
+    # A sharded push (v6): `senders` sources each push a disjoint part of one version; this
+    # is source `sender`. The first source's begin opens the sync; the others' begins join
+    # it (the reply names its sync_id, whatever sync_id they proposed).
     senders: Senders = 1
+    sender: Sender = 0
+    # the sources' shared assignment (which source sends which tensor), as a hash: every
+    # source of one sync must present the same one (a rank that planned otherwise is refused)
+    plan: Checksum | None = None
     expected_buckets: Count | None = None
     probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
     host: Host = ""  # the trainer's host: engines on it may read buckets from shared memory

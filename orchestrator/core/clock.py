@@ -70,14 +70,28 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
                 f"bucket seq {late[0][1]} not applied within {lim.bucket_timeout}s by {slow}",
                 engine_ids=slow,
             )
-        if s.trainer_lost_at is not None and now - s.trainer_lost_at >= lim.trainer_grace:
+        gone_at = s.trainer_lost_at
+        if gone_at is not None and now - gone_at >= lim.trainer_grace:
+            if s.senders == 1:
+                return m.error(
+                    ErrorCode.ABORTED,
+                    f"the trainer's connection closed "
+                    f"{now - gone_at:.1f}s ago mid-sync (it exited or was "
+                    f"killed); sync abandoned",
+                    trainer_lost=True,
+                )
+            dead = sorted(k for k, t in s.lost.items() if now - t >= lim.trainer_grace)
             return m.error(
                 ErrorCode.ABORTED,
-                f"the trainer's connection closed "
-                f"{now - s.trainer_lost_at:.1f}s ago mid-sync (it exited or was "
-                f"killed); sync abandoned",
+                f"source(s) {dead} of {s.senders}: connection closed {now - gone_at:.1f}s ago "
+                f"mid-sync (exited or killed); the sync is abandoned for every source",
                 trainer_lost=True,
+                sources=dead,
             )
+        if s.senders > 1:
+            overdue = _sources_overdue(m, s)
+            if overdue is not None:
+                return overdue
         if s.stream and s.finished_at is not None and now - s.finished_at > lim.bucket_timeout:
             slow = sorted(set(s.participants) - set(s.prepared))
             return m.error(
@@ -88,7 +102,11 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
             )
         # On the collective stream the trainer says nothing to the daemon until its finish:
         # a stalled stream is bounded by the group's deadline in every engine instead.
-        if not (s.stream and s.finished_at is None) and now - s.last_activity > lim.sync_timeout:
+        if (
+            s.senders == 1
+            and not (s.stream and s.finished_at is None)
+            and now - s.last_activity > lim.sync_timeout
+        ):
             return m.error(ErrorCode.TIMEOUT, f"no trainer message for {lim.sync_timeout}s")
     if (
         m.state == S.FINALIZING
@@ -100,6 +118,30 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
             ErrorCode.TIMEOUT,
             f"finalize not reported within {lim.finalize_timeout}s by {slow}",
             engine_ids=slow,
+        )
+    return None
+
+
+def _sources_overdue(m: Model, s: SyncRecord) -> WeightSyncError | None:
+    """A sharded push fails, named, when a source never began, or one that began and has
+    not finished went silent, past --sync-timeout."""
+    lim, now = m.limits, m.now
+    if now - s.started_at > lim.sync_timeout:
+        never = [k for k in range(s.senders) if k not in s.begun]
+        if never:
+            return m.error(
+                ErrorCode.TIMEOUT,
+                f"source(s) {never[:16]}{' ...' if len(never) > 16 else ''} of {s.senders} never began "
+                f"within {lim.sync_timeout}s (--sync-timeout); the sync is abandoned for every source",
+                sources=never[:64],
+            )
+    quiet = sorted(k for k, t in s.seen.items() if k not in s.finished and now - t > lim.sync_timeout)
+    if quiet:
+        return m.error(
+            ErrorCode.TIMEOUT,
+            f"no message from source(s) {quiet[:16]} for {lim.sync_timeout}s (--sync-timeout); "
+            f"the sync is abandoned for every source",
+            sources=quiet[:64],
         )
     return None
 
@@ -151,7 +193,7 @@ def trainer_gone(m: Model, event: TrainerGone) -> None:
     unless the trainer comes back (any message of it clears this)."""
     s = m.sync
     if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
-        s.trainer_lost_at = m.now
+        s.lost.setdefault(event.sender, m.now)
 
 
 def internal(m: Model, event: InternalError) -> None:

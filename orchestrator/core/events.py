@@ -130,6 +130,7 @@ class Tick(Event):
 class TrainerGone(Event):
     TRIGGER: ClassVar[str] = "trainer_gone"
     sync_id: str
+    sender: int = 0  # the source whose last connection closed (a sharded push has several)
 
 
 @dataclass(frozen=True, slots=True)

@@ -327,6 +327,7 @@ class Model:
             "dirty": self.dirty,
             "at": self.now,
             "rollback": "pending" if self.want_rollback else ("failed" if s.kind == "rollback" else "none"),
+            **({"sources": s.sources_view()} if s.senders > 1 else {}),  # a sharded push: who got how far
         }
         if self.want_rollback:
             err.details = {**(err.details or {}), "rollback_to": self.last_ready_version}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.errors import WeightSyncError
-from messages.replies import JsonObject
+from messages.replies import Json, JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
 from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
@@ -143,8 +143,18 @@ class SyncRecord:
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)
-    names: set[str] = field(default_factory=set)  # tensor names sent so far (completeness)
-    trainer_lost_at: float | None = None  # the trainer's connection closed (grace running)
+    # tensor name -> the sender (source) that sent it: completeness over the union of the
+    # sources, and a tensor two sources send is refused (DUPLICATE_TENSOR)
+    names: dict[str, int] = field(default_factory=dict)
+    # Sources (a sharded push has `senders` of them; a plain push one, sender 0): when each
+    # began, when each was last heard, whose connection closed (its grace running), and
+    # each one's digest over its own tensors (added up into the version's at the last finish)
+    begun: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, float] = field(default_factory=dict)
+    lost: dict[int, float] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)
+    plan: int | None = None  # the sources' assignment (a hash every source's begin carries)
+    host: str = ""  # the opening source's host: the one its shared memory was planned for
     # The collective stream (protocol v3): engines receive every bucket from the trainer
     # and answer once with `prepared`; the daemon sees no bucket of it (unless it spools).
     stream: bool = False
@@ -187,6 +197,40 @@ class SyncRecord:
     chain: int | None = None  # the trainer's, from its finish
     finished_at: float | None = None  # when the last sender finished (the prepare deadline runs)
 
+    def heard(self, sender: int, now: float) -> None:
+        """A message of source `sender`: it is alive (its grace, if running, ends)."""
+        self.last_activity = self.seen[sender] = now
+        self.lost.pop(sender, None)
+
+    @property
+    def trainer_lost_at(self) -> float | None:
+        """When the first source whose connection closed lost it (None: all connected)."""
+        return min(self.lost.values()) if self.lost else None
+
+    def sources_view(self) -> list[Json]:
+        """Each source of the sync and its progress (status: `sync.sources`)."""
+        sent: dict[int, list[int]] = {}
+        for (k, _), b in self.buckets.items():
+            row = sent.setdefault(k, [0, 0, 0])
+            row[0] += 1
+            row[1] += b.nbytes
+            row[2] += b.done
+        out: list[Json] = []
+        for k in range(self.senders):
+            buckets, nbytes, acked = sent.get(k, [0, 0, 0])
+            out.append(
+                {
+                    "source": k,
+                    "begun": k in self.begun,
+                    "buckets": buckets,
+                    "bytes": nbytes,
+                    "acked": acked,
+                    "finished": k in self.finished,
+                    "connected": k not in self.lost,
+                }
+            )
+        return out
+
     @property
     def bucket_count(self) -> int:
         """Buckets this sync moved: the daemon's own count, or on the collective stream
@@ -216,6 +260,7 @@ class SyncRecord:
             "collective": self.group.view() if self.group else None,
             "trainer_connected": self.trainer_lost_at is None,
             **({"stream": True, "prepared": len(self.prepared)} if self.stream else {}),
+            **({"senders": self.senders, "sources": self.sources_view()} if self.senders > 1 else {}),
         }
 
 

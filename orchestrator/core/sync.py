@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from messages.checksums import add_digests
 from messages.errors import ErrorCode
 from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
@@ -53,8 +54,13 @@ S, E = State, EngineState
 # -- begin ----------------------------------------------------------------------------------
 def begin(m: Model, event: BeginSync) -> None:
     msg, s = event.msg, m.sync
+    if msg.sender >= msg.senders:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={msg.senders})")
+    if s is not None and s.kind == "sync" and s.version == msg.version and msg.senders > 1 and s.senders > 1:
+        _join(m, s, msg)  # another source of a sharded push: the sync is named for it
+        return
     if s is not None and s.sync_id == msg.sync_id and s.version == msg.version and s.kind == "sync":
-        _reply_running(m, s)  # a repeated begin (its reply was lost): answered again
+        _reply_running(m, s, msg.sender)  # a repeated begin (its reply was lost): answered again
         return
     # the facts the gate's refusal carries when a sync runs (begin is taken only without one)
     tail: str = ""
@@ -106,8 +112,14 @@ def begin(m: Model, event: BeginSync) -> None:
     s = m.open_sync(
         msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
     )
-    group = syncs.plan_group(
-        msg, s.participants, m.engines, m.group, m.new_group_id(), m.limits.bucket_timeout
+    s.begun[msg.sender], s.plan, s.host = m.now, msg.plan, msg.host
+    s.heard(msg.sender, m.now)
+    # A sharded push goes inline or by shared memory from each source's own connection: the
+    # collective plans one sender per group (docs/TRAINER.md, "Sharded push").
+    group = (
+        syncs.plan_group(msg, s.participants, m.engines, m.group, m.new_group_id(), m.limits.bucket_timeout)
+        if msg.senders == 1
+        else None
     )
     if group is not None:
         m.group_planned(group)
@@ -172,26 +184,54 @@ def _check_base(m: Model, msg: Begin) -> None:
         )
 
 
-def _reply_running(m: Model, s: SyncRecord) -> None:
-    s.last_activity, s.trainer_lost_at = m.now, None
+def _reply_running(m: Model, s: SyncRecord, sender: int) -> None:
+    s.heard(sender, m.now)
     m.reply = _begin_reply(m, s, repeated=True)
 
 
-def _begin_reply(m: Model, s: SyncRecord, repeated: bool = False) -> dict[str, Any]:
+def _join(m: Model, s: SyncRecord, msg: Begin) -> None:
+    """A source of a sharded push begins the version another source opened: it takes part
+    in that sync (its reply names the sync_id), once its count and plan agree."""
+    if msg.senders != s.senders:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            f"source {msg.sender} begins version {msg.version} with {msg.senders} sources; sync "
+            f"{s.sync_id!r} was opened with {s.senders}",
+            sync_id_running=s.sync_id,
+        )
+    if msg.plan != s.plan:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            f"source {msg.sender} planned the assignment {msg.plan}, sync {s.sync_id!r} was "
+            f"opened with plan {s.plan}: every source must assign the tensors the same way",
+            sync_id_running=s.sync_id,
+        )
+    if msg.sender in s.begun or m.state != S.LOADING_BUCKETS:
+        _reply_running(m, s, msg.sender)  # this source's repeated begin (its reply was lost)
+        return
+    s.begun[msg.sender] = m.now
+    s.heard(msg.sender, m.now)
+    m.reply = _begin_reply(m, s, host=msg.host)
+
+
+def _begin_reply(m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None) -> dict[str, Any]:
     """The begin reply (messages.replies.BeginReply), built here only: the sync as opened
     and the limits each sender's window keeps within (its share of max_pending and, with a
     fan-out, of the fan-out's per-connection budget: messages.fanout.window_cap)."""
     senders = max(1, s.senders)
     lim = m.limits
+    # a joining source on another host than the one the transport was planned for cannot
+    # lend the engines its shared memory: its buckets go inline
+    away = host is not None and host != s.host and s.transport in ("shm", "mixed")
     return reply_body(
         BeginReply(
             sync_id=s.sync_id,
             version=s.version,
             state=m.state.value,
             kind=s.kind,
-            transport=s.transport,
+            transport="inline" if away else s.transport,
             engines=tuple(s.participants),
-            shm_engines=tuple(s.shm_engines),
+            shm_engines=() if away else tuple(s.shm_engines),
             collective=s.group.view() if s.group else None,
             stream=s.stream,
             # collective: the trainer sends the daemon a copy of each bucket to spool
@@ -228,8 +268,7 @@ def bucket(m: Model, event: BucketIn) -> None:
         )
     m.admit("bucket")
     _check_route(m, s, event)
-    if msg.sender >= s.senders:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
+    _check_sender(m, s, msg.sender)
     key = (msg.sender, msg.seq)
     rec = s.buckets.get(key)
     if rec is not None and rec.nbytes != event.nbytes:
@@ -237,22 +276,24 @@ def bucket(m: Model, event: BucketIn) -> None:
             ErrorCode.BAD_MESSAGE, f"seq {msg.seq} resent with {event.nbytes} bytes, first had {rec.nbytes}"
         )
     if rec is not None:  # a resend: acknowledged now if every engine applied it, else when they have
-        s.last_activity, s.trainer_lost_at = m.now, None
+        s.heard(msg.sender, m.now)
         if rec.done:
             m.reply = reply_body(BucketAck(seq=msg.seq, sender=msg.sender, duplicate=True))
         else:
             m.later = True
         return
     _check_spec(m, s, msg)
+    if s.senders > 1:
+        _check_owner(m, s, msg)
     m.later = True  # acknowledged once every engine applied it (AckBucket)
-    s.last_activity, s.trainer_lost_at = m.now, None
+    s.heard(msg.sender, m.now)
     s.buckets[key] = BucketRecord(event.nbytes, m.now)
     k = s.forwarded.get(msg.sender, -1)
     while (msg.sender, k + 1) in s.buckets:
         k += 1
     s.forwarded[msg.sender] = k
     s.nbytes += event.nbytes
-    s.names.update(t.name for t in msg.tensors)
+    s.names.update((t.name, msg.sender) for t in msg.tensors)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
         m.outbox.append(
@@ -315,6 +356,35 @@ def _check_route(m: Model, s: SyncRecord, event: BucketIn) -> None:
             ErrorCode.CHECKSUM_MISMATCH,
             f"bucket seq {msg.seq}: checksum does not match {where}; nothing applied",
         )
+
+
+def _check_sender(m: Model, s: SyncRecord, sender: int) -> None:
+    """A bucket or finish comes from one of the sync's sources, once that source began."""
+    if sender >= s.senders:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {sender} out of range (senders={s.senders})")
+    if s.senders > 1 and sender not in s.begun:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            f"source {sender} has not begun sync {s.sync_id!r}: begin (version {s.version}, "
+            f"senders {s.senders}) first",
+        )
+
+
+def _check_owner(m: Model, s: SyncRecord, msg: Bucket) -> None:
+    """A sharded push's sources send disjoint parts: a tensor another source already sent
+    is refused before any engine sees this bucket (the first source's copy stands)."""
+    for t in msg.tensors:
+        other = s.names.get(t.name)
+        if other is not None and other != msg.sender:
+            raise m.error(
+                ErrorCode.DUPLICATE_TENSOR,
+                f"source {msg.sender} sent tensor {t.name!r} (bucket seq {msg.seq}), which source "
+                f"{other} already sent: the sources' parts must be disjoint (the same assignment on "
+                f"every rank)",
+                tensor=t.name,
+                source=msg.sender,
+                other_source=other,
+            )
 
 
 def _check_spec(m: Model, s: SyncRecord, msg: Bucket) -> None:
@@ -403,8 +473,7 @@ def finish(m: Model, event: FinishSync) -> None:
     if m.sync is None or m.sync.sync_id == msg.sync_id:
         m.admit("finish", m.ended_note(msg.sync_id))
     s = m.require_sync(msg.sync_id, "finish")
-    if msg.sender >= s.senders:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={s.senders})")
+    _check_sender(m, s, msg.sender)
     m.later = True  # answered when the sync completes (CompleteSync), unless refused below
     finished = {**s.finished, msg.sender: msg.buckets}
     if len(finished) < s.senders:  # another sender still streams: wait for its finish
@@ -511,10 +580,17 @@ def _commit_if_prepared(m: Model, s: SyncRecord, trigger: str) -> None:
 
 def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:
     msg = event.msg
-    s.last_activity, s.trainer_lost_at = m.now, None
+    s.heard(msg.sender, m.now)
     s.finished[msg.sender] = msg.buckets
-    if msg.digest is not None and s.senders == 1:
+    if msg.digest is None:
+        return
+    if s.senders == 1:
         s.expected_digest = msg.digest
+        return
+    # a sharded push: each source's digest covers its own tensors; they add up to the version's
+    s.digests[msg.sender] = msg.digest
+    if len(s.digests) == s.senders:
+        s.expected_digest = add_digests(s.digests.values())
 
 
 def finalized(m: Model, event: EngineFinalized) -> None:

@@ -132,8 +132,9 @@ class Dispatcher:
         msg = decoded.msg
         w = Waiter(ident, getattr(msg, "id", 0))
         sync_id = getattr(msg, "sync_id", None)
-        if sync_id is not None and not isinstance(msg, schema.Abort):
-            self.inflight.owners[sync_id].add(ident)  # dropped with the sync or the connection
+        if sync_id is not None and not isinstance(msg, (schema.Abort, schema.Begin)):
+            # dropped with the sync or the connection (a begin's, once the sync is named)
+            self.inflight.owners[sync_id][ident] = getattr(msg, "sender", 0)
         try:
             if isinstance(msg, schema.Status):
                 self.transport.reply_ok(w, self.status())
@@ -149,8 +150,12 @@ class Dispatcher:
                 )
             elif isinstance(msg, schema.Begin):
                 if msg.bucket_bytes is not None:
-                    self.inflight.bucket_bytes[msg.sync_id] = msg.bucket_bytes
-                await self.feed(ev.BeginSync(msg), self._trainer(w))
+                    self.inflight.bucket_bytes.setdefault(msg.sync_id, msg.bucket_bytes)
+                res = await self.feed(ev.BeginSync(msg), self._trainer(w))
+                named = str((res.reply or {}).get("sync_id", msg.sync_id))
+                if named != msg.sync_id:  # a source joined a sharded push under its own name
+                    self.inflight.bucket_bytes.pop(msg.sync_id, None)
+                self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)
             elif isinstance(msg, schema.Finish):
@@ -240,9 +245,9 @@ class Dispatcher:
             on_reply(None, err)
 
     async def trainer_disconnected(self, ident: bytes) -> None:
-        for sync_id in self.inflight.connection_closed(ident):
-            log.warning("trainer_disconnected", sync_id=sync_id)
-            await self.feed(ev.TrainerGone(sync_id))
+        for sync_id, sender in self.inflight.connection_closed(ident):
+            log.warning("trainer_disconnected", sync_id=sync_id, source=sender)
+            await self.feed(ev.TrainerGone(sync_id, sender))
 
     # -- the engine socket ----------------------------------------------------------------
     async def on_engine(self, ident: bytes, frames: list[Any]) -> None:

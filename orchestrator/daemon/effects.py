@@ -412,7 +412,7 @@ class Effects:
             self.publish()
         self._fanout.pop(c.sync_id, None)
         route = self.inflight.routes.get(c.sync_id)
-        owners = set(self.inflight.owners.get(c.sync_id, ()))
+        owners = set(self.inflight.owners.get(c.sync_id, {}))
         buckets, finishes = self.inflight.close(c.sync_id)
         if c.error is not None:
             for w in buckets:

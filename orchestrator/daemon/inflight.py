@@ -36,21 +36,24 @@ class Inflight:
         self.held: weakref.WeakSet[Pending] = weakref.WeakSet()  # bucket frames still referenced
         self.bucket_waiters: dict[Key, list[Waiter]] = defaultdict(list)
         self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
-        self.owners: dict[str, set[bytes]] = defaultdict(set)  # trainer connections per sync
+        # trainer connections per sync, each with the source (sender) it speaks for
+        self.owners: dict[str, dict[bytes, int]] = defaultdict(dict)
         self.bucket_bytes: dict[str, int] = {}  # the trainer's bucket size, from its begin
 
     def pending_on(self, ident: bytes) -> int:
         """Bucket requests of this trainer connection still unanswered."""
         return sum(1 for ws in self.bucket_waiters.values() for w in ws if w.ident == ident)
 
-    def connection_closed(self, ident: bytes) -> list[str]:
-        """The syncs that lost their last trainer connection with `ident`."""
+    def connection_closed(self, ident: bytes) -> list[tuple[str, int]]:
+        """The (sync, source) pairs that lost their last trainer connection with `ident`:
+        a sharded push loses a source when that source's last connection closes."""
         orphaned = []
         for sync_id, owners in list(self.owners.items()):
-            owners.discard(ident)
+            sender = owners.pop(ident, None)
+            if sender is not None and sender not in owners.values():
+                orphaned.append((sync_id, sender))
             if not owners:
                 del self.owners[sync_id]
-                orphaned.append(sync_id)
         return orphaned
 
     def close(self, sync_id: str) -> tuple[list[Waiter], list[Waiter]]:

@@ -38,6 +38,7 @@ from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
 from orchestrator.trainer.rings import ShmRings
+from orchestrator.trainer.shard import ShardPlans
 from orchestrator.trainer.stream import Stream, window_limit
 
 log = get_logger("trainer")
@@ -98,6 +99,7 @@ class TrainerClient:
         self.group: TrainerGroup | None = None
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
         self.delta_chooser = DeltaChooser()  # whether a delta pays on a transport, as measured
+        self.plans = ShardPlans()  # sharded pushes' assignments, by model layout (push_module)
 
     @property
     def timeout(self) -> float:
@@ -140,6 +142,8 @@ class TrainerClient:
         sync_id: str | None = None,
         *,
         senders: int = 1,
+        sender: int = 0,
+        plan: int | None = None,
         expected_buckets: int | None = None,
         probes: Sequence[schema.Probe] = (),
         transport: str = "inline",
@@ -150,7 +154,9 @@ class TrainerClient:
         """Start a sync (`base`: a delta sync against that served version; `bucket_bytes`:
         the size its buckets are cut to, which the daemon sizes its fan-out for). `transport` "shm"/"auto" offers shared memory, "collective" (with
         `collective`, this trainer's store) a torch.distributed group; the reply's
-        `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective")."""
+        `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective").
+        A sharded push's source (`sender` of `senders`, with the sources' `plan` hash) may be
+        told to join a sync another source opened: the reply's `sync_id` is the one to use."""
         sync_id = sync_id or uuid.uuid4().hex
         host = socket.gethostname() if transport not in ("inline", "collective") else ""
         body = self.conn.request(
@@ -159,6 +165,8 @@ class TrainerClient:
                 version=version,
                 id=i,
                 senders=senders,
+                sender=sender,
+                plan=plan,
                 expected_buckets=expected_buckets,
                 probes=tuple(probes),
                 host=host,
@@ -168,7 +176,7 @@ class TrainerClient:
                 bucket_bytes=bucket_bytes,
             )
         )
-        return decode_reply({**body, "sync_id": sync_id}, BeginReply)
+        return decode_reply({"sync_id": sync_id, **body}, BeginReply)
 
     def send_bucket(
         self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
@@ -239,6 +247,8 @@ class TrainerClient:
         engines_wait: float = 0.0,
         delta: bool = False,
         delta_mode: Mode = "auto",
+        source: tuple[int, int] | None = None,
+        plan: int | None = None,
     ) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
@@ -264,7 +274,25 @@ class TrainerClient:
         it sends dense and says so (`chose`, `why`), trying delta again every 8 pushes.
         delta_mode "sparse"/"xor" force an encoding where it beats dense (benchmarks).
         Whatever ends the push early (an error, a timeout, Ctrl-C, SIGTERM raised as an
-        exception) aborts the sync it began, so the daemon is free for the next push."""
+        exception) aborts the sync it began, so the daemon is free for the next push.
+        source: (rank, world): this process is one of `world` sources of a sharded push, each
+        pushing a disjoint part of the version (call it on every rank with the same version;
+        the first begin opens the sync, the others join it). The daemon refuses a tensor two
+        sources send (DUPLICATE_TENSOR) and, at the last finish, one no source sent
+        (INCOMPLETE_SYNC); every engine finalizes once, after the last bucket of the last
+        source; any source failing fails the sync for all. Inline or shared memory (a
+        collective request goes by those). `plan`: the sources' assignment hash, which the
+        daemon checks every source agrees on (`push_module(sharded=True)` sets it). The result's
+        `digest` is the version's, over every source's tensors."""
+        if source is not None:
+            rank, world = source
+            if not 0 <= rank < world:
+                raise ValueError(f"source (rank, world) = {source}: need 0 <= rank < world")
+            if delta:
+                raise ValueError("a sharded push is dense: delta=True takes one source")
+            if transport == "collective" and world > 1:
+                log.warning("collective_not_used", reason="a sharded push goes by shared memory or inline")
+                transport = "auto"
         kw = {
             "bucket_bytes": bucket_bytes,
             "window": window,
@@ -275,6 +303,8 @@ class TrainerClient:
             "rollback_wait": rollback_wait,
             "partial": partial,
             "engines_wait": engines_wait,
+            "source": source,
+            "plan": plan,
         }
         pace = self.delta_chooser
         if not delta:
@@ -337,6 +367,8 @@ class TrainerClient:
         partial: bool,
         engines_wait: float,
         base: int | None = None,
+        source: tuple[int, int] | None = None,
+        plan: int | None = None,
     ) -> SyncResult:
         if window is not None and window < 1:
             raise ValueError("window must be >= 1 (or None: sized from measurements)")
@@ -349,6 +381,8 @@ class TrainerClient:
         ring = self.rings.get(slots, bucket_bytes) if transport in ("shm", "auto") else None
         if ring is None and offer is None:
             transport = "inline"
+        rank, world = source or (0, 1)
+        self.sender = self.stream.sender = rank
         try:
             try:
                 started = self._begin_after_rollback(
@@ -361,6 +395,7 @@ class TrainerClient:
                     offer,
                     base,
                     bucket_bytes,
+                    (rank, world, plan),
                 )
             except WeightSyncError as err:
                 if abort_on_error and err.code in (ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE):
@@ -370,6 +405,7 @@ class TrainerClient:
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
+            sync_id = started.sync_id  # a sharded push's source may have joined another's sync
             if started.transport not in ("shm", "mixed"):
                 ring = None  # kept for a later push; this one goes inline or by collective
             coll = self._collective_for(started, transport)
@@ -435,7 +471,7 @@ class TrainerClient:
             bytes=streamed.nbytes,
             seconds=seconds,
             engines=[reply_body(e) for e in done.engines],
-            digest=digester.hexdigest(),
+            digest=done.digest if world > 1 else digester.hexdigest(),
             state=done.status,
             retries=streamed.retries,
             detail={
@@ -443,6 +479,11 @@ class TrainerClient:
                 "transport": started.transport,
                 "trainer_phases": trainer_phases,
                 "window": streamed.window,
+                **(
+                    {"source": rank, "sources": world, "source_digest": digester.hexdigest()}
+                    if world > 1
+                    else {}
+                ),
             },
         )
 
@@ -531,6 +572,7 @@ class TrainerClient:
         offer: schema.CollectiveOffer | None = None,
         base: int | None = None,
         bucket_bytes: int | None = None,
+        source: tuple[int, int, int | None] = (0, 1, None),
     ) -> BeginReply:
         """Begin; wait (and say so every few seconds) for a rollback the daemon runs, or for
         engines still registering, up to `wait` / `engines_wait` seconds."""
@@ -546,6 +588,9 @@ class TrainerClient:
                     collective=offer,
                     base=base,
                     bucket_bytes=bucket_bytes,
+                    sender=source[0],
+                    senders=source[1],
+                    plan=source[2],
                 )
             except WeightSyncError as err:
                 waited = time.monotonic() - t0

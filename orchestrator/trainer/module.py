@@ -16,6 +16,9 @@ Rules:
   (whole tensors in checkpoint layout, which vLLM's loaders need to re-shard for their own
   TP), and costs rank 0 one full tensor of memory at a time (docs/TRAINER.md).
 - `filter(name, tensor) -> bool` picks what to send (e.g. only the layers that train).
+- `sharded=True` makes every rank a source of one sync: each still takes part in every
+  gather, and sends only the tensors its plan assigns it (`shard.py`), so the bytes leave
+  the trainer through every rank's connection at once (docs/TRAINER.md, "Sharded push").
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 
 from messages.buckets import Cast
+from messages.dtypes import dtype_name
+from orchestrator.trainer.shard import Meta
 
 WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
@@ -45,16 +50,11 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
 
 
-def module_tensors(
-    model: torch.nn.Module,
-    *,
-    dtype: torch.dtype | None = None,
-    filter: Callable[[str, torch.Tensor], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | Cast]]:
-    """(HF name, full tensor) for every parameter and persistent buffer, tied weights once,
-    gathered lazily; with `dtype`, floating tensors come as `Cast` (cast while packed;
-    `.materialize()` gives the tensor). Every rank of a sharded model must consume it in
-    lockstep."""
+def _entries(
+    model: torch.nn.Module, filter: Callable[[str, torch.Tensor], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor as the module holds it: a DTensor is not gathered) for every
+    parameter and persistent buffer the push sends, tied weights once."""
     seen: set[tuple[Any, ...]] = set()
     for raw, t in model.state_dict(keep_vars=True).items():
         key = _storage_key(t)
@@ -67,12 +67,55 @@ def module_tensors(
         # engine gets. The filter must decide the same on every rank.
         if filter is not None and not filter(name, t):
             continue
+        yield name, t
+
+
+def module_metas(
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+) -> list[Meta]:
+    """(name, global shape, dtype as sent, bytes) of every tensor `module_tensors` yields,
+    without gathering anything: what a sharded push's plan is computed from."""
+    out: list[Meta] = []
+    for name, t in _entries(model, filter):
+        sent = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        numel = 1
+        for d in t.shape:
+            numel *= int(d)
+        out.append((name, tuple(int(d) for d in t.shape), dtype_name(sent), numel * sent.itemsize))
+    return out
+
+
+def module_tensors(
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+    only: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | Cast]]:
+    """(HF name, full tensor) for every parameter and persistent buffer, tied weights once,
+    gathered lazily; with `dtype`, floating tensors come as `Cast` (cast while packed;
+    `.materialize()` gives the tensor). Every rank of a sharded model must consume it in
+    lockstep. `only(name)`: yield just those tensors (every DTensor is still gathered, on
+    every rank: the gather is collective)."""
+    for name, t in _entries(model, filter):
         if hasattr(t, "full_tensor"):  # DTensor (FSDP2): the whole tensor, on every rank
             t = t.full_tensor()
+        if only is not None and not only(name):
+            continue
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             yield name, Cast(t, dtype)  # cast as it is packed, into the bucket itself
             continue
         yield name, t
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("sharded=True needs torch.distributed initialized, or source=(rank, world)")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def push_module(
@@ -82,10 +125,24 @@ def push_module(
     *,
     dtype: torch.dtype | None = None,
     filter: Callable[[str, torch.Tensor], bool] | None = None,
+    sharded: bool = False,
+    source: tuple[int, int] | None = None,
     **push_kw: Any,
 ) -> Any:
     """Push `model` as `version` through `client` (a TrainerClient); on ranks without a
-    client (None), take part in the gathers of a sharded model and return None."""
+    client (None), take part in the gathers of a sharded model and return None.
+
+    sharded: every rank holds a client and sends only the tensors the plan assigns it
+    (`orchestrator.trainer.shard`: bytes balanced, the same on every rank, computed once
+    per layout), as source (rank, world) of one sync; `source` overrides the rank and world
+    torch.distributed reports."""
+    if sharded:
+        if client is None:
+            raise ValueError("sharded=True: every rank sends its part, so every rank needs a client")
+        rank, world = source or _rank_world()
+        plan = client.plans.get(module_metas(model, dtype=dtype, filter=filter), world)
+        tensors = module_tensors(model, dtype=dtype, filter=filter, only=lambda n: plan.mine(rank, n))
+        return client.push(tensors, version, source=(rank, world), plan=plan.key, **push_kw)
     tensors = module_tensors(model, dtype=dtype, filter=filter)
     if client is None:
         for _ in tensors:

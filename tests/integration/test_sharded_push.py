@@ -1,0 +1,173 @@
+"""A sharded push: several trainer processes each push a disjoint part of one version into
+one sync (one sync_id, one digest, one finalize per engine), and any source's failure fails
+it for all, with the fleet rolled back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from engines.torch_engine import load_model
+from examples.tiny import perturbed
+from messages.buckets import digest
+from messages.errors import ErrorCode, WeightSyncError
+from orchestrator.daemon.config import child_env
+from orchestrator.trainer.module import module_metas, module_tensors
+from orchestrator.trainer.shard import plan_shards
+from tests.integration.sharded_rank import step
+
+from .helpers import FAST_DAEMON, finalized_syncs, running_daemon, wait_for
+
+RANK = str(Path(__file__).with_name("sharded_rank.py"))
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def ranks_out(out_dir: Path, world: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_four_fsdp2_ranks_push_one_version_inline_then_by_shm(tmp_path, tiny_model_dir):
+    """torchrun, 4 gloo ranks, FSDP2: every rank sends only its planned part; the version is
+    READY with the whole model's digest and the unsharded model's greedy outputs (canaries)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with running_daemon(tmp_path, tiny_model_dir, engines=2) as c:
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+            + [RANK, "fsdp", str(tiny_model_dir), c.addr, str(out_dir)],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=child_env({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}),
+            cwd=ROOT,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        st = c.status()
+        finals = {p.name: finalized_syncs(p) for p in c.procs if p.name.startswith("engine")}
+    outs = ranks_out(out_dir, 4)
+    model = load_model(tiny_model_dir)
+    step(model, 41)
+    want1 = digest(module_tensors(model))
+    step(model, 42)
+    want2 = digest(module_tensors(model))
+    assert all(o["dtensor"] for o in outs)
+    for version, want, transport in (("1", want1, "inline"), ("2", want2, "shm")):
+        rs = [o[version] for o in outs]
+        assert {r["state"] for r in rs} == {"READY"}
+        assert len({r["sync_id"] for r in rs}) == 1  # one sync, named by the daemon for all
+        assert {r["digest"] for r in rs} == {want}  # the version's digest, from the sources' parts
+        assert {d for r in rs for d in r["engines"]} == {want}
+        assert {r["transport"] for r in rs} == {transport}
+        assert len({r["source_digest"] for r in rs}) == 4  # each source sent its own part
+        plan = plan_shards(module_metas(model), 4)
+        assert sorted(r["bytes"] for r in rs) == sorted(plan.loads)
+    assert [o["2"]["plans_computed"] for o in outs] == [1, 1, 1, 1]  # computed once, replayed
+    assert (st["state"], st["version"], st["digest"]) == ("READY", 2, want2)
+    syncs = {outs[0]["1"]["sync_id"], outs[0]["2"]["sync_id"]}
+    for name, ids in finals.items():  # each engine finalized each version exactly once
+        assert sorted(ids) == sorted(syncs), (name, ids)
+
+
+def test_a_source_killed_mid_push_fails_the_sync_for_all_and_the_fleet_rolls_back(tmp_path, tiny_model_dir):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = [*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
+    with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args) as c:
+        state = load_model(tiny_model_dir).state_dict()
+        w1 = dict(perturbed(state, 1))
+        with c.client(timeout=30.0) as client:
+            r1 = client.push(w1.items(), 1, bucket_bytes=64 * 1024)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, RANK, "kill", str(tiny_model_dir), c.addr, str(out_dir)],
+                env=child_env({"PYTHONPATH": ROOT, "RANK": str(r), "WORLD_SIZE": "4"}),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(4)
+        ]
+        outs = [p.communicate(timeout=240) for p in procs]
+        assert procs[2].returncode == -9
+        assert [p.returncode for i, p in enumerate(procs) if i != 2] == [0, 0, 0], [
+            o[1][-2000:] for o in outs
+        ]
+        st = wait_for(
+            lambda: (s := c.status())["state"] == "READY" and s["last_sync"]["kind"] == "rollback" and s,
+            60,
+            "the fleet rolled back",
+        )
+    survivors = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1, 3)]
+    for o in survivors:  # every other source was told the sync failed
+        assert o["error"]["code"] == "ABORTED", o
+        assert "source(s) [2]" in o["error"]["message"], o
+    assert (st["version"], st["digest"]) == (1, r1.digest)
+    failed = st["last_sync"]["rolled_back_from"]
+    assert failed["code"] == "ABORTED" and "source(s) [2]" in failed["reason"]
+    for e in st["engines"]:
+        assert (e["state"], e["version"], e["digest"]) == ("READY", 1, digest(w1.items()))
+
+
+def _sources(client_of, parts, version, **kw):
+    """Push `parts[k]` from source k, each from its own thread and connection."""
+    results: dict[int, object] = {}
+
+    def run(k: int) -> None:
+        with client_of() as client:
+            try:
+                results[k] = client.push(parts[k], version, source=(k, len(parts)), **kw)
+            except WeightSyncError as err:
+                results[k] = err
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.mark.parametrize("fault", ["duplicate", "missing"])
+def test_a_tensor_sent_twice_or_by_no_source_is_refused_before_any_finalize(tmp_path, tiny_model_dir, fault):
+    with running_daemon(tmp_path, tiny_model_dir, engines=2) as c:
+        w = list(perturbed(load_model(tiny_model_dir).state_dict(), 1))
+        parts = [w[0::2], w[1::2]]
+        if fault == "duplicate":
+            parts[1] = [*parts[1], parts[0][-1]]  # source 1 also sends source 0's last tensor
+        else:
+            parts[1] = parts[1][:-1]  # nobody sends source 1's last tensor
+        res = _sources(lambda: c.client(timeout=30.0), parts, 1, bucket_bytes=1 << 30)
+        errs = [r for r in res.values() if isinstance(r, WeightSyncError)]
+        assert len(errs) == 2, res  # both sources fail
+        codes = {e.code for e in errs}
+        want = ErrorCode.DUPLICATE_TENSOR if fault == "duplicate" else ErrorCode.INCOMPLETE_SYNC
+        assert want in codes, errs
+        st = c.status()
+        assert st["last_sync"]["code"] == want.value
+        for p in c.procs:
+            if p.name.startswith("engine"):
+                assert finalized_syncs(p) == []  # refused before any engine finalized
+        # the trainer fixes its parts and pushes again: READY, with the whole model's digest
+        res = _sources(lambda: c.client(timeout=30.0), [w[0::2], w[1::2]], 2, bucket_bytes=64 * 1024)
+        assert {r.state for r in res.values()} == {"READY"}, res
+        assert {r.digest for r in res.values()} == {digest(w)}
+
+
+def test_a_source_that_never_begins_fails_the_sync_at_the_sync_timeout_named(tmp_path, tiny_model_dir):
+    args = [*FAST_DAEMON, "--sync-timeout", "2"]
+    with running_daemon(tmp_path, tiny_model_dir, engines=1, daemon_args=args) as c:
+        w = list(perturbed(load_model(tiny_model_dir).state_dict(), 1))
+        with c.client(timeout=30.0) as client, pytest.raises(WeightSyncError) as ei:
+            client.push(w[0::3], 1, source=(0, 3), bucket_bytes=64 * 1024)
+        assert ei.value.code is ErrorCode.TIMEOUT
+        assert "source(s) [1, 2] of 3 never began" in ei.value.message
+        st = c.status()
+        assert st["last_sync"]["code"] == "TIMEOUT" and "[1, 2] of 3 never began" in st["last_sync"]["reason"]
+        assert [x["begun"] for x in st["last_sync"]["sources"]] == [True, False, False]
+        assert st["state"] == "IDLE" and st["dirty"]  # source 0's buckets reached the engine
