@@ -19,6 +19,11 @@ engines take to register, what idle heartbeats cost the daemon, and `status` lat
 
     python -m bench.fleet --engines 1,16,64,256 --buckets 2000 --transports collective,inline \
         --repeats 3 --json fleet.json --check
+    python -m bench.fleet --sources 1,8 --engines 64 --buckets 2000 --check
+
+`--sources` measures a sharded push instead: the same buckets from 1 and from N sources
+(each its own connection and thread, `push(source=(k, N))`), inline, at the largest
+`--engines`, and checks the daemon's CPU and messages per sync with N within 1.2x of 1.
 
 `--check` exits 1 naming every missed target (docs/BENCHMARKS.md lists them).
 """
@@ -26,11 +31,13 @@ engines take to register, what idle heartbeats cost the daemon, and `status` lat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -237,12 +244,51 @@ def _counters(fleet: SimFleet, client: Any) -> tuple[float, int, int]:
     return cpu.user + cpu.system, st["messages_received"] + st["messages_sent"], st["heartbeats_received"]
 
 
+def _push_sources(
+    fleet: SimFleet, clients: list[Any], weights: list[tuple[str, Any]], v: int, transport: str, window: int
+) -> list[Any]:
+    """A sharded push: source k (its own connection, its own thread) sends every
+    len(clients)-th tensor; one sync. Returns each source's result."""
+    n = len(clients)
+    if n == 1:
+        return [clients[0].push(weights, v, bucket_bytes=64, window=window, transport=transport)]
+    results: list[Any] = [None] * n
+
+    def run(k: int) -> None:
+        try:
+            results[k] = clients[k].push(
+                weights[k::n], v, bucket_bytes=64, window=window, transport=transport, source=(k, n)
+            )
+        except BaseException as exc:  # reported below, with the others' outcome
+            results[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = [r for r in results if isinstance(r, BaseException)]
+    if bad:
+        raise RuntimeError(f"sync {v}: {len(bad)} of {n} sources failed: {bad[0]}")
+    return results
+
+
 def measure(
-    workdir: Path, transport: str, engines: int, buckets: int, repeats: int, window: int = 32
+    workdir: Path,
+    transport: str,
+    engines: int,
+    buckets: int,
+    repeats: int,
+    window: int = 32,
+    sources: int = 1,
 ) -> dict[str, Any]:
-    """One point: medians of `repeats` syncs after a warm-up."""
+    """One point: medians of `repeats` syncs after a warm-up. `sources` > 1: a sharded
+    push of the same buckets from that many connections (bench.fleet --sources)."""
     # the simulated engines hash nothing: the benchmark times the daemon, not their Python
-    with SimFleet(workdir, engines, digest_bytes=False) as fleet, fleet.client(timeout=120.0) as client:
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(SimFleet(workdir, engines, digest_bytes=False))
+        clients = [stack.enter_context(fleet.client(timeout=120.0)) for _ in range(sources)]
+        client = clients[0]
         samples: list[dict[str, float]] = []
         for v in range(1, repeats + 2):
             weights = tiny_weights(buckets, v)
@@ -250,11 +296,19 @@ def measure(
             reset_peak(fleet.daemon_pid)
             cpu0, msgs0, hb0 = _counters(fleet, client)
             t0 = time.perf_counter()
-            r = client.push(weights, v, bucket_bytes=64, window=window, transport=transport)
+            rs = _push_sources(fleet, clients, weights, v, transport, window)
             wall = time.perf_counter() - t0
             cpu1, msgs1, hb1 = _counters(fleet, client)
-            if r.state != "READY" or r.buckets != buckets:
-                raise RuntimeError(f"sync {v} ended {r.state} with {r.buckets} buckets")
+            r = rs[0]
+            sent, counted = sum(x.buckets for x in rs), r.detail.get("buckets")
+            if {x.state for x in rs} != {"READY"} or sent != buckets or counted != buckets:
+                raise RuntimeError(
+                    f"sync {v} ended {r.state}: {sent} buckets sent, the daemon counted {counted}"
+                )
+            if len({x.sync_id for x in rs}) != 1 or {x.digest for x in rs} != {
+                fleet.write_digest(v, weights)
+            }:
+                raise RuntimeError(f"sync {v}: the sources did not end in one sync with the version's digest")
             if r.detail.get("transport") != transport:
                 raise RuntimeError(f"asked for {transport}, the daemon chose {r.detail.get('transport')}")
             if v == 1:
@@ -273,6 +327,7 @@ def measure(
         "transport": transport,
         "engines": engines,
         "buckets": buckets,
+        "sources": sources,
         "daemon_cpu_s": round(med["daemon_cpu_s"], 4),
         "daemon_msgs": int(med["daemon_msgs"]),
         "wall_s": round(med["wall_s"], 4),
@@ -365,6 +420,59 @@ def missed_targets(
     return missed
 
 
+SOURCES_TARGET = 1.2  # daemon CPU and messages per sync, most sources over one
+
+
+def sources_missed(runs: list[dict[str, Any]]) -> list[str]:
+    """The sharded push's target: the daemon's work per sync does not grow with sources."""
+    one = next((r for r in runs if r["sources"] == 1), None)
+    most = max(runs, key=lambda r: r["sources"])
+    if one is None or most["sources"] == 1:
+        return ["sources: not run with 1 and with several sources (the target compares them)"]
+    missed = []
+    for key, what in (("daemon_cpu_s", "daemon CPU"), ("daemon_msgs", "daemon messages")):
+        ratio = most[key] / one[key] if one[key] else float("inf")
+        if ratio > SOURCES_TARGET:
+            missed.append(
+                f"{what} per sync with {most['sources']} sources {most[key]} = {ratio:.2f}x one "
+                f"source's {one[key]} > {SOURCES_TARGET}x"
+            )
+    return missed
+
+
+def sources_main(args: argparse.Namespace, engines: int, counts: list[int]) -> int:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="ws-fleet-") as tmp:
+        for n in counts:
+            r = measure(
+                Path(tmp) / f"sources-{n}-{uuid.uuid4().hex[:6]}",
+                "inline",
+                engines,
+                args.buckets,
+                args.repeats,
+                sources=n,
+            )
+            runs.append(r)
+            print(
+                f"{n:3d} source(s), {engines} engines x {r['buckets']} buckets: daemon {r['daemon_cpu_s']:.3f} s "
+                f"CPU, {r['daemon_msgs']} msgs, wall {r['wall_s']:.3f} s, peak RSS {r['daemon_rss_mib']:.0f} MiB",
+                flush=True,
+            )
+    one = next((r for r in runs if r["sources"] == 1), None)
+    if one is not None:
+        for r in runs:
+            print(
+                f"ratio {r['sources']} source(s) / 1: daemon CPU {r['daemon_cpu_s'] / one['daemon_cpu_s']:.2f}x, "
+                f"messages {r['daemon_msgs'] / one['daemon_msgs']:.2f}x, wall {r['wall_s'] / one['wall_s']:.2f}x"
+            )
+    missed = sources_missed(runs)
+    for m in missed:
+        print(f"MISSED {m}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"sources": runs, "missed": missed, "machine": machine()}, indent=1))
+    return 1 if (missed and args.check) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="1,16,64,256")
@@ -374,8 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--check", action="store_true", help="exit 1 naming every missed target")
     ap.add_argument("--no-fleet-wide", action="store_true", help="skip registration/idle/status")
+    ap.add_argument(
+        "--sources",
+        default=None,
+        help="a sharded push instead: these source counts (e.g. 1,8) push the same buckets, inline, "
+        "at the largest --engines; --check: daemon CPU and messages per sync with the most sources "
+        "within 1.2x of one source",
+    )
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.engines.split(",")]
+    if args.sources:
+        return sources_main(args, max(counts), [int(x) for x in args.sources.split(",")])
     runs = []
     with tempfile.TemporaryDirectory(prefix="ws-fleet-") as tmp:
         for t in args.transports.split(","):

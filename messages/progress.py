@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from messages.schema import MAX_ALSO, Loaded
 
 
@@ -41,28 +43,30 @@ class Progress:
         )
 
     def reports(self) -> list[Loaded]:
-        """One `loaded` per sender whose progress moved since the last reports (at most
-        MAX_ALSO seqs in `also`; the rest go in the next)."""
-        out = []
+        """The `loaded` reports for every sender whose progress moved since the last ones:
+        one message in all (the first sender's mark, the others' in `more`), plus one for
+        each sender with seqs applied past a gap (at most MAX_ALSO in its `also`; the rest
+        go in the next)."""
+        out: list[Loaded] = []
+        marks: list[tuple[int, int]] = []
         for sender in sorted(set(self.through) | set(self.fresh)):
             k = self.through.get(sender, -1)
             pending = sorted(q for q in self.fresh.pop(sender, ()) if q > k)
             ahead = pending[:MAX_ALSO]
             if pending[MAX_ALSO:]:
                 self.fresh[sender] = pending[MAX_ALSO:]
-            if k > self.reported.get(sender, -1) or ahead:
+            if ahead:
                 self.reported[sender] = k
-                out.append(
-                    Loaded(
-                        sync_id=self.sync_id,
-                        seq=k,
-                        sender=sender,
-                        also=tuple(ahead),
-                        count=self.count,
-                        seconds=self.seconds,
-                    )
-                )
-                self.count, self.seconds = 0, 0.0
+                out.append(Loaded(sync_id=self.sync_id, seq=k, sender=sender, also=tuple(ahead)))
+            elif k > self.reported.get(sender, -1):
+                self.reported[sender] = k
+                marks.append((sender, k))
+        if marks:
+            (sender, k), more = marks[0], tuple(marks[1:])
+            out.insert(0, Loaded(sync_id=self.sync_id, seq=k, sender=sender, more=more))
+        if out:  # the metrics ride on the first
+            out[0] = msgspec.structs.replace(out[0], count=self.count, seconds=self.seconds)
+            self.count, self.seconds = 0, 0.0
         return out
 
     def again(self, sender: int, seq: int) -> Loaded:

@@ -388,6 +388,10 @@ class Loaded(Message, frozen=True, tag="loaded"):
     seconds: Seconds = 0.0  # apply time of the `count` buckets this report newly covers
     also: Annotated[tuple[Seq, ...], Meta(max_length=MAX_ALSO)] = ()
     count: Count = 0  # buckets applied since the engine's previous report (metrics)
+    # v6, a sharded push: other senders' cumulative marks in the same report, [sender, seq]
+    # each (every bucket of that sender up to seq applied), so an engine's report costs one
+    # message however many sources the sync has
+    more: Annotated[tuple[tuple[Sender, Seq], ...], Meta(max_length=MAX_SENDERS)] = ()
 
 
 class Finalized(Message, frozen=True, tag="finalized"):

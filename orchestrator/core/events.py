@@ -89,6 +89,7 @@ class Loaded(Event):
     sync_id: str
     key: tuple[int, int]  # (sender, seq): every bucket of sender up to seq is applied
     also: tuple[int, ...] = ()  # seqs of that sender applied beyond a gap
+    more: tuple[tuple[int, int], ...] = ()  # other senders' (sender, seq) marks, cumulative
 
 
 @dataclass(frozen=True, slots=True)

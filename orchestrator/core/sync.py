@@ -411,23 +411,29 @@ def loaded(m: Model, event: Loaded) -> None:
     it, so a report costs O(1) plus the buckets it completes, whatever the fleet's size
     (only a seq in `also` is compared with every live participant). Acknowledgements to
     the trainer are cumulative too (`AckBucket.through`)."""
-    eid, (sender, through) = event.engine_id, event.key
-    c = m.catchup_of(eid, event.sync_id)
+    _loaded(m, event.engine_id, event.sync_id, event.key, event.also)
+    for key in event.more:  # a sharded push: the other senders' marks of the same report
+        _loaded(m, event.engine_id, event.sync_id, key, ())
+
+
+def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[int, ...]) -> None:
+    sender, through = key
+    c = m.catchup_of(eid, sync_id)
     if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
         if through > c.through.get(sender, -1):
             c.through[sender] = through
             m.send_spooled(eid, c)
         if c.applied >= c.total and not c.finalize_sent:
             c.finalize_sent = True
-            m.outbox.append(SendFinalize(eid, event.sync_id, c.version, m.spooled_probes))
+            m.outbox.append(SendFinalize(eid, sync_id, c.version, m.spooled_probes))
         return
-    s = m.participant(eid, event.sync_id)
+    s = m.participant(eid, sync_id)
     if s is None:
         return  # late: nothing to do
     mark = (eid, sender)
     prev = s.through.get(mark, -1)
     new = min(through, s.forwarded.get(sender, -1))  # never forwarded: the mark stops before it
-    if new <= prev and not event.also:
+    if new <= prev and not also:
         return  # a repeated report
     m.engines[eid].last_seen = m.now
     alive = s.alive(m.engines, m.epoch)[1]
@@ -440,7 +446,7 @@ def loaded(m: Model, event: Loaded) -> None:
         counts[new] = counts.get(new, 0) + 1
     cur = max(new, prev)
     ahead: list[int] = []
-    for q in event.also:
+    for q in also:
         rec = s.buckets.get((sender, q))
         if q <= cur or rec is None or rec.done or eid in rec.acked_by:
             continue

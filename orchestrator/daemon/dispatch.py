@@ -293,7 +293,7 @@ class Dispatcher:
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
             self._count_applied(engine_id, msg.count, msg.seconds)
-            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also))
+            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also, msg.more))
         elif isinstance(msg, schema.Prepared):
             log.info(
                 "engine_prepared",

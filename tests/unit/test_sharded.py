@@ -1,0 +1,198 @@
+"""A sharded push in the pure core (sources joining one sync, duplicates, the digest over
+the union, the deadlines naming a source) and the trainer's plan."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from messages.checksums import add_digests, combine
+from messages.errors import ErrorCode, WeightSyncError
+from messages.schema import Begin, Bucket, Finalized, Finish, ParamSpec, Register, TensorMeta
+from orchestrator.core import Core, Limits, State
+from orchestrator.core import commands as cmd
+from orchestrator.core import events as ev
+from orchestrator.trainer.shard import ShardPlans, plan_shards
+
+ENGINES = ("e0", "e1")
+NAMES = ("a", "b", "c", "d")
+SPEC = tuple(ParamSpec(name=n, dtype="float32", shape=(4,)) for n in NAMES)
+
+
+def new(**lim) -> Core:
+    o = Core(Limits(min_engines=2, **lim))
+    for e in ENGINES:
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch", spec=SPEC)), 0.0)
+    return o
+
+
+def begin(o, sender, senders=2, sync_id=None, version=1, plan=None, at=1.0):
+    msg = Begin(
+        sync_id=sync_id or f"own-{sender}", version=version, senders=senders, sender=sender, plan=plan
+    )
+    return o.handle(ev.BeginSync(msg), at)
+
+
+def bucket(o, sender, seq, names, at=1.0):
+    metas = tuple(TensorMeta(n, "float32", (4,), 64 * i, 16) for i, n in enumerate(names))
+    msg = Bucket(sync_id=o.sync.sync_id, seq=seq, tensors=metas, checksum=0, sender=sender)
+    return o.handle(ev.BucketIn(msg, 64 * len(names)), at)
+
+
+def applied(o, sender, seq):
+    for e in ENGINES:
+        o.handle(ev.Loaded(e, o.sync.sync_id, (sender, seq)), 1.0)
+
+
+def finish(o, sender, n, digest=None):
+    return o.handle(
+        ev.FinishSync(Finish(sync_id=o.sync.sync_id, buckets=n, sender=sender, digest=digest)), 1.0
+    )
+
+
+def test_the_second_source_joins_the_sync_the_first_opened_under_its_name():
+    o = new()
+    r0 = begin(o, 0, sync_id="first")
+    r1 = begin(o, 1, sync_id="second")
+    assert r0.reply["sync_id"] == r1.reply["sync_id"] == "first" == o.sync.sync_id
+    assert not r1.reply["repeated"] and begin(o, 1, sync_id="again").reply["repeated"]
+    assert sorted(o.sync.begun) == [0, 1]
+    view = o.snapshot(1.0)["sync"]
+    assert view["senders"] == 2 and [x["begun"] for x in view["sources"]] == [True, True]
+
+
+@pytest.mark.parametrize("field", ["senders", "plan"])
+def test_a_source_that_disagrees_on_the_count_or_the_plan_is_refused(field):
+    o = new()
+    begin(o, 0, senders=2, plan=7)
+    kw = {"senders": 3} if field == "senders" else {"plan": 8}
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1, **{"senders": 2, "plan": 7, **kw})
+    word = "3 sources" if field == "senders" else "plan 7"
+    assert ei.value.code is ErrorCode.BAD_MESSAGE and word in ei.value.message
+    assert sorted(o.sync.begun) == [0]  # nothing changed
+
+
+def test_a_bucket_of_a_source_that_has_not_begun_is_refused():
+    o = new()
+    begin(o, 0)
+    with pytest.raises(WeightSyncError) as ei:
+        bucket(o, 1, 0, ["a"])
+    assert ei.value.code is ErrorCode.BAD_MESSAGE and "has not begun" in ei.value.message
+
+
+def test_a_tensor_another_source_sent_is_refused_before_it_is_forwarded():
+    o = new()
+    begin(o, 0)
+    begin(o, 1)
+    assert cmd.ForwardBucket in {type(c) for c in bucket(o, 0, 0, ["a", "b"]).commands}
+    with pytest.raises(WeightSyncError) as ei:
+        bucket(o, 1, 0, ["c", "b"])
+    assert ei.value.code is ErrorCode.DUPLICATE_TENSOR
+    assert ei.value.details == {"tensor": "b", "source": 1, "other_source": 0}
+    assert (1, 0) not in o.sync.buckets  # refused whole: nothing of it recorded
+    bucket(o, 1, 0, ["c", "d"])  # the source may still send its own part
+
+
+def _through_finish(o, digests):
+    begin(o, 0)
+    begin(o, 1)
+    bucket(o, 0, 0, ["a", "b"])
+    bucket(o, 1, 0, ["c", "d"])
+    applied(o, 0, 0)
+    applied(o, 1, 0)
+    first = finish(o, 0, 1, digests[0])
+    assert first.later and not cmds(first, cmd.SendFinalize)  # parked: source 1 still streams
+    return finish(o, 1, 1, digests[1])
+
+
+def cmds(res, kind):
+    return [c for c in res.commands if isinstance(c, kind)]
+
+
+def test_each_engine_finalizes_once_after_the_last_source_and_must_hold_the_sum_of_digests():
+    o = new()
+    d0, d1 = combine([b"\x01" * 16]), combine([b"\x02" * 16])
+    last = _through_finish(o, (d0, d1))
+    assert sorted(c.engine_id for c in cmds(last, cmd.SendFinalize)) == list(ENGINES)
+    want = add_digests([d0, d1])
+    assert o.sync.expected_digest == want == combine([b"\x01" * 16, b"\x02" * 16])
+    o.handle(ev.EngineFinalized("e0", Finalized(sync_id=o.sync.sync_id, version=1, digest=want)), 2.0)
+    res = o.handle(ev.EngineFinalized("e1", Finalized(sync_id=o.sync.sync_id, version=1, digest=d0)), 2.0)
+    assert o.state is State.IDLE and o.last_sync["code"] == "ENGINE_FAILED"  # not the version's digest
+    assert cmds(res, cmd.CompleteSync)
+
+
+def test_a_tensor_no_source_sent_is_refused_at_the_last_finish():
+    o = new()
+    begin(o, 0)
+    begin(o, 1)
+    bucket(o, 0, 0, ["a", "b"])
+    bucket(o, 1, 0, ["c"])
+    applied(o, 0, 0)
+    applied(o, 1, 0)
+    finish(o, 0, 1)
+    with pytest.raises(WeightSyncError) as ei:
+        finish(o, 1, 1)
+    assert ei.value.code is ErrorCode.INCOMPLETE_SYNC and "d" in ei.value.details["missing"]
+    assert o.state is State.LOADING_BUCKETS and not o.sync.finalize_sent
+
+
+def test_a_source_that_never_begins_fails_the_sync_named_at_the_sync_timeout():
+    o = new(sync_timeout=10.0)
+    begin(o, 0, senders=3)
+    begin(o, 2, senders=3, at=2.0)
+    o.handle(ev.Tick(), 10.5)
+    assert o.state is State.LOADING_BUCKETS
+    bucket(o, 0, 0, ["a"], at=10.6)
+    bucket(o, 2, 0, ["b"], at=10.6)
+    o.handle(ev.Tick(), 11.5)
+    assert o.state is State.IDLE
+    assert o.last_sync["code"] == "TIMEOUT" and "source(s) [1] of 3 never began" in o.last_sync["reason"]
+
+
+def test_a_source_whose_connection_closed_fails_the_sync_for_all_after_the_grace():
+    o = new(trainer_grace=2.0)
+    begin(o, 0)
+    begin(o, 1)
+    o.handle(ev.TrainerGone(o.sync.sync_id, 1), 3.0)
+    bucket(o, 0, 0, ["a"], at=4.0)  # source 0 is heard; source 1's grace runs on
+    o.handle(ev.Tick(), 4.9)
+    assert o.state is State.LOADING_BUCKETS
+    o.handle(ev.Tick(), 5.1)
+    assert o.last_sync["code"] == "ABORTED" and "source(s) [1] of 2" in o.last_sync["reason"]
+    assert [x["connected"] for x in o.last_sync["sources"]] == [True, False]
+
+
+def test_a_silent_source_fails_the_sync_but_one_that_finished_may_wait():
+    o = new(sync_timeout=10.0)
+    begin(o, 0)
+    begin(o, 1)
+    bucket(o, 0, 0, ["a", "b"])
+    applied(o, 0, 0)
+    finish(o, 0, 1)  # source 0 is done and waits for source 1
+    bucket(o, 1, 0, ["c"], at=5.0)
+    o.handle(ev.Tick(), 14.0)
+    assert o.state is State.LOADING_BUCKETS
+    o.handle(ev.Tick(), 15.5)
+    assert o.last_sync["code"] == "TIMEOUT" and "source(s) [1]" in o.last_sync["reason"]
+
+
+@given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=40, unique=True), st.data())
+def test_digests_of_disjoint_parts_add_up_to_the_union(parts, data):
+    cut = data.draw(st.integers(0, len(parts)))
+    assert add_digests([combine(parts[:cut]), combine(parts[cut:])]) == combine(parts)
+    assert combine(list(reversed(parts))) == combine(parts)
+
+
+def test_the_plan_balances_bytes_is_deterministic_and_replayed():
+    metas = [(f"t{i}", (i + 1,), "float32", 4 * (i + 1) ** 2) for i in range(50)]
+    p = plan_shards(metas, 4)
+    assert p == plan_shards(list(reversed(metas)), 4)  # order of the metadata does not matter
+    assert sorted(p.owner) == sorted(m[0] for m in metas) and set(p.owner.values()) == {0, 1, 2, 3}
+    assert sum(p.loads) == sum(m[3] for m in metas) and p.imbalance < 1.05
+    assert plan_shards(metas, 3).key != p.key
+    plans = ShardPlans()
+    assert plans.get(metas, 4) is plans.get(metas, 4) and plans.computed == 1
+    assert plans.get(metas[:-1], 4).key != p.key and plans.computed == 2
