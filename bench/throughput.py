@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -343,7 +344,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed, naming each one")
     ap.add_argument("--json", type=Path, default=Path("bench-out/throughput.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench-out/throughput.png"))
+    ap.add_argument(
+        "--sources",
+        default="",
+        help="a sharded push instead: wall per sync with these source counts (e.g. 1,2,4), each a "
+        "trainer process, same bytes, per transport, into --source-engines sink engines",
+    )
+    ap.add_argument("--source-engines", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.sources:
+        return sources_main(args)
 
     import torch
 
@@ -442,6 +452,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"wrote {args.plot}")
     if args.check and result["missed"]:
         raise SystemExit(1)
+    return result
+
+
+def sources_main(args: argparse.Namespace) -> dict[str, Any]:
+    """`python -m bench --sources 1,2,4` (bench/sharded.py)."""
+    from bench.sharded import run, table
+    from engines.sink import synthetic_spec, write_spec
+    from messages.dtypes import ITEMSIZE
+
+    model_bytes = parse_size(args.model_bytes)
+    bucket = _sizes(args.bucket_bytes)[0]
+    sources = [int(x) for x in args.sources.split(",") if x]
+    transports = [x for x in args.transports.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+        work = Path(tmp)
+        spec = synthetic_spec(model_bytes, parse_size(args.tensor_bytes))
+        model_bytes = sum(math.prod(p.shape) * ITEMSIZE[p.dtype] for p in spec)
+        spec_dir = write_spec(work / "spec", spec)
+        print(
+            f"sharded push: {len(spec)} tensors, {model_bytes / GiB:.2f} GiB, sources {sources}, "
+            f"{args.source_engines} sink engines, bucket {bucket // MiB} MiB, window {args.window}"
+        )
+        result = run(
+            work,
+            spec_dir,
+            model_bytes,
+            sources,
+            args.source_engines,
+            transports,
+            bucket,
+            args.window,
+            args.repeats,
+        )
+    print(table(result))
+    result["machine"] = machine()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
     return result
 
 

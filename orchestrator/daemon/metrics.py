@@ -74,6 +74,41 @@ class _Snapshot:
         g = GaugeMetricFamily("weightsync_spool_bytes", "Bytes of the version held in the spool")
         g.add_metric([], spool.get("bytes", 0))
         yield g
+        sync = st.get("sync") or {}
+        g = GaugeMetricFamily(
+            "weightsync_sync_sources", "Sources (trainer processes) of the running sync (0: none running)"
+        )
+        g.add_metric([], sync.get("senders", 1) if sync else 0)
+        yield g
+        sent = GaugeMetricFamily(
+            "weightsync_source_bytes", "Bytes a source of the running sharded push sent", labels=["source"]
+        )
+        acked = GaugeMetricFamily(
+            "weightsync_source_buckets_acked",
+            "Buckets of a source of the running sharded push that every engine applied",
+            labels=["source"],
+        )
+        phase = GaugeMetricFamily(
+            "weightsync_source_state",
+            "1 for where each source of the running sharded push stands",
+            labels=["source", "state"],
+        )
+        for x in sync.get("sources", ()):
+            k = str(x["source"])
+            sent.add_metric([k], x["bytes"])
+            acked.add_metric([k], x["acked"])
+            now = (
+                "lost"
+                if not x["connected"]
+                else "finished"
+                if x["finished"]
+                else "sending"
+                if x["begun"]
+                else "not_begun"
+            )
+            for name in ("not_begun", "sending", "finished", "lost"):
+                phase.add_metric([k, name], 1 if name == now else 0)
+        yield from (sent, acked, phase)
         g = GaugeMetricFamily("weightsync_queue_depth", "Items waiting, by queue", labels=["queue"])
         for k, v in sorted(st.get("queues", {}).items()):
             g.add_metric([k], v)

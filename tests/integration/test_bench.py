@@ -138,3 +138,39 @@ def test_push_module_memory_stays_at_the_bucket_window_not_the_model(tmp_path):
         assert run["state"] == "READY"
         # window x bucket (+ one tensor, + slack for the interpreter) against a 128 MiB model
         assert run["within_bound"] and run["trainer_extra_mib"] < data["model_mib"] / 2, run
+
+
+def test_bench_sources_pushes_the_same_bytes_from_one_two_and_four_processes(tmp_path):
+    """`python -m bench --sources`: each point is one verified sharded sync per repeat (the
+    harness raises otherwise), with its ratio against the one-source sync of the same run."""
+    out = tmp_path / "s.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--sources",
+            "1,2,4",
+            "--model-bytes",
+            "8MiB",
+            "--tensor-bytes",
+            "1MiB",
+        ]
+        + ["--bucket-bytes", "1MiB", "--repeats", "1", "--transports", "inline,shm", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    points = json.loads(out.read_text())["points"]
+    assert [(p["transport"], p["sources"]) for p in points] == [
+        (t, n) for t in ("inline", "shm") for n in (1, 2, 4)
+    ]
+    assert {p["chosen_transport"] for p in points} == {"inline", "shm"}
+    for p in points:
+        one = next(q for q in points if q["transport"] == p["transport"] and q["sources"] == 1)
+        assert p["ratio_to_fewest"] == pytest.approx(p["seconds"] / one["seconds"])
+        assert p["model_bytes"] == 8 << 20 and p["gbps"] == pytest.approx(
+            p["model_bytes"] / p["seconds"] / 1e9
+        )
+    assert "| shm | 4 |" in r.stdout

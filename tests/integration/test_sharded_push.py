@@ -171,3 +171,63 @@ def test_a_source_that_never_begins_fails_the_sync_at_the_sync_timeout_named(tmp
         assert st["last_sync"]["code"] == "TIMEOUT" and "[1, 2] of 3 never began" in st["last_sync"]["reason"]
         assert [x["begun"] for x in st["last_sync"]["sources"]] == [True, False, False]
         assert st["state"] == "IDLE" and st["dirty"]  # source 0's buckets reached the engine
+
+
+def test_status_and_metrics_show_each_source_while_a_sharded_push_runs(tmp_path, tiny_model_dir):
+    from tests.integration.test_metrics import scrape, value
+
+    args = [*FAST_DAEMON, "--metrics-bind", "127.0.0.1:0"]
+    with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args) as c:
+        addr = c.status()["daemon"]["metrics_addr"]
+        w = list(perturbed(load_model(tiny_model_dir).state_dict(), 1))
+        parts = [w[0::2], w[1::2]]
+        release = threading.Event()
+
+        def held(k):  # source 1 holds back its last tensor until the test has looked
+            for i, item in enumerate(parts[k]):
+                if k == 1 and i == len(parts[k]) - 1:
+                    release.wait(30)
+                yield item
+
+        res: dict[int, object] = {}
+
+        def run(k):
+            with c.client(timeout=30.0) as client:
+                res[k] = client.push(held(k), 1, source=(k, 2), bucket_bytes=16 * 1024)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        try:
+            st = wait_for(
+                lambda: (s := c.status())["sync"] and s["sync"]["sources"][0]["finished"] and s,
+                30,
+                "source 0 finished, source 1 still sending",
+            )
+            src = st["sync"]["sources"]
+            assert st["sync"]["senders"] == 2 and [x["begun"] for x in src] == [True, True]
+            assert not src[1]["finished"] and src[0]["bytes"] > 0 and src[1]["bytes"] > 0
+            m = wait_for(
+                lambda: (mm := scrape(addr)) and value(mm, "weightsync_sync_sources") == 2 and mm,
+                10,
+                "the metrics show the running sharded push",
+            )
+            assert value(m, "weightsync_source_state", source="0", state="finished") == 1
+            assert value(m, "weightsync_source_state", source="1", state="sending") == 1
+            assert value(m, "weightsync_source_bytes", source="1") == src[1]["bytes"]
+        finally:
+            release.set()
+            for t in threads:
+                t.join(60)
+        assert {r.state for r in res.values()} == {"READY"}
+        assert (
+            value(
+                wait_for(
+                    lambda: (mm := scrape(addr)) and value(mm, "weightsync_sync_sources") == 0 and mm,
+                    10,
+                    "no sync",
+                ),
+                "weightsync_sync_sources",
+            )
+            == 0
+        )
