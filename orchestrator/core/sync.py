@@ -477,7 +477,9 @@ def _advance_acked(s: SyncRecord, sender: int) -> int:
 def finish(m: Model, event: FinishSync) -> None:
     msg = event.msg
     if m.sync is None or m.sync.sync_id == msg.sync_id:
-        m.admit("finish", m.ended_note(msg.sync_id))
+        ended = m.ended.get(msg.sync_id)
+        cause = {"ended_code": ended[0], "ended_reason": ended[1]} if ended and ended[0] else {}
+        m.admit("finish", m.ended_note(msg.sync_id), **cause)
     s = m.require_sync(msg.sync_id, "finish")
     _check_sender(m, s, msg.sender)
     m.later = True  # answered when the sync completes (CompleteSync), unless refused below

@@ -451,6 +451,9 @@ class TrainerClient:
                 if pushed is not None:
                     # the stream ended before the finish: raise what ended it (it names the engine)
                     raise error_from_reply(pushed) from None
+                cause = _ended_cause(err, sync_id)
+                if cause is not None:  # the finish came after the sync failed: raise why it did
+                    raise cause from err
                 if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING", None):
                     self._abort_quietly(sync_id, err)
                 raise
@@ -626,6 +629,22 @@ class TrainerClient:
             return
         if isinstance(cause, WeightSyncError) and body.get("state"):
             cause.state, cause.version = body["state"], body.get("version")
+
+
+def _ended_cause(err: WeightSyncError, sync_id: str) -> WeightSyncError | None:
+    """The failure of a sync that ended before this trainer's finish (another source of a
+    sharded push failed it, or an engine did once every bucket here was acknowledged): the
+    daemon refuses such a finish INVALID_STATE, naming the sync's own code and reason."""
+    code = err.details.get("ended_code") if err.code is ErrorCode.INVALID_STATE else None
+    if code not in ErrorCode.__members__:
+        return None
+    return make_error(
+        ErrorCode(code),
+        f"sync {sync_id!r} ended before this trainer's finish: {err.details.get('ended_reason')}",
+        state=err.state,
+        version=err.version,
+        sync_id=sync_id,
+    )
 
 
 def _pending_cap(started: BeginReply, bucket_bytes: int) -> int | None:

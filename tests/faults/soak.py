@@ -1,9 +1,10 @@
 """`python -m tests.faults.soak --syncs 500`: many syncs with random faults injected.
 
 A daemon with a spool and two torch engines; a trainer pushes version after version over
-a transport drawn each time (inline, shm, collective); for some syncs a fault is drawn
-among those that transport can suffer (trainer abort, corrupted bucket, resent bucket,
-engine SIGKILL, engine SIGSTOP past its deadline, daemon SIGKILL and restart) and
+a transport drawn each time (inline, shm, collective, or sharded: two sources each
+pushing half of the version into one sync); for some syncs a fault is drawn among those
+that transport can suffer (trainer abort, corrupted bucket, resent bucket, engine SIGKILL,
+engine SIGSTOP past its deadline, daemon SIGKILL and restart, a source dying mid-push) and
 injected halfway through. After each sync the daemon must settle at READY (IDLE-dirty only
 before any version was served: after that it counts as unsettled), and every READY
 engine must hold the digest of the version the daemon says it serves. Every failure that
@@ -32,7 +33,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-TRANSPORTS = ("inline", "shm", "collective")
+# "sharded": two sources (each its own connection and thread) push the two halves of the
+# version into one sync, by shared memory where the engines can read it
+TRANSPORTS = ("inline", "shm", "collective", "sharded")
 FAULTS = {  # what each transport can suffer mid-sync
     "inline": (
         "trainer_abort",
@@ -44,6 +47,8 @@ FAULTS = {  # what each transport can suffer mid-sync
     ),
     "shm": ("trainer_abort", "engine_kill", "engine_stop", "daemon_kill"),
     "collective": ("trainer_abort", "corrupt_bucket", "engine_kill", "engine_stop", "daemon_kill"),
+    # source_death: one source's process dies mid-push (its connection closes, no abort)
+    "sharded": ("trainer_abort", "source_death", "engine_kill", "engine_stop", "daemon_kill"),
 }
 # The codes a sync may fail with, per (transport, fault); () means it must succeed.
 ENGINE_GONE = ("ENGINE_FAILED", "TIMEOUT")
@@ -56,6 +61,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("inline", "corrupt_bucket"): (),  # refused before fan-out, resent, the sync succeeds
     ("inline", "resend_bucket"): (),  # acknowledged again, applied once
     ("collective", "corrupt_bucket"): ("CHECKSUM_MISMATCH",),  # caught by the engines
+    ("sharded", "source_death"): ("ABORTED",),  # the other source is told: failed for all
 }
 BUCKET = 128 * 1024
 
@@ -121,6 +127,8 @@ class Soak:
             with self.cluster.client(timeout=20.0, retries=1) as c:
                 if transport == "inline" and fault != "none":
                     self.inline_with_fault(c, v, w, fault)
+                elif transport == "sharded":
+                    self.sharded_with_fault(v, w, fault)
                 else:
                     self.push_with_fault(c, v, w, transport, fault)
             self.counts["ok"] += 1
@@ -213,6 +221,68 @@ class Soak:
             r = c.push(w.items(), v, bucket_bytes=BUCKET, transport=transport, sync_id=sid, progress=progress)
         if r.detail.get("transport") not in (transport, "mixed"):
             self.unexplained(f"asked for {transport}, the daemon chose {r.detail.get('transport')}")
+
+    def sharded_with_fault(self, v: int, w: dict, fault: str) -> None:
+        """Two sources, each its own client in its own thread, push the two halves of `w`
+        into one sync (both propose the same sync_id, so an abort can name it); the fault
+        is injected once source 0 has half its bytes acknowledged. `source_death`: source 1
+        stops mid-push and its connection closes without an abort, as when its process
+        dies. Raises the failure the surviving sources saw."""
+        import threading
+        import uuid
+
+        from messages.errors import WeightSyncError
+
+        sid, items = uuid.uuid4().hex, list(w.items())
+        parts = [items[0::2], items[1::2]]
+        total = sum(t.numel() * t.element_size() for _, t in parts[0])
+        done = {"bytes": 0, "injected": False}
+        errors: list[BaseException | None] = [None, None]
+
+        class Died(Exception):
+            """Source 1's process 'dies': its client closes without aborting the sync."""
+
+        def progress(n: int) -> None:
+            done["bytes"] += n
+            if fault not in ("none", "source_death") and not done["injected"] and done["bytes"] * 2 >= total:
+                done["injected"] = True
+                self.inject(fault, sid)
+
+        def tensors(k: int) -> Any:
+            for i, item in enumerate(parts[k]):
+                if k == 1 and fault == "source_death" and i == len(parts[k]) // 2:
+                    raise Died()
+                yield item
+
+        def source(k: int) -> None:
+            try:
+                with self.cluster.client(timeout=20.0, retries=1) as c:
+                    c.push(
+                        tensors(k),
+                        v,
+                        bucket_bytes=BUCKET // 2,
+                        transport="auto",
+                        sync_id=sid,
+                        source=(k, 2),
+                        progress=progress if k == 0 else None,
+                        abort_on_error=fault != "source_death",
+                    )
+            except BaseException as exc:
+                errors[k] = exc
+
+        threads = [threading.Thread(target=source, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if any(t.is_alive() for t in threads):
+            self.unexplained("sharded: a source still pushing after 120 s")
+        told = [e for e in errors if isinstance(e, WeightSyncError)]
+        other = [e for e in errors if e is not None and not isinstance(e, (WeightSyncError, Died))]
+        if other:
+            self.unexplained(f"sharded: a source raised {other[0]!r}")
+        if told:
+            raise told[0]
 
     def unexplained(self, why: str) -> None:
         self.counts["unexplained"] += 1
