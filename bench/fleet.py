@@ -74,7 +74,7 @@ class SimGroup(TrainerGroup):
             host=self.host, port=1, session=self.session, backends=("gloo",), stream=self.pub is not None
         )
 
-    def start(self, data: Any, seq: int) -> None:
+    def start(self, data: Any, seq: int, give_up: Callable[[], str | None] | None = None) -> None:
         self.broadcasts += 1
         self.pending_seq = seq
         planned = self.planned or {}

@@ -91,7 +91,9 @@ class Applier(threading.Thread):
         if self.prefetcher is None:
             self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
-        return self.prefetcher.submit(msg)
+        for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
+            self._cancels.pop(sid, None)
+        return self.prefetcher.submit(msg, self._cancels.setdefault(msg.sync_id, threading.Event()))
 
     def _release(self, fut: Any) -> None:
         """The bucket's buffer may be reused once its receive ended and we are done with it."""
@@ -183,8 +185,11 @@ class Applier(threading.Thread):
 
     def cancel_stream(self, sync_id: str) -> None:
         """Called by the main thread (an abort): the stream of `sync_id` stops receiving,
-        or never starts when its job has not run yet."""
+        or never starts when its job has not run yet; so do its announced buckets' receives
+        (joining their group included)."""
         self._cancels.setdefault(sync_id, threading.Event()).set()
+        while len(self._cancels) > 8:  # aborted syncs that never received a collective bucket
+            self._cancels.pop(next(iter(self._cancels)))
 
     def _do_stream(self, msg: schema.OpenStream) -> None:
         """Receive, verify and apply every bucket of a collective stream, then answer once

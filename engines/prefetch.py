@@ -32,10 +32,11 @@ class Prefetcher(threading.Thread):
         self._slots = threading.Semaphore(depth)
         self._jobs: queue.Queue[tuple[str, Any, Future[Any] | None] | None] = queue.Queue()
 
-    def submit(self, msg: Any) -> Future[Any]:
-        """Receive this announced bucket (a `load` with `group`) as soon as a buffer is free."""
+    def submit(self, msg: Any, cancelled: threading.Event | None = None) -> Future[Any]:
+        """Receive this announced bucket (a `load` with `group`) as soon as a buffer is free;
+        `cancelled` set (the sync ended here) ends the wait, joining included."""
         fut: Future[Any] = Future()
-        self._jobs.put(("receive", msg, fut))
+        self._jobs.put(("receive", (msg, cancelled), fut))
         return fut
 
     def release(self) -> None:
@@ -67,12 +68,17 @@ class Prefetcher(threading.Thread):
             if kind == "close" or fut is None:
                 self.member.close()
                 continue
+            msg, cancelled = msg
             self._slots.acquire()
+
+            def give_up(ev: threading.Event | None = cancelled) -> str | None:
+                return "the sync ended here" if ev is not None and ev.is_set() else None
+
             try:
                 if self.failpoints.get("kill_in_broadcast", -1) == msg.seq:  # fault injection
                     self.member.ensure(msg.group.to_wire())
                     os.kill(os.getpid(), signal.SIGKILL)
-                fut.set_result(self.member.receive(msg.group.to_wire(), msg.size))
+                fut.set_result(self.member.receive(msg.group.to_wire(), msg.size, give_up))
             except BaseException as exc:  # handed to the applier, which reports it typed
                 fut.set_exception(exc)
         self.member.close()

@@ -272,8 +272,7 @@ class Worker:
                     log.warning("duplicate_finalize_refused", sync_id=a.msg.sync_id, engine_id=self.engine_id)
                 self._send(a.msg)
             else:
-                if a.stream:
-                    applier.cancel_stream(a.sync_id)
+                applier.cancel_stream(a.sync_id)  # its receives (a stream's, or announced buckets') stop
                 if a.published:
                     self.fanout.end(a.sync_id)
 

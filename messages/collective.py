@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import socket
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from messages.errors import ErrorCode
 from messages.liblog import get_logger
 from messages.rendezvous import StoreClient
+from messages.schema import MAX_COLLECTIVE_SOURCES
 
 log = get_logger("collective")
 
@@ -124,7 +126,13 @@ class Group:
                 prefixed.set(ROOT_KEY, "1")  # members that wait for the root may join now
             elif give_up is not None:
                 _await_root(spec, prefixed, give_up)
-            self.pg = self._make_pg(prefixed, td)
+            # the backend's rendezvous waits through our store: left when `give_up` says so
+            # (a member that died before joining would otherwise hold the others to the deadline)
+            joining = (
+                base.interruptible(give_up) if isinstance(base, StoreClient) else contextlib.nullcontext()
+            )
+            with joining:
+                self.pg = self._make_pg(prefixed, td)
         except CollectiveError:
             if own:
                 base.close()
@@ -294,27 +302,44 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
+MAX_GROUPS = MAX_COLLECTIVE_SOURCES  # groups an engine keeps open: one per source of a sharded push
+
+
 class Member:
     """An engine's (or a vLLM worker's) side: joins the group a `load` names, reuses it
     while the id stays the same, and receives each bucket into one of `slots` reusable
-    buffers (a caller that receives ahead of its use takes turns through them)."""
+    buffers (a caller that receives ahead of its use takes turns through them).
+
+    One group per trainer store: a sharded push's sources each broadcast from a group of
+    their own, so the engine keeps one open per source; a new group from the same store
+    replaces (closes) that store's old one."""
 
     def __init__(self, bind: str = "", rank_offset: int = 0, slots: int = 1) -> None:
         self.bind = bind
         self.rank_offset = rank_offset
-        self.group: Group | None = None
+        self.groups: dict[tuple[str, int], Group] = {}  # (store host, port) -> its group
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._next = 0
         self._dead: set[str] = set()  # groups closed or broken here: never joined again
 
+    @property
+    def group(self) -> Group | None:
+        """The group joined last (one sender: the only one)."""
+        return next(reversed(self.groups.values()), None)
+
     def ensure(self, ref: dict[str, Any], give_up: Callable[[], str | None] | None = None) -> Group:
-        g = self.group
+        store = (str(ref["host"]), int(ref["port"]))
+        g = self.groups.get(store)
         if g is not None and g.spec.id == ref["id"] and not g.broken:
             return g
         if g is not None:
             self._dead.add(g.spec.id)
             g.close()
-        self.group = None
+            del self.groups[store]
+        while len(self.groups) >= MAX_GROUPS:  # stores of trainers that went away
+            old = self.groups.pop(next(iter(self.groups)))
+            self._dead.add(old.spec.id)
+            old.close()
         if ref["id"] in self._dead:  # its root left it: joining again would wait out the timeout
             raise CollectiveError(f"group {ref['id']} failed or was closed here; it is not joined again")
         spec = GroupSpec(
@@ -329,19 +354,24 @@ class Member:
             token=ref.get("token", ""),
             store_key=ref.get("store_key", ""),
         )
-        self.group = Group(spec, give_up=give_up)
-        return self.group
+        g = self.groups[store] = Group(spec, give_up=give_up)
+        return g
 
-    def receive(self, ref: dict[str, Any], size: int) -> torch.Tensor:
+    def receive(
+        self, ref: dict[str, Any], size: int, give_up: Callable[[], str | None] | None = None
+    ) -> torch.Tensor:
         """The bucket's `size` bytes, received in place into the next buffer (a view of it:
-        valid until that buffer comes round again)."""
-        return self.wait(self.post(ref, size))
+        valid until that buffer comes round again). `give_up`: why to stop waiting (the
+        sync ended), checked while joining and while receiving."""
+        return self.wait(self.post(ref, size, give_up), give_up)
 
-    def post(self, ref: dict[str, Any], size: int) -> tuple[torch.Tensor, Any]:
+    def post(
+        self, ref: dict[str, Any], size: int, give_up: Callable[[], str | None] | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """Start receiving the next broadcast of `size` bytes into the next buffer and
         return at once (the backend receives on its own threads); `wait` for it. Posts
         must follow the order the root broadcasts in."""
-        g = self.ensure(ref)
+        g = self.ensure(ref, give_up)
         view = self.buffer(size, g.device)
         return view, (g, g.start(view))
 
@@ -355,14 +385,16 @@ class Member:
         return buf[:size]
 
     @staticmethod
-    def wait(posted: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    def wait(
+        posted: tuple[torch.Tensor, Any], give_up: Callable[[], str | None] | None = None
+    ) -> torch.Tensor:
         view, (g, started) = posted
-        g.wait(started)
+        g.wait(started, give_up=give_up)
         return view
 
     def close(self) -> None:
-        if self.group is not None:
-            self._dead.add(self.group.spec.id)
-            self.group.close()
-            self.group = None
+        for g in self.groups.values():
+            self._dead.add(g.spec.id)
+            g.close()
+        self.groups.clear()
         self._bufs = [None] * len(self._bufs)

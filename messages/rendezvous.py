@@ -26,12 +26,14 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hmac
 import math
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -241,14 +243,33 @@ class StoreClient(dist.Store):
             self._sockets.append(sock)
         return sock
 
+    @contextlib.contextmanager
+    def interruptible(self, give_up: Callable[[], str | None] | None) -> Iterator[None]:
+        """While inside, this thread's waits on the store end as soon as `give_up()` says
+        why (StoreError): a rendezvous (the backend's own, which waits through this store)
+        is left when the sync it is for has ended, not at the group's deadline."""
+        before = getattr(self._local, "give_up", None)
+        self._local.give_up = give_up
+        try:
+            yield
+        finally:
+            self._local.give_up = before
+
     def _call(self, op: str, key: Any, arg: Any = None, wait: float | None = None) -> Any:
         timeout = self._timeout if wait is None else wait
         sock = self._socket()
         sock.send(msgspec.msgpack.encode([self.token, op, key, arg, timeout]))
-        if not sock.poll(int((timeout + 2.0) * 1000)):
+        give_up: Callable[[], str | None] | None = getattr(self._local, "give_up", None)
+        deadline = time.monotonic() + timeout + 2.0
+        while not sock.poll(int(max(0.0, min(deadline - time.monotonic(), 0.05 if give_up else 1e9)) * 1000)):
+            why = give_up() if give_up is not None else None
+            if why is None and time.monotonic() < deadline:
+                continue
             self._drop(sock)  # a late answer must not be read as the next request's
             raise StoreError(
-                f"rendezvous store {self.endpoint}: no answer to {op} within {timeout + 2.0:.1f}s"
+                f"rendezvous store {self.endpoint}: {op} given up: {why}"
+                if why is not None
+                else f"rendezvous store {self.endpoint}: no answer to {op} within {timeout + 2.0:.1f}s"
             )
         status, value = msgspec.msgpack.decode(sock.recv())
         if status == "ok":

@@ -44,6 +44,9 @@ MAX_FLEET = 65536  # engines named in one message
 MAX_SPEC = 1 << 20
 MAX_RANK = 16
 MAX_SENDERS = 1024
+# a sharded push over the collective has a group per source, and every engine keeps each
+# one open: past this many sources the daemon plans shared memory or inline instead
+MAX_COLLECTIVE_SOURCES = 64
 MAX_PROBES = 64
 MAX_PROBE_TOKENS = 4096
 

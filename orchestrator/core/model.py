@@ -20,7 +20,7 @@ import msgspec
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.replies import EngineFinal, FinishReply, Json, JsonObject
 from messages.replies import body as reply_body
-from messages.schema import ParamSpec, Probe
+from messages.schema import MAX_SENDERS, Begin, ParamSpec, Probe
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     CatchUpDone,
@@ -39,6 +39,9 @@ from orchestrator.core.table import Outcome, Refused, StateTable
 
 S, E = State, EngineState
 ENDED_KEPT = 4096  # ended sync ids remembered (a late message for one is answered with its end)
+
+
+MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse (their sources' stores)
 
 
 class Model:
@@ -84,6 +87,7 @@ class Model:
         for sync_id, code, reason in ended:
             self.remember_ended(sync_id, code, reason)
         self.group: GroupPlan | None = None  # the collective group syncs reuse
+        self.source_groups: dict[str, GroupPlan] = {}  # sharded pushes' sources' groups, by session
         self._groups = 0
         self._own_syncs = 0
 
@@ -289,8 +293,10 @@ class Model:
         rolled_back = self.untouched_and_was_ready()
         self.move(trigger, Outcome.CLEAN if rolled_back else Outcome.DIRTY, s, err)
         s.error = err
-        if s.group is not None:
+        if s.group is not None and s.group is self.group:
             self.group = None  # members may have died or hold a half-done broadcast
+        for g in s.groups.values():
+            self.source_groups.pop(g.session, None)
         for eid in s.participants:
             x = self.engines[eid]
             if x.state == E.LOST:
@@ -471,10 +477,23 @@ class Model:
     def new_group_id(self) -> str:
         return f"g{self._groups + 1}.{self.run_id}"[:128]
 
-    def group_planned(self, plan: GroupPlan) -> None:
-        if plan is not self.group:
+    def group_planned(self, plan: GroupPlan, shared: bool = True) -> None:
+        """`plan` carries this sync's bytes: the one sender's group (`shared`), which the
+        next sync reuses while its members stay, or one source's of a sharded push, which
+        that source's next sharded push reuses (by its store's session)."""
+        known = self.group if shared else self.source_groups.get(plan.session)
+        if plan is not known:
             self._groups += 1
-        self.group = plan
+        if shared:
+            self.group = plan
+        else:
+            self.source_groups[plan.session] = plan
+            while len(self.source_groups) > MAX_SOURCE_GROUPS:  # sources that went away
+                self.source_groups.pop(next(iter(self.source_groups)))
+
+    def source_group(self, msg: Begin) -> GroupPlan | None:
+        """The group a sharded push's source used last (reused while its members stay)."""
+        return self.source_groups.get(msg.collective.session) if msg.collective is not None else None
 
     def lose(self, engine_id: str, cause: str) -> None:
         """Count the engine lost, and say why (logged by the service)."""
@@ -486,6 +505,9 @@ class Model:
         g = self.group
         if g is not None and any(eid == engine_id for eid, _, _ in g.members):
             self.group = None  # the next collective sync plans a new group without stale ranks
+        for session, sg in list(self.source_groups.items()):
+            if any(eid == engine_id for eid, _, _ in sg.members):
+                del self.source_groups[session]
 
 
 def _blamed(err: WeightSyncError) -> list[str]:

@@ -140,6 +140,7 @@ class SyncRecord:
     shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
     transport: str = "inline"
     group: GroupPlan | None = None  # the collective group this sync's bytes travel on
+    groups: dict[int, GroupPlan] = field(default_factory=dict)  # each source's (a sharded push)
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)

@@ -20,7 +20,7 @@ from messages.checksums import add_digests
 from messages.errors import ErrorCode
 from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
-from messages.schema import Begin, Bucket, spec_refusal
+from messages.schema import MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
@@ -56,6 +56,10 @@ def begin(m: Model, event: BeginSync) -> None:
     msg, s = event.msg, m.sync
     if msg.sender >= msg.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={msg.senders})")
+    if msg.senders > 1 and msg.sync_id in m.ended and (s is None or s.sync_id != msg.sync_id):
+        # a source that comes to its sharded sync after it ended hears how it ended, at once
+        # (not a new sync it would wait in alone until --sync-timeout)
+        m.require_sync(msg.sync_id, f"source {msg.sender}'s begin")
     if s is not None and s.kind == "sync" and s.version == msg.version and msg.senders > 1 and s.senders > 1:
         _join(m, s, msg)  # another source of a sharded push: the sync is named for it
         return
@@ -114,16 +118,19 @@ def begin(m: Model, event: BeginSync) -> None:
     )
     s.begun[msg.sender], s.plan, s.host = m.now, msg.plan, msg.host
     s.heard(msg.sender, m.now)
-    # A sharded push goes inline or by shared memory from each source's own connection: the
-    # collective plans one sender per group (docs/TRAINER.md, "Sharded push").
+    # A sharded push's sources each broadcast from a group of their own (rank 0 the source,
+    # the engines after it): a group's broadcast needs every rank in every call, so one group
+    # holds one sender. The engines take the groups' buckets in the order announced here.
+    current = m.group if msg.senders == 1 else m.source_group(msg)
     group = (
-        syncs.plan_group(msg, s.participants, m.engines, m.group, m.new_group_id(), m.limits.bucket_timeout)
-        if msg.senders == 1
+        syncs.plan_group(msg, s.participants, m.engines, current, m.new_group_id(), m.limits.bucket_timeout)
+        if msg.senders <= MAX_COLLECTIVE_SOURCES
         else None
     )
     if group is not None:
-        m.group_planned(group)
+        m.group_planned(group, shared=msg.senders == 1)
         s.group, s.transport = group, "collective"
+        s.groups[msg.sender] = group
         s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
         s.shm_engines, s.transport = syncs.plan_transport(msg, s.participants, m.engines, m.limits.host)
@@ -186,7 +193,7 @@ def _check_base(m: Model, msg: Begin) -> None:
 
 def _reply_running(m: Model, s: SyncRecord, sender: int) -> None:
     s.heard(sender, m.now)
-    m.reply = _begin_reply(m, s, repeated=True)
+    m.reply = _begin_reply(m, s, repeated=True, sender=sender)
 
 
 def _join(m: Model, s: SyncRecord, msg: Begin) -> None:
@@ -209,12 +216,28 @@ def _join(m: Model, s: SyncRecord, msg: Begin) -> None:
     if msg.sender in s.begun or m.state != S.LOADING_BUCKETS:
         _reply_running(m, s, msg.sender)  # this source's repeated begin (its reply was lost)
         return
+    group = None
+    if s.transport == "collective":  # this source broadcasts from a group of its own
+        group = syncs.plan_group(
+            msg, s.participants, m.engines, m.source_group(msg), m.new_group_id(), m.limits.bucket_timeout
+        )
+        if group is None:
+            raise m.error(
+                ErrorCode.BAD_MESSAGE,
+                f"sync {s.sync_id!r} goes by the collective: source {msg.sender} must offer its store "
+                f"(transport=collective) with a backend every engine speaks",
+                sync_id_running=s.sync_id,
+            )
+        m.group_planned(group, shared=False)
+        s.groups[msg.sender] = group
     s.begun[msg.sender] = m.now
     s.heard(msg.sender, m.now)
-    m.reply = _begin_reply(m, s, host=msg.host)
+    m.reply = _begin_reply(m, s, host=msg.host, sender=msg.sender)
 
 
-def _begin_reply(m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None) -> dict[str, Any]:
+def _begin_reply(
+    m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None, sender: int = 0
+) -> dict[str, Any]:
     """The begin reply (messages.replies.BeginReply), built here only: the sync as opened
     and the limits each sender's window keeps within (its share of max_pending and, with a
     fan-out, of the fan-out's per-connection budget: messages.fanout.window_cap)."""
@@ -232,7 +255,7 @@ def _begin_reply(m: Model, s: SyncRecord, repeated: bool = False, host: str | No
             transport="inline" if away else s.transport,
             engines=tuple(s.participants),
             shm_engines=() if away else tuple(s.shm_engines),
-            collective=s.group.view() if s.group else None,
+            collective=g.view() if (g := s.groups.get(sender, s.group)) else None,
             stream=s.stream,
             # collective: the trainer sends the daemon a copy of each bucket to spool
             spool_copy=lim.spool if s.group is not None else False,
@@ -297,7 +320,15 @@ def bucket(m: Model, event: BucketIn) -> None:
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
         m.outbox.append(
-            ForwardBucket(s.sync_id, key, s.version, (), group=s.group, spool=True, handle=event.handle)
+            ForwardBucket(
+                s.sync_id,
+                key,
+                s.version,
+                (),
+                group=s.groups.get(msg.sender, s.group),
+                spool=True,
+                handle=event.handle,
+            )
         )
         m.outbox.append(AckBucket(s.sync_id, key, _advance_acked(s, msg.sender)))
         return
@@ -309,7 +340,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             s.version,
             alive,
             shm_engines=s.shm_engines if msg.shm is not None else (),
-            group=s.group,
+            group=s.groups.get(msg.sender, s.group),  # a sharded push: the bucket's source's group
             spool=m.limits.spool and s.kind == "sync",
             handle=event.handle,
         )
@@ -728,4 +759,17 @@ def failed(m: Model, event: EngineFailed) -> None:
     if msg.duplicate or m.participant(eid, msg.sync_id) is None:
         return  # the engine's finalize guard speaking, or about a sync that is over
     code = ErrorCode(msg.code) if msg.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED
+    s = m.sync
+    if s is not None and s.senders > 1 and msg.seq is not None:  # whose bucket: a source may have died
+        m.close_failed(
+            "failed",
+            m.error(
+                code,
+                f"engine {eid} failed on source {msg.sender}'s bucket: {msg.message}",
+                engine_id=eid,
+                seq=msg.seq,
+                source=msg.sender,
+            ),
+        )
+        return
     m.close_failed("failed", m.error(code, f"engine {eid} failed: {msg.message}", engine_id=eid, seq=msg.seq))

@@ -70,8 +70,9 @@ class Effects:
         self.publish: Callable[[], None] | None = None  # metrics' status snapshot
         self._tail: asyncio.Future[None] | None = None  # the last batch whose effects are pending
         self._tasks: set[asyncio.Task[None]] = set()
-        self._refs_of = ""  # the group whose per-engine GroupRefs `_refs` holds
-        self._refs: dict[str, schema.GroupRef] = {}
+        # group id -> each engine's GroupRef in it (the latest groups; a sharded push's
+        # sync has one per source)
+        self._refs: dict[str, dict[str, schema.GroupRef]] = {}
         self._fanout: dict[str, fanout.Plan] = {}  # sync id -> who takes its buckets published
 
     @property
@@ -355,11 +356,14 @@ class Effects:
 
     def _ref(self, g: GroupPlan, eid: str) -> schema.GroupRef:
         """Engine `eid`'s GroupRef in `g` (made once per group and engine)."""
-        if self._refs_of != g.id:
-            self._refs_of, self._refs = g.id, {}
-        ref = self._refs.get(eid)
+        refs = self._refs.get(g.id)
+        if refs is None:  # a new group (a sharded push has one per source)
+            refs = self._refs[g.id] = {}
+            while len(self._refs) > 64:
+                self._refs.pop(next(iter(self._refs)))
+        ref = refs.get(eid)
         if ref is None:
-            ref = self._refs[eid] = schema.GroupRef(
+            ref = refs[eid] = schema.GroupRef(
                 id=g.id,
                 host=g.host,
                 port=g.port,

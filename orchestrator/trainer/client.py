@@ -280,8 +280,8 @@ class TrainerClient:
         the first begin opens the sync, the others join it). The daemon refuses a tensor two
         sources send (DUPLICATE_TENSOR) and, at the last finish, one no source sent
         (INCOMPLETE_SYNC); every engine finalizes once, after the last bucket of the last
-        source; any source failing fails the sync for all. Inline or shared memory (a
-        collective request goes by those). `plan`: the sources' assignment hash, which the
+        source; any source failing fails the sync for all. Every transport: over the
+        collective each source broadcasts from a group of its own. `plan`: the sources' assignment hash, which the
         daemon checks every source agrees on (`push_module(sharded=True)` sets it). The result's
         `digest` is the version's, over every source's tensors."""
         if source is not None:
@@ -290,9 +290,6 @@ class TrainerClient:
                 raise ValueError(f"source (rank, world) = {source}: need 0 <= rank < world")
             if delta:
                 raise ValueError("a sharded push is dense: delta=True takes one source")
-            if transport == "collective" and world > 1:
-                log.warning("collective_not_used", reason="a sharded push goes by shared memory or inline")
-                transport = "auto"
         kw = {
             "bucket_bytes": bucket_bytes,
             "window": window,

@@ -87,9 +87,10 @@ class TrainerGroup:
             self.group = None
         self.planned = view
 
-    def start(self, data: torch.Tensor, seq: int) -> None:
+    def start(self, data: torch.Tensor, seq: int, give_up: Callable[[], str | None] | None = None) -> None:
         """Begin sending bucket `seq`'s bytes to every engine (joining the group first if
-        it is new); the previous broadcast must have been waited for."""
+        it is new: `give_up` ends that wait, e.g. when the daemon says the sync failed);
+        the previous broadcast must have been waited for."""
         v = self.planned
         if v is None:
             raise CollectiveError("no collective group planned for this sync")
@@ -104,7 +105,7 @@ class TrainerGroup:
                 timeout=float(v["timeout_s"]),
                 bind=self.host,
             )
-            self.group = Group(spec, store=self._store)
+            self.group = Group(spec, store=self._store, give_up=give_up)
         if self.group.device.type != "cpu":
             data = data.to(self.group.device, non_blocking=False)
         self._pending = self.group.start(data)

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -118,6 +119,17 @@ def _rank_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _shared_sync_id() -> str:
+    """One sync_id for every rank (rank 0's, broadcast over the training group as 16 bytes):
+    a rank that comes late to a sync that already failed is then told how it ended, instead
+    of opening a new one for the version."""
+    dist = torch.distributed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    raw = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).to(device)
+    dist.broadcast(raw, src=0)
+    return bytes(raw.cpu().tolist()).hex()
+
+
 def push_module(
     client: Any,
     model: torch.nn.Module,
@@ -135,11 +147,15 @@ def push_module(
     sharded: every rank holds a client and sends only the tensors the plan assigns it
     (`orchestrator.trainer.shard`: bytes balanced, the same on every rank, computed once
     per layout), as source (rank, world) of one sync; `source` overrides the rank and world
-    torch.distributed reports."""
+    torch.distributed reports. With torch.distributed (and no `sync_id` given) the ranks agree
+    on one sync_id first (rank 0's, broadcast), so a rank that comes late to a sync that
+    failed hears how it ended at once."""
     if sharded:
         if client is None:
             raise ValueError("sharded=True: every rank sends its part, so every rank needs a client")
         rank, world = source or _rank_world()
+        if source is None and "sync_id" not in push_kw:
+            push_kw["sync_id"] = _shared_sync_id()
         plan = client.plans.get(module_metas(model, dtype=dtype, filter=filter), world)
         tensors = module_tensors(model, dtype=dtype, filter=filter, only=lambda n: plan.mine(rank, n))
         return client.push(tensors, version, source=(rank, world), plan=plan.key, **push_kw)

@@ -145,6 +145,7 @@ class Stream:
         failed broadcast raises the daemon's account of it (it names the engine) if one
         comes within 5 s."""
         failure: list[schema.Error] = []
+        lost: list[bool] = []
 
         def ours(reply: schema.Message) -> bool:
             return isinstance(reply, schema.Error) and reply.sync_id in (sync_id, None)
@@ -154,6 +155,10 @@ class Stream:
             if isinstance(reply, schema.Error):
                 failure.append(reply)
                 return f"{reply.code}: {reply.message}"
+            self.conn.link.pump()
+            if self.conn.link.reconnected:  # (left set: the stream resends what was in flight)
+                lost.append(True)
+                return "the connection to the daemon was re-established mid-sync"
             return None
 
         seq = coll.pending_seq
@@ -161,7 +166,7 @@ class Stream:
             coll.wait(take_replies)
             if bucket is not None:
                 seq = bucket.seq
-                coll.start(bucket.data, bucket.seq)
+                coll.start(bucket.data, bucket.seq, give_up=take_replies)
         except CollectiveError as exc:
             deadline = time.monotonic() + 5.0
             while not failure and time.monotonic() < deadline:
@@ -169,6 +174,14 @@ class Stream:
                 take_replies()
             if failure:
                 raise error_from_reply(failure[0]) from None
+            if lost:  # a daemon that restarted has no record of the sync (it says UNKNOWN_SYNC)
+                raise make_error(
+                    ErrorCode.UNKNOWN_SYNC,
+                    f"bucket seq {seq}: the daemon's connection dropped and came back while this "
+                    f"trainer waited on its group (the daemon restarted?); the sync cannot go on: {exc}",
+                    sync_id=sync_id,
+                    state="LOADING_BUCKETS",
+                ) from None
             raise make_error(
                 exc.code, f"bucket seq {seq}: {exc}", sync_id=sync_id, state="LOADING_BUCKETS"
             ) from None

@@ -237,12 +237,12 @@ from orchestrator.trainer.group import TrainerGroup
 addr, model = sys.argv[1], sys.argv[2]
 real = TrainerGroup.start
 calls = []
-def start(self, data, seq):
+def start(self, data, seq, give_up=None):
     calls.append(1)
     if len(calls) == 4:  # bucket 3 is announced: the engines wait in its broadcast
         print("DYING", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    real(self, data, seq)
+    real(self, data, seq, give_up)
 TrainerGroup.start = start
 state = load_model(model).state_dict()
 TrainerClient(addr, timeout=30).push(perturbed(state, 2), 2, bucket_bytes=64 * 1024, transport="collective")
@@ -303,12 +303,12 @@ def test_a_byte_corrupted_on_the_collective_is_caught_by_the_engines(cluster, ti
     real = TrainerGroup.start
     seen = []
 
-    def start(self, data, seq):
+    def start(self, data, seq, give_up=None):
         seen.append(1)
         if len(seen) == 3:
             data = data.clone()
             data[len(data) // 2] ^= 0x40  # in flight, after the checksum was taken
-        real(self, data, seq)
+        real(self, data, seq, give_up)
 
     with cluster.client(timeout=30.0) as client:
         st = client.status()

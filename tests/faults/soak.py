@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 # "sharded": two sources (each its own connection and thread) push the two halves of the
-# version into one sync, by shared memory where the engines can read it
+# version into one sync, by shared memory or by the collective (a group per source)
 TRANSPORTS = ("inline", "shm", "collective", "sharded")
 FAULTS = {  # what each transport can suffer mid-sync
     "inline": (
@@ -213,12 +213,12 @@ class Soak:
             if fault == "corrupt_bucket":
                 real, seen = TrainerGroup.start, []
 
-                def start(group: Any, data: Any, seq: int) -> None:
+                def start(group: Any, data: Any, seq: int, give_up: Any = None) -> None:
                     seen.append(seq)
                     if len(seen) == 2:
                         data = data.clone()
                         data[len(data) // 2] ^= 0x40
-                    real(group, data, seq)
+                    real(group, data, seq, give_up)
 
                 stack.enter_context(mock.patch.object(TrainerGroup, "start", start))
             r = c.push(w.items(), v, bucket_bytes=BUCKET, transport=transport, sync_id=sid, progress=progress)
@@ -237,6 +237,7 @@ class Soak:
         from messages.errors import WeightSyncError
 
         sid, items = uuid.uuid4().hex, list(w.items())
+        how = self.rng.choice(("auto", "collective"))  # shm, or a group per source
         parts = [items[0::2], items[1::2]]
         total = sum(t.numel() * t.element_size() for _, t in parts[0])
         done = {"bytes": 0, "injected": False}
@@ -264,7 +265,7 @@ class Soak:
                         tensors(k),
                         v,
                         bucket_bytes=BUCKET // 2,
-                        transport="auto",
+                        transport=how,
                         sync_id=sid,
                         source=(k, 2),
                         progress=progress if k == 0 else None,
@@ -279,7 +280,8 @@ class Soak:
         for t in threads:
             t.join(120)
         if any(t.is_alive() for t in threads):
-            self.unexplained("sharded: a source still pushing after 120 s")
+            stuck = [k for k, t in enumerate(threads) if t.is_alive()]
+            self.unexplained(f"sharded ({how}, {fault}): source(s) {stuck} still pushing after 120 s")
         told = [e for e in errors if isinstance(e, WeightSyncError)]
         other = [e for e in errors if e is not None and not isinstance(e, (WeightSyncError, Died))]
         if other:

@@ -1,13 +1,15 @@
 """One trainer rank of a sharded push (run by torchrun, or as a plain process with RANK and
 WORLD_SIZE set): tests/integration/test_sharded_push.py starts four.
 
-argv: MODE MODEL_DIR ADDR OUT_DIR. Writes OUT_DIR/rank<R>.json: each push's result, or the
+argv: MODE MODEL_DIR ADDR OUT_DIR [SYNC_ID]. Writes OUT_DIR/rank<R>.json: each push's result, or the
 error that ended it.
 - fsdp: the model is sharded with FSDP2 (gloo); push_module(sharded=True) pushes version 1
-  inline and, after a step, version 2 by shared memory (auto), with canaries from the
-  unsharded model.
-- kill: no process group; each rank pushes its part of `perturbed(state, 2)` with
-  `push(source=(rank, world))`; rank 2 SIGKILLs itself after sending half its tensors.
+  inline, after a step version 2 by shared memory (auto), after another version 3 by the
+  collective (each rank broadcasting from its own group), with canaries from the unsharded
+  model.
+- kill-TRANSPORT: no process group; each rank pushes its part of `perturbed(state, 2)`
+  with `push(source=(rank, world))` over TRANSPORT; rank 2 SIGKILLs itself after sending
+  half its tensors.
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ def fsdp(model_dir: str, addr: str, out: dict) -> None:
     fully_shard(model)
     out["dtensor"] = type(next(iter(model.parameters()))).__name__ == "DTensor"
     with TrainerClient(addr, timeout=60) as client:
-        for version, transport in ((1, "inline"), (2, "auto")):
-            if version == 2:
-                step(model, 42)
+        for version, transport in ((1, "inline"), (2, "auto"), (3, "collective")):
+            if version > 1:
+                step(model, 40 + version)
                 full = load_model(model_dir)  # canaries of the unsharded step-2 model
                 full.load_state_dict({n: t.full_tensor() for n, t in model.state_dict().items()})
-                probes = make_probes(full, PROMPTS, 6)
+                probes = make_probes(full, PROMPTS, 6)  # (the full_tensor gathers: every rank)
             else:
                 probes = probes1
             r = client.push_module(
@@ -82,7 +84,7 @@ def fsdp(model_dir: str, addr: str, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def kill(model_dir: str, addr: str, out: dict, rank: int, world: int) -> None:
+def kill(model_dir: str, addr: str, out: dict, rank: int, world: int, transport: str, sync_id: str) -> None:
     model = load_model(model_dir)
     state = dict(perturbed(model.state_dict(), 2))
     plan = plan_shards(module_metas(model), world)
@@ -96,7 +98,15 @@ def kill(model_dir: str, addr: str, out: dict, rank: int, world: int) -> None:
 
     with TrainerClient(addr, timeout=60) as client:
         try:
-            r = client.push(tensors(), 2, source=(rank, world), plan=plan.key, bucket_bytes=16 * 1024)
+            r = client.push(
+                tensors(),
+                2,
+                source=(rank, world),
+                plan=plan.key,
+                bucket_bytes=16 * 1024,
+                transport=transport,
+                sync_id=sync_id,  # the same on every rank: a late rank hears how the sync ended
+            )
             out["2"] = {"state": r.state}
         except WeightSyncError as err:
             out["error"] = {"code": err.code.value, "message": err.message, "state": err.state}
@@ -104,10 +114,14 @@ def kill(model_dir: str, addr: str, out: dict, rank: int, world: int) -> None:
 
 def main() -> None:
     mode, model_dir, addr, out_dir = sys.argv[1:5]
+    sync_id = sys.argv[5] if len(sys.argv) > 5 else None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out: dict = {"rank": rank}
     try:
-        (fsdp if mode == "fsdp" else lambda *a: kill(*a, rank, world))(model_dir, addr, out)
+        if mode == "fsdp":
+            fsdp(model_dir, addr, out)
+        else:  # kill-TRANSPORT
+            kill(model_dir, addr, out, rank, world, mode.split("-", 1)[1], sync_id or "")
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     # Leave without C++ static destructors (torch's gloo teardown has aborted a rank at exit).

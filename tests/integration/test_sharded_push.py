@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,11 @@ def ranks_out(out_dir: Path, world: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def test_four_fsdp2_ranks_push_one_version_inline_then_by_shm(tmp_path, tiny_model_dir):
-    """torchrun, 4 gloo ranks, FSDP2: every rank sends only its planned part; the version is
-    READY with the whole model's digest and the unsharded model's greedy outputs (canaries)."""
+def test_four_fsdp2_ranks_push_one_version_inline_by_shm_and_by_the_collective(tmp_path, tiny_model_dir):
+    """torchrun, 4 gloo ranks, FSDP2: every rank sends only its planned part; each version is
+    READY with the whole model's digest and the unsharded model's greedy outputs (canaries);
+    over the collective each rank broadcasts from a group of its own, no byte through the
+    daemon."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with running_daemon(tmp_path, tiny_model_dir, engines=2) as c:
@@ -55,8 +58,10 @@ def test_four_fsdp2_ranks_push_one_version_inline_then_by_shm(tmp_path, tiny_mod
     want1 = digest(module_tensors(model))
     step(model, 42)
     want2 = digest(module_tensors(model))
+    step(model, 43)
+    want3 = digest(module_tensors(model))
     assert all(o["dtensor"] for o in outs)
-    for version, want, transport in (("1", want1, "inline"), ("2", want2, "shm")):
+    for version, want, transport in (("1", want1, "inline"), ("2", want2, "shm"), ("3", want3, "collective")):
         rs = [o[version] for o in outs]
         assert {r["state"] for r in rs} == {"READY"}
         assert len({r["sync_id"] for r in rs}) == 1  # one sync, named by the daemon for all
@@ -66,14 +71,20 @@ def test_four_fsdp2_ranks_push_one_version_inline_then_by_shm(tmp_path, tiny_mod
         assert len({r["source_digest"] for r in rs}) == 4  # each source sent its own part
         plan = plan_shards(module_metas(model), 4)
         assert sorted(r["bytes"] for r in rs) == sorted(plan.loads)
-    assert [o["2"]["plans_computed"] for o in outs] == [1, 1, 1, 1]  # computed once, replayed
-    assert (st["state"], st["version"], st["digest"]) == ("READY", 2, want2)
-    syncs = {outs[0]["1"]["sync_id"], outs[0]["2"]["sync_id"]}
+    assert [o["3"]["plans_computed"] for o in outs] == [1, 1, 1, 1]  # computed once, replayed
+    assert (st["state"], st["version"], st["digest"]) == ("READY", 3, want3)
+    # only version 1's inline frames passed through the daemon: no byte of the shm or the
+    # collective version did
+    assert st["daemon"]["bytes_received"] == sum(plan_shards(module_metas(model), 4).loads)
+    syncs = {outs[0][v]["sync_id"] for v in ("1", "2", "3")}
     for name, ids in finals.items():  # each engine finalized each version exactly once
         assert sorted(ids) == sorted(syncs), (name, ids)
 
 
-def test_a_source_killed_mid_push_fails_the_sync_for_all_and_the_fleet_rolls_back(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_a_source_killed_mid_push_fails_the_sync_for_all_and_the_fleet_rolls_back(
+    tmp_path, tiny_model_dir, transport
+):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     args = [*FAST_DAEMON, "--spool", str(tmp_path / "spool")]
@@ -82,9 +93,10 @@ def test_a_source_killed_mid_push_fails_the_sync_for_all_and_the_fleet_rolls_bac
         w1 = dict(perturbed(state, 1))
         with c.client(timeout=30.0) as client:
             r1 = client.push(w1.items(), 1, bucket_bytes=64 * 1024)
+        sid = uuid.uuid4().hex  # one sync_id on every rank (push_module(sharded=True) agrees on one)
         procs = [
             subprocess.Popen(
-                [sys.executable, RANK, "kill", str(tiny_model_dir), c.addr, str(out_dir)],
+                [sys.executable, RANK, f"kill-{transport}", str(tiny_model_dir), c.addr, str(out_dir), sid],
                 env=child_env({"PYTHONPATH": ROOT, "RANK": str(r), "WORLD_SIZE": "4"}),
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
@@ -104,12 +116,16 @@ def test_a_source_killed_mid_push_fails_the_sync_for_all_and_the_fleet_rolls_bac
             "the fleet rolled back",
         )
     survivors = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1, 3)]
-    for o in survivors:  # every other source was told the sync failed
-        assert o["error"]["code"] == "ABORTED", o
-        assert "source(s) [2]" in o["error"]["message"], o
+    # every other source was told the sync failed, naming source 2: its connection closed
+    # (ABORTED after the grace), or over the collective an engine's receive from source 2's
+    # group broke first (ENGINE_FAILED on source 2's bucket)
+    named = {"ABORTED": "source(s) [2]", "ENGINE_FAILED": "on source 2's bucket"}
+    for o in survivors:
+        assert o["error"]["code"] in (("ABORTED",) if transport == "inline" else tuple(named)), o
+        assert named[o["error"]["code"]] in o["error"]["message"], o
     assert (st["version"], st["digest"]) == (1, r1.digest)
     failed = st["last_sync"]["rolled_back_from"]
-    assert failed["code"] == "ABORTED" and "source(s) [2]" in failed["reason"]
+    assert named[failed["code"]] in failed["reason"]
     for e in st["engines"]:
         assert (e["state"], e["version"], e["digest"]) == ("READY", 1, digest(w1.items()))
 

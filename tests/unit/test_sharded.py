@@ -34,9 +34,9 @@ def begin(o, sender, senders=2, sync_id=None, version=1, plan=None, at=1.0):
     return o.handle(ev.BeginSync(msg), at)
 
 
-def bucket(o, sender, seq, names, at=1.0):
+def bucket(o, sender, seq, names, at=1.0, size=None):
     metas = tuple(TensorMeta(n, "float32", (4,), 64 * i, 16) for i, n in enumerate(names))
-    msg = Bucket(sync_id=o.sync.sync_id, seq=seq, tensors=metas, checksum=0, sender=sender)
+    msg = Bucket(sync_id=o.sync.sync_id, seq=seq, tensors=metas, checksum=0, sender=sender, size=size)
     return o.handle(ev.BucketIn(msg, 64 * len(names)), at)
 
 
@@ -196,3 +196,60 @@ def test_the_plan_balances_bytes_is_deterministic_and_replayed():
     plans = ShardPlans()
     assert plans.get(metas, 4) is plans.get(metas, 4) and plans.computed == 1
     assert plans.get(metas[:-1], 4).key != p.key and plans.computed == 2
+
+
+def test_a_source_that_comes_to_its_sync_after_it_failed_hears_how_it_ended():
+    o = new()
+    begin(o, 0, sync_id="shared")
+    o.handle(ev.AbortSync("shared", "gave up"), 2.0)
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1, sync_id="shared")  # late: not a new sync it would wait in alone
+    assert ei.value.code is ErrorCode.ABORTED and "gave up" in ei.value.message
+    assert o.sync is None
+
+
+def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
+    from messages.schema import CollectiveOffer
+
+    o = Core(Limits(min_engines=2))
+    for e in ENGINES:
+        reg = Register(
+            engine_id=e, backend="torch", spec=SPEC, collective_ranks=1, collective_backends=("gloo",)
+        )
+        o.handle(ev.EngineRegistered(reg), 0.0)
+
+    def offer(k):
+        return CollectiveOffer(host="127.0.0.1", port=4000 + k, session=f"session-{k}")
+
+    r = [
+        o.handle(
+            ev.BeginSync(
+                Begin(
+                    sync_id=f"own-{k}",
+                    version=1,
+                    senders=3,
+                    sender=k,
+                    transport="collective",
+                    collective=offer(k),
+                )
+            ),
+            1.0,
+        ).reply
+        for k in (0, 1)
+    ]
+    assert [x["transport"] for x in r] == ["collective", "collective"]
+    assert [x["collective"]["store"] for x in r] == ["127.0.0.1:4000", "127.0.0.1:4001"]
+    groups = o.sync.groups
+    assert groups[0].id != groups[1].id and {g.world_size for g in groups.values()} == {3}
+    fwd = [
+        c
+        for k in (0, 1)
+        for c in bucket(o, k, 0, [NAMES[k]], size=16).commands
+        if isinstance(c, cmd.ForwardBucket)
+    ]
+    assert [f.group.id for f in fwd] == [groups[0].id, groups[1].id]  # each bucket from its source's group
+    # a source that offers no store cannot join a collective sync: refused, nothing changed
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle(ev.BeginSync(Begin(sync_id="x", version=1, senders=3, sender=2)), 1.0)
+    assert ei.value.code is ErrorCode.BAD_MESSAGE and "must offer its store" in ei.value.message
+    assert sorted(o.sync.begun) == [0, 1]

@@ -133,11 +133,11 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
     else:
         real_start = TrainerGroup.start
 
-        def start(self, data, seq):
+        def start(self, data, seq, give_up=None):
             if seq == 1:
                 data = data.clone()
                 data[len(data) // 2] ^= 0x40  # in flight, after the checksum was taken
-            real_start(self, data, seq)
+            real_start(self, data, seq, give_up)
 
         monkeypatch.setattr(TrainerGroup, "start", start)
     with vllm_cluster.client(timeout=60.0) as client:
