@@ -41,6 +41,7 @@ S, E = State, EngineState
 ENDED_KEPT = 4096  # ended sync ids remembered (a late message for one is answered with its end)
 
 
+MAX_PLANS = 4  # sharded pushes' plans the daemon checks later syncs against (models it serves)
 MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse (their sources' stores)
 
 
@@ -88,6 +89,9 @@ class Model:
             self.remember_ended(sync_id, code, reason)
         self.group: GroupPlan | None = None  # the collective group syncs reuse
         self.source_groups: dict[str, GroupPlan] = {}  # sharded pushes' sources' groups, by session
+        # A sharded push's plan, as its first READY sync carried it out: plan hash -> tensor
+        # -> source. Later syncs with the same plan are checked against it, bucket by bucket.
+        self.plans: dict[int, dict[str, int]] = {}
         self._groups = 0
         self._own_syncs = 0
 
@@ -369,6 +373,10 @@ class Model:
             raise make_error(ErrorCode.INTERNAL, "close_ready without a finalized sync")
         self.move(trigger, Outcome.ADVANCE, s)
         digest = next(iter(s.finalized.values())).digest
+        if s.senders > 1 and s.plan is not None and s.plan not in self.plans:
+            self.plans[s.plan] = dict(s.names)  # the plan as carried out: replayed and checked
+            while len(self.plans) > MAX_PLANS:
+                self.plans.pop(next(iter(self.plans)))
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
         self.last_ready_version, self.served_digest = s.version, digest

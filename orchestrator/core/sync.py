@@ -403,8 +403,22 @@ def _check_sender(m: Model, s: SyncRecord, sender: int) -> None:
 
 def _check_owner(m: Model, s: SyncRecord, msg: Bucket) -> None:
     """A sharded push's sources send disjoint parts: a tensor another source already sent
-    is refused before any engine sees this bucket (the first source's copy stands)."""
+    is refused before any engine sees this bucket (the first source's copy stands). With a
+    plan the daemon has seen carried out, a tensor its plan gives another source is refused
+    the same way, whether or not that source sent it yet."""
+    planned = m.plans.get(s.plan) if s.plan is not None else None
     for t in msg.tensors:
+        owner = planned.get(t.name) if planned is not None else None
+        if owner is not None and owner != msg.sender:
+            raise m.error(
+                ErrorCode.DUPLICATE_TENSOR,
+                f"source {msg.sender} sent tensor {t.name!r} (bucket seq {msg.seq}), which plan "
+                f"{s.plan} gives source {owner}: every source must send only its own part",
+                tensor=t.name,
+                source=msg.sender,
+                other_source=owner,
+                plan=s.plan,
+            )
         other = s.names.get(t.name)
         if other is not None and other != msg.sender:
             raise m.error(
@@ -527,14 +541,18 @@ def finish(m: Model, event: FinishSync) -> None:
     missing = None if msg.partial else syncs.missing_tensors(s, m.engines)
     if missing is not None:
         eid, names = missing
+        planned = m.plans.get(s.plan) if s.plan is not None else None
+        owed = sorted({planned[n] for n in names if n in planned}) if planned is not None else []
         raise m.error(
             ErrorCode.INCOMPLETE_SYNC,
             f"engine {eid} would be left with {len(names)} tensor(s) of the old "
             f"version: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
-            f"(send them, or push with --partial); nothing was finalized",
+            + (f"(the plan gives them to source(s) {owed[:16]}) " if owed else "")
+            + "(send them, or push with --partial); nothing was finalized",
             engine_id=eid,
             missing=names[:64],
             missing_count=len(names),
+            **({"sources": owed[:64]} if owed else {}),
         )
     _record_finish(m, s, event)
     _commit(m, s, "finish")

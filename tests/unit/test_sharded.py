@@ -253,3 +253,47 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
         o.handle(ev.BeginSync(Begin(sync_id="x", version=1, senders=3, sender=2)), 1.0)
     assert ei.value.code is ErrorCode.BAD_MESSAGE and "must offer its store" in ei.value.message
     assert sorted(o.sync.begun) == [0, 1]
+
+
+def _ready(o, version, parts, plan):
+    """A sharded sync of `parts` (source k sends parts[k], one bucket) through READY."""
+    for k in range(len(parts)):
+        begin(o, k, senders=len(parts), version=version, plan=plan, sync_id=f"v{version}")
+    for k, names in enumerate(parts):
+        bucket(o, k, 0, names)
+        applied(o, k, 0)
+    for k in range(len(parts)):
+        finish(o, k, 1)
+    for e in ENGINES:
+        o.handle(ev.EngineFinalized(e, Finalized(sync_id=o.sync.sync_id, version=version, digest="d")), 2.0)
+    assert o.state is State.READY
+
+
+def test_later_syncs_with_a_plan_are_checked_against_it_as_first_carried_out():
+    o = new()
+    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=42)
+    assert o.plans[42] == {"a": 0, "b": 0, "c": 1, "d": 1}
+    begin(o, 0, version=2, plan=42, sync_id="v2")
+    begin(o, 1, version=2, plan=42, sync_id="v2")
+    with pytest.raises(WeightSyncError) as ei:  # "a" is source 0's: refused before source 0 sent it
+        bucket(o, 1, 0, ["c", "a"])
+    assert ei.value.code is ErrorCode.DUPLICATE_TENSOR and "plan 42 gives source 0" in ei.value.message
+    assert ei.value.details["other_source"] == 0 and (1, 0) not in o.sync.buckets
+    bucket(o, 0, 0, ["a", "b"])
+    bucket(o, 1, 0, ["c"])  # source 1 leaves "d" out
+    applied(o, 0, 0)
+    applied(o, 1, 0)
+    finish(o, 0, 1)
+    with pytest.raises(WeightSyncError) as ei:
+        finish(o, 1, 1)
+    assert ei.value.code is ErrorCode.INCOMPLETE_SYNC and ei.value.details["sources"] == [1]
+    assert "the plan gives them to source(s) [1]" in ei.value.message
+
+
+def test_another_plan_is_not_checked_against_the_first():
+    o = new()
+    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=42)
+    begin(o, 0, version=2, plan=7, sync_id="v2")
+    begin(o, 1, version=2, plan=7, sync_id="v2")
+    bucket(o, 1, 0, ["a", "b"])  # plan 7 gives them to source 1: taken
+    assert (1, 0) in o.sync.buckets
