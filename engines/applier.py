@@ -37,7 +37,7 @@ from engines.prefetch import Prefetcher
 from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
-from messages.buckets import iter_buckets, unpack
+from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_checksum
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
@@ -71,6 +71,7 @@ class Applier(threading.Thread):
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
         self._spec = {p.name for p in engine.describe().spec}
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
+        self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
         # sync_id -> set when that sync's collective stream must stop (the main thread's abort)
         self._cancels: dict[str, threading.Event] = {}
 
@@ -158,6 +159,7 @@ class Applier(threading.Thread):
         t0 = time.perf_counter()
         self.engine.begin(msg.sync_id, msg.version)
         self.base.discard()
+        self.pieces.clear()
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
@@ -300,7 +302,12 @@ class Applier(threading.Thread):
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds)
-        if msg.shm is not None and isinstance(self.engine, LoadsShm) and not _patched(msg.tensors):
+        if (
+            msg.shm is not None
+            and isinstance(self.engine, LoadsShm)
+            and not _patched(msg.tensors)
+            and not has_pieces(msg.tensors)
+        ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
             self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
             if self.base.keeping:
@@ -324,7 +331,26 @@ class Applier(threading.Thread):
     def _apply_metas(self, metas: Any, buf: Any, parts: Any = None) -> None:
         """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views.
         Delta patches are rebuilt on the base first (engines/delta.py); every loaded
-        tensor is staged as the next base when the engine keeps one."""
+        tensor is staged as the next base when the engine keeps one. A piece of a tensor
+        larger than a bucket is assembled first; the tensor loads once its last piece is in."""
+        if has_pieces(metas):
+            whole = tuple(m for m in metas if m.start is None)
+            if whole:
+                self._apply_metas(
+                    whole, buf, None if parts is None else {m.name: parts[m.name] for m in whole}
+                )
+            for m in metas:
+                if m.start is None:
+                    continue
+                try:
+                    done = self.pieces.add(m, buf)
+                except MessageError as exc:
+                    raise WeightSyncError(exc.reason, code=exc.code) from None
+                if done is not None:
+                    meta, data, part = done
+                    self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
+                    del data
+            return
         if _patched(metas):
             # an engine that digests its whole model (not what it received) may skip loading
             # unchanged tensors its model already holds
@@ -427,6 +453,12 @@ class Applier(threading.Thread):
         self.verifier.close_maps()  # every bucket is in; the trainer may unlink its slots
         if msg.sync_id in self.failed:
             return
+        unfinished = self.pieces.incomplete()
+        if unfinished:
+            raise WeightSyncError(
+                f"{len(unfinished)} tensor(s) only partly received: {', '.join(unfinished[:4])}",
+                code=ErrorCode.INCOMPLETE_SYNC,
+            )
         t0 = time.perf_counter()
         if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
             time.sleep(self.failpoints["finalize_sleep"])
@@ -473,10 +505,16 @@ class Applier(threading.Thread):
         self.verifier.close_maps()
         self._close_group()  # the daemon plans a new group after a failed sync
         self.base.discard()
+        self.pieces.clear()
         if self.current == msg.sync_id:
             self.engine.abort()
             self.current = None
             log.info("sync_aborted", sync_id=msg.sync_id)
+
+
+def _buffer(t: Any) -> Any:
+    """A CPU tensor's bytes as a buffer (numpy arrays are buffers; their stubs say not)."""
+    return memoryview(t.numpy())
 
 
 def _patched(metas: Any) -> bool:

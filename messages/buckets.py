@@ -21,6 +21,7 @@ import torch
 
 from messages.checksums import bucket_hash, checksum_of, combine, part_hasher
 from messages.dtypes import DTYPES, dtype_name
+from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
 ALIGN = 64
@@ -76,10 +77,18 @@ class Patched:
     `shape` as `patch` says (messages/delta.py); the bucket's meta keeps the full dtype and
     shape, so the daemon checks it against the engines' spec like a dense tensor."""
 
-    __slots__ = ("patch", "data", "dtype", "shape")
+    __slots__ = ("patch", "data", "dtype", "shape", "dense")
 
-    def __init__(self, patch: Patch, data: torch.Tensor, dtype: torch.dtype, shape: Any) -> None:
+    def __init__(
+        self,
+        patch: Patch,
+        data: torch.Tensor,
+        dtype: torch.dtype,
+        shape: Any,
+        dense: torch.Tensor | None = None,
+    ) -> None:
         self.patch, self.data, self.dtype, self.shape = patch, data, dtype, tuple(shape)
+        self.dense = dense  # the tensor it rebuilds: sent instead where the patch outgrows a bucket
 
     def numel(self) -> int:
         return int(self.data.numel())
@@ -95,7 +104,61 @@ class Patched:
         return n * self.dtype.itemsize
 
 
-Item = torch.Tensor | Cast | Patched
+class Piece:
+    """Bytes [start, start + nbytes) of a tensor larger than a bucket, packed alone in a
+    bucket. `src` is the whole tensor's flat bytes (made once for all its pieces) or the
+    `Cast` that makes them. `full` is the tensor's digest hasher, fed every piece in order
+    and shared by them: after the last piece its digest is the whole tensor's part."""
+
+    __slots__ = ("src", "dtype", "shape", "start", "nbytes", "full", "last")
+
+    def __init__(
+        self,
+        src: torch.Tensor | Cast,
+        dtype: torch.dtype,
+        shape: Any,
+        start: int,
+        nbytes: int,
+        full: Any,
+        last: bool,
+    ) -> None:
+        self.src, self.dtype, self.shape = src, dtype, shape
+        self.start, self.nbytes, self.full, self.last = start, nbytes, full, last
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+    def write(self, dst: torch.Tensor, hasher: Any) -> tuple[float, float]:
+        """Copy the piece's bytes into `dst`, hashed for its own part and the tensor's."""
+        if isinstance(self.src, Cast):  # cast this piece's elements straight into dst
+            size = self.dtype.itemsize
+            t0 = time.perf_counter()
+            flat = self.src.src.detach().reshape(-1)[self.start // size : (self.start + self.nbytes) // size]
+            dst.view(self.dtype).copy_(flat)
+            t1 = time.perf_counter()
+            v = _buffer(dst)
+            hasher.update(v)
+            self.full.update(v)
+            return t1 - t0, time.perf_counter() - t1
+        return copy_hashing(dst, self.src[self.start : self.start + self.nbytes], hasher, self.full)
+
+
+def pieces(name: str, t: torch.Tensor | Cast, bucket_bytes: int) -> Iterator[Piece]:
+    """`t` cut into pieces of at most `bucket_bytes` (whole elements, at least one)."""
+    size = t.element_size()
+    total = t.numel() * size
+    step = max(size, bucket_bytes // size * size)
+    full = part_hasher(name, dtype_name(t.dtype), tuple(t.shape))
+    src = t if isinstance(t, Cast) else as_bytes(t)  # a non-contiguous tensor is copied once
+    for start in range(0, total, step):
+        n = min(step, total - start)
+        yield Piece(src, t.dtype, tuple(t.shape), start, n, full, start + n == total)
+
+
+Item = torch.Tensor | Cast | Patched | Piece
 
 
 def as_bytes(t: torch.Tensor | Cast) -> torch.Tensor:
@@ -168,7 +231,8 @@ def _pack(
     for name, t in items:
         nbytes = t.numel() * t.element_size()
         patch = t.patch if isinstance(t, Patched) else None
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch))
+        start = t.start if isinstance(t, Piece) else None
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch, start))
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
@@ -178,10 +242,13 @@ def _pack(
     for meta, (name, t) in zip(metas, items, strict=True):
         if meta.offset > pos:  # padding: zeros, so the frame is the same every time
             data[pos : meta.offset].zero_()
-        h = part_hasher(meta.name, meta.dtype, meta.shape)
+        h = part_hasher(meta.name, meta.dtype, meta.shape, meta.start)
         dst = data[meta.offset : meta.offset + meta.nbytes]
         if not meta.nbytes:
             pass
+        elif isinstance(t, Piece):
+            c, hs = t.write(dst, h)
+            copying, hashing = copying + c, hashing + hs
         elif isinstance(t, Cast):  # the casting copy writes the bucket itself
             t0 = time.perf_counter()
             dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
@@ -193,7 +260,10 @@ def _pack(
             copying, hashing = copying + c, hashing + hs
         part = h.digest()
         parts.append(part)
-        if digester is not None:  # a patch's digest part is the tensor it rebuilds
+        if isinstance(t, Piece):  # the tensor's part is over all its pieces: known at the last
+            if t.last and digester is not None:
+                digester.add(name, t.full.digest())
+        elif digester is not None:  # a patch's digest part is the tensor it rebuilds
             digester.add(name, t.patch.result if isinstance(t, Patched) else part)
         pos = meta.offset + meta.nbytes
     return PackedBucket(seq, tuple(metas), data, checksum_of(parts), copying, hashing)
@@ -205,11 +275,15 @@ def iter_buckets(
     *,
     alloc: Alloc | None = None,
     digester: Digester | None = None,
+    split: bool = False,
 ) -> Iterator[PackedBucket]:
-    """Stream (name, tensor) pairs into buckets of at most `bucket_bytes` (a larger tensor
-    goes alone). Holds one bucket's worth of references at a time. `alloc(seq, nbytes)`
-    provides the bucket's buffer (e.g. a shared-memory slot); default: a new tensor.
-    `digester`, if given, takes every tensor's digest during the same copy."""
+    """Stream (name, tensor) pairs into buckets of at most `bucket_bytes`. A larger tensor
+    goes alone, or with `split` as pieces of at most `bucket_bytes`, one bucket each (a
+    delta patch larger than a bucket is then sent as the dense tensor it rebuilds), so no
+    bucket exceeds `bucket_bytes` whatever the model. Holds one bucket's worth of
+    references at a time. `alloc(seq, nbytes)` provides the bucket's buffer (e.g. a
+    shared-memory slot); default: a new tensor. `digester`, if given, takes every tensor's
+    digest during the same copy."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
     seq = 0
@@ -219,6 +293,17 @@ def iter_buckets(
         if not isinstance(t, (torch.Tensor, Cast, Patched)):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
+        if split and isinstance(t, Patched) and t.numel() > bucket_bytes and t.dense is not None:
+            t = t.dense
+        if split and not isinstance(t, Patched) and t.numel() * t.element_size() > bucket_bytes:
+            if pending:
+                yield _pack(seq, pending, alloc, digester)
+                seq += 1
+                pending, size = [], 0
+            for piece in pieces(name, t, bucket_bytes):
+                yield _pack(seq, [(name, piece)], alloc, digester)
+                seq += 1
+            continue
         # A patch counts as the tensor it covers: a delta push is cut where the dense one
         # would be, so its first bucket leaves (and engines start) while the rest encodes.
         nbytes = t.covered() if isinstance(t, Patched) else t.numel() * t.element_size()
@@ -254,6 +339,69 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
         dtype = DTYPES[m.dtype]
         t = raw.view(dtype) if dtype != torch.uint8 else raw
         yield m.name, t.view(m.shape) if m.shape else t.reshape(())
+
+
+class Assembler:
+    """A receiver's tensors larger than a bucket, assembled from their pieces (in order,
+    one bucket each) before anything loads them. Holds at most the tensors begun and not
+    yet complete: one at a time from one sender, since a sender's pieces are consecutive."""
+
+    def __init__(self) -> None:
+        self._open: dict[
+            str, tuple[TensorMeta, torch.Tensor, Any, int]
+        ] = {}  # name -> meta, bytes, hasher, got
+
+    def add(self, m: TensorMeta, buf: Any) -> tuple[TensorMeta, torch.Tensor, bytes] | None:
+        """A piece (`m.start` set; its bytes at m.offset of `buf`): copied in; the whole
+        tensor (a bucket of it alone: its meta, its bytes, its digest part) once its last
+        piece is in, else None. A piece out of order, or not matching the tensor begun, is
+        a BAD_MESSAGE (the codec has bounded it already)."""
+        start = m.start or 0
+        full = _nbytes(m)
+        held = self._open.get(m.name)
+        if held is None:
+            if start:
+                raise MessageError(ErrorCode.BAD_MESSAGE, f"{m.name}: piece at byte {start} before its first")
+            whole = TensorMeta(m.name, m.dtype, tuple(m.shape), 0, full)
+            held = (
+                whole,
+                torch.empty(full, dtype=torch.uint8),
+                part_hasher(m.name, m.dtype, tuple(m.shape)),
+                0,
+            )
+        whole, data, hasher, got = held
+        if start != got or (whole.dtype, tuple(whole.shape)) != (m.dtype, tuple(m.shape)):
+            raise MessageError(
+                ErrorCode.BAD_MESSAGE,
+                f"{m.name}: piece [{start}, {start + m.nbytes}) of {m.dtype}{list(m.shape)} where byte {got} "
+                f"of {whole.dtype}{list(whole.shape)} was due",
+            )
+        src = flat_bytes(buf)[m.offset : m.offset + m.nbytes]
+        copy_hashing(data[got : got + m.nbytes], src, hasher)
+        got += m.nbytes
+        if got < full:
+            self._open[m.name] = (whole, data, hasher, got)
+            return None
+        self._open.pop(m.name, None)
+        return whole, data, hasher.digest()
+
+    def incomplete(self) -> list[str]:
+        """Tensors begun and not complete, as 'name (got/total bytes)'."""
+        return [f"{n} ({got}/{w.nbytes} bytes)" for n, (w, _d, _h, got) in self._open.items()]
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
+def _nbytes(m: TensorMeta) -> int:
+    n = 1
+    for d in m.shape:
+        n *= d
+    return n * int(DTYPES[m.dtype].itemsize)
+
+
+def has_pieces(metas: Sequence[TensorMeta]) -> bool:
+    return any(m.start is not None for m in metas)
 
 
 def hash_bucket(

@@ -26,14 +26,21 @@ class Ranged(Protocol):
     def offset(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
+    @property
+    def start(self) -> int | None: ...
 
 
-def part_hasher(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
-    """A streaming hash of tensor `name`'s digest part: feed it the bytes, then `.digest()`."""
+def part_hasher(name: str, dtype: str, shape: tuple[int, ...], start: int | None = None) -> Any:
+    """A streaming hash of tensor `name`'s digest part: feed it the bytes, then `.digest()`.
+    With `start`, the part of a piece (the bytes from `start` of a tensor larger than a
+    bucket): it serves the bucket's checksum; the tensor's digest part is the plain hasher
+    fed every piece in order."""
     h = xxhash.xxh3_128()
     h.update(name.encode())
     h.update(b"\0" + dtype.encode() + b"\0")
     h.update(repr(tuple(shape)).encode())
+    if start is not None:
+        h.update(b"\0@" + str(start).encode())
     return h
 
 
@@ -50,7 +57,7 @@ def bucket_hash(buf: Any, metas: Iterable[Ranged]) -> tuple[int, list[bytes]]:
     mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
     parts = []
     for m in metas:
-        h = part_hasher(m.name, m.dtype, tuple(m.shape))
+        h = part_hasher(m.name, m.dtype, tuple(m.shape), m.start)
         if m.nbytes:
             h.update(mv[m.offset : m.offset + m.nbytes])
         parts.append(h.digest())

@@ -110,7 +110,9 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
         for d in t.shape:
             numel *= d
         itemsize = ITEMSIZE[t.dtype]
-        if t.patch is not None:
+        if t.start is not None:
+            _check_piece(where, t, numel * itemsize, itemsize)
+        elif t.patch is not None:
             _check_patch(where, t.patch, t.nbytes, numel, itemsize)
         elif t.nbytes != numel * itemsize:
             raise _bad(f"{where}: nbytes {t.nbytes} != numel {numel} * itemsize {itemsize}")
@@ -118,6 +120,18 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
             raise _bad(
                 f"{where}: bytes [{t.offset}, {t.offset + t.nbytes}) outside the {frame_len}-byte frame"
             )
+
+
+def _check_piece(where: str, t: schema.TensorMeta, full: int, itemsize: int) -> None:
+    """A piece of a tensor larger than a bucket: whole elements, inside the tensor, never
+    the whole of it and never a patch."""
+    start = t.start or 0
+    if t.patch is not None:
+        raise _bad(f"{where}: a piece cannot be a patch")
+    if not 0 < t.nbytes < full or start + t.nbytes > full:
+        raise _bad(f"{where}: piece [{start}, {start + t.nbytes}) of a {full}-byte tensor")
+    if start % itemsize or t.nbytes % itemsize:
+        raise _bad(f"{where}: piece [{start}, {start + t.nbytes}) cuts an element of {itemsize} bytes")
 
 
 def _check_patch(where: str, p: schema.Patch, nbytes: int, numel: int, itemsize: int) -> None:

@@ -21,9 +21,11 @@ Rules:
   for each sync from its bucket size: `queue_len`); past it the XPUB drops for that
   connection alone. A frozen engine or a subscriber that never reads so costs the daemon
   about the daemon's `fanout_queue_bytes`, whatever it does. A participant never reaches
-  the bound: a trainer's window stays within `window_cap` (the daemon says its budget in
-  the begin reply), and a participant's queue holds at most its sync's open and the
-  window. A connection that breaks loses what was queued on it, like a ROUTER peer's, and
+  the bound: each source's window stays within `window_cap` of its share of the budget
+  (the daemon says it in the begin reply), and a participant's queue holds at most its
+  sync's open and the sources' windows. The bound is in bytes: the daemon caps a sync's
+  bucket size (`max_bucket`: the begin reply's `bucket_bytes`), a trainer splits a tensor
+  larger than that across buckets, and a frame larger is refused (TOO_LARGE). A connection that breaks loses what was queued on it, like a ROUTER peer's, and
   the sync's deadlines handle it.
 
 Torch-free: the engine worker and the fleet benchmark's simulated engines use `Receiver`.
@@ -58,6 +60,24 @@ def window_cap(queue_bytes: int | None, bucket_bytes: int, max_pending: int) -> 
         return max(1, max_pending)
     fits = queue_bytes // max(bucket_bytes, 1)
     return max(1, min(max_pending, (fits - 2) // 2))
+
+
+def max_bucket(queue_bytes: int, sources: int = 1) -> int:
+    """The largest bucket a sync of `sources` may cut when each connection may queue
+    `queue_bytes`: with every source's window at its floor of one bucket, the queue its
+    participants need (`queue_len(sources)`) must fit the budget."""
+    return max(1, queue_bytes // queue_len(max(1, sources)))
+
+
+def sync_queue(queue_bytes: int, bucket_bytes: int, sources: int, max_pending: int) -> tuple[int, int]:
+    """(each source's window cap, the queue a connection needs in messages) for a sync of
+    `sources`, each cutting buckets of at most `bucket_bytes` (<= `max_bucket`) with
+    `max_pending` requests of its own: the sources share the budget, and a participant's
+    queue holds the sync's open and every source's window. Then queue x bucket_bytes <=
+    queue_bytes (tests/unit/test_fanout_rule.py checks it over sources and sizes)."""
+    sources = max(1, sources)
+    cap = window_cap(queue_bytes // sources, bucket_bytes, max_pending)
+    return cap, queue_len(cap * sources)
 
 
 def queue_len(cap: int) -> int:

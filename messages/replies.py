@@ -45,6 +45,8 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     prepared: int = 0
     max_pending: int | None = None  # unanswered bucket requests per sender
     fanout_bytes: int | None = None  # per sender's share of the fan-out's queue (None: no fan-out)
+    # the largest bucket frame the daemon takes in this sync (None: no limit but max_frame_bytes)
+    bucket_bytes: int | None = None
 
 
 class BucketAck(msgspec.Struct, frozen=True, kw_only=True):

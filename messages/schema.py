@@ -19,7 +19,7 @@ from msgspec import Meta
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
@@ -152,7 +152,10 @@ class Patch(_Wire, frozen=True):
 
 class TensorMeta(_Wire, frozen=True, omit_defaults=True):
     """One tensor of a bucket. dtype and shape are the full tensor's, also when `patch`
-    says the bytes at [offset, offset + nbytes) are a patch of it."""
+    says the bytes at [offset, offset + nbytes) are a patch of it, or `start` says they are
+    a piece of it: bytes [start, start + nbytes) of the full tensor. A tensor larger than a
+    bucket travels as pieces, in order, one per bucket, and its receiver assembles it
+    before it loads it (protocol v7)."""
 
     name: TensorName
     dtype: Dtype
@@ -160,6 +163,7 @@ class TensorMeta(_Wire, frozen=True, omit_defaults=True):
     offset: Size
     nbytes: Size
     patch: Patch | None = None
+    start: Size | None = None
 
 
 Tensors = Annotated[tuple[TensorMeta, ...], Meta(max_length=MAX_TENSORS_PER_BUCKET)]

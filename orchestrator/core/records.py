@@ -125,6 +125,9 @@ class SyncRecord:
     participants: tuple[str, ...]
     started_at: float
     last_activity: float
+    # the largest bucket frame of this sync (the opener's size within what the fan-out's
+    # queue holds: messages.fanout.max_bucket); None: none passes the daemon (collective)
+    bucket_bytes: int | None = None
     buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
     # (engine_id, sender) -> highest seq the engine applied every bucket through
     through: dict[tuple[str, int], int] = field(default_factory=dict)

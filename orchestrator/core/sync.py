@@ -18,9 +18,10 @@ from typing import Any
 
 from messages.checksums import add_digests
 from messages.errors import ErrorCode
+from messages.fanout import max_bucket
 from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
-from messages.schema import MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
+from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
@@ -134,6 +135,7 @@ def begin(m: Model, event: BeginSync) -> None:
         s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
         s.shm_engines, s.transport = syncs.plan_transport(msg, s.participants, m.engines, m.limits.host)
+    s.bucket_bytes = _bucket_size(m, msg, s)
     m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.transport, m.limits.spool, s.stream))
     if s.stream and s.group is not None:  # engines hear of this sync once, not per bucket
         m.outbox.append(OpenStreams(s.sync_id, s.version, s.participants, s.group))
@@ -152,6 +154,20 @@ def begin(m: Model, event: BeginSync) -> None:
         )
     )
     m.reply = _begin_reply(m, s)
+
+
+def _bucket_size(m: Model, msg: Begin, s: SyncRecord) -> int | None:
+    """The sync's largest bucket frame: the opener's size (or the default) within what the
+    fan-out's per-connection queue holds for the sync's sources, so that what a frozen
+    engine's queue holds is bounded in bytes (messages.fanout.max_bucket). Every source
+    cuts at most this (the begin reply says it; a larger tensor is split); a larger frame
+    is refused. None on the collective: no byte of it queues in the daemon."""
+    if s.transport == "collective":
+        return None
+    size = msg.bucket_bytes or DEFAULT_BUCKET_BYTES
+    if m.limits.fanout_bytes is not None:
+        size = min(size, max_bucket(m.limits.fanout_bytes, s.senders))
+    return size
 
 
 def _check_base(m: Model, msg: Begin) -> None:
@@ -268,6 +284,7 @@ def _begin_reply(
             prepared=len(s.prepared),
             max_pending=lim.pending_per_sender(senders),
             fanout_bytes=lim.fanout_bytes // senders if lim.fanout_bytes is not None else None,
+            bucket_bytes=s.bucket_bytes,
         )
     )
 
@@ -282,6 +299,14 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"max_frame_bytes {lim.max_frame_bytes}; use smaller buckets",
         )
     s = m.require_sync(msg.sync_id, "bucket")
+    if s.bucket_bytes is not None and msg.size is None and event.nbytes > s.bucket_bytes:
+        raise m.error(
+            ErrorCode.TOO_LARGE,
+            f"bucket seq {msg.seq} of source {msg.sender} is {event.nbytes} bytes; this sync's buckets "
+            f"are at most {s.bucket_bytes} (the begin reply's bucket_bytes: split larger tensors, "
+            f"as TrainerClient.push does)",
+            bucket_bytes=s.bucket_bytes,
+        )
     limit = lim.pending_per_sender(s.senders)
     if event.pending >= limit:
         raise m.error(

@@ -149,12 +149,11 @@ class Dispatcher:
                     },
                 )
             elif isinstance(msg, schema.Begin):
-                if msg.bucket_bytes is not None:
-                    self.inflight.bucket_bytes.setdefault(msg.sync_id, msg.bucket_bytes)
                 res = await self.feed(ev.BeginSync(msg), self._trainer(w))
                 named = str((res.reply or {}).get("sync_id", msg.sync_id))
-                if named != msg.sync_id:  # a source joined a sharded push under its own name
-                    self.inflight.bucket_bytes.pop(msg.sync_id, None)
+                size = (res.reply or {}).get("bucket_bytes")
+                if isinstance(size, int) and named not in self.inflight.bucket_bytes:
+                    self.inflight.bucket_bytes[named] = (size, msg.senders)
                 self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)

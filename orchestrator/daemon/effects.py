@@ -340,9 +340,9 @@ class Effects:
         fan = self._fanout.get(c.sync_id)
         if fan is not None:
             return fan
-        size = self.inflight.bucket_bytes.get(c.sync_id)
-        if size is not None:
-            self.transport.fanout_queue(size)  # bound anew: none live yet
+        sized = self.inflight.bucket_bytes.get(c.sync_id)
+        if sized is not None:
+            self.transport.fanout_queue(sized[0], sources=sized[1])  # bound anew: none live yet
         else:  # the daemon's own replay (or an old trainer): grown for this frame if need be
             self.transport.fanout_queue(frame_bytes, floor=RECOVERY_WINDOW, shrink=False)
         fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)

@@ -38,7 +38,8 @@ class Inflight:
         self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
         # trainer connections per sync, each with the source (sender) it speaks for
         self.owners: dict[str, dict[bytes, int]] = defaultdict(dict)
-        self.bucket_bytes: dict[str, int] = {}  # the trainer's bucket size, from its begin
+        # the sync's bucket size and sources, from its begin's reply: its fan-out queue's size
+        self.bucket_bytes: dict[str, tuple[int, int]] = {}
 
     def pending_on(self, ident: bytes) -> int:
         """Bucket requests of this trainer connection still unanswered."""

@@ -172,7 +172,7 @@ class Transport:
             self.fanout.setsockopt(zmq.SNDHWM, self.fanout_hwm)
         return n
 
-    def fanout_queue(self, bucket_bytes: int, floor: int = 1, shrink: bool = True) -> None:
+    def fanout_queue(self, bucket_bytes: int, floor: int = 1, shrink: bool = True, sources: int = 1) -> None:
         """A sync's buckets are cut to `bucket_bytes`: every fan-out connection, present and
         future, queues at most what a participant needs with the largest window a trainer
         keeps for that size (messages.fanout.window_cap), so a non-reader holds about the
@@ -188,8 +188,12 @@ class Transport:
         go one send each)."""
         if self.fanout is None:
             return
-        cap = max(floor, fanout.window_cap(self.fanout_budget, bucket_bytes, self.max_pending))
-        hwm = fanout.queue_len(cap)
+        if self.fanout_budget is None:
+            hwm = fanout.queue_len(max(floor, self.max_pending))
+        else:  # every source's window (each within its share: messages.fanout.sync_queue)
+            per_source = max(1, self.max_pending // max(1, sources))
+            _cap, hwm = fanout.sync_queue(self.fanout_budget, bucket_bytes, sources, per_source)
+            hwm = max(hwm, fanout.queue_len(floor))
         if hwm >= self.fanout_hwm or not shrink:
             hwm = max(hwm, self.fanout_hwm)
             self.fanout_hwm = hwm

@@ -406,6 +406,9 @@ class TrainerClient:
             if started.transport not in ("shm", "mixed"):
                 ring = None  # kept for a later push; this one goes inline or by collective
             coll = self._collective_for(started, transport)
+            if started.bucket_bytes is not None and started.bucket_bytes < bucket_bytes:
+                log.info("bucket_size_capped", asked=bucket_bytes, bucket_bytes=started.bucket_bytes)
+                bucket_bytes = started.bucket_bytes  # what the daemon's fan-out queue holds
             digester = Digester()
             t_stream = time.perf_counter()
             try:
@@ -479,6 +482,7 @@ class TrainerClient:
                 "transport": started.transport,
                 "trainer_phases": trainer_phases,
                 "window": streamed.window,
+                "bucket_bytes": bucket_bytes,  # as cut (within the daemon's cap: begin reply)
                 **(
                     {"source": rank, "sources": world, "source_digest": digester.hexdigest()}
                     if world > 1

@@ -167,7 +167,7 @@ class DeltaBase:
             elif enc.patch.kind == "xor":
                 self._overwrite(name, new, owned, part)
             self.stats.add(enc.patch.kind, int(enc.data.numel()), full, enc.changed, new.numel())
-            yield name, Patched(enc.patch, enc.data, new.dtype, new.shape)
+            yield name, Patched(enc.patch, enc.data, new.dtype, new.shape, dense=new)
 
     def record(self, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A dense push that also becomes the copy: each tensor passes through unchanged."""

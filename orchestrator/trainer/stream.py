@@ -381,7 +381,10 @@ class Stream:
             return slots.slot(seq, n)
 
         t_loop = time.perf_counter()
-        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
+        # inline and shm: a tensor larger than a bucket is split, so no frame exceeds the
+        # bucket size the daemon sized its fan-out for (and engines assemble it)
+        split = coll is None
+        for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester, split=split):
             f = _InFlight(bucket, time.monotonic())
             inflight[bucket.seq] = f
             phases["pack_copy"] += bucket.copy_s

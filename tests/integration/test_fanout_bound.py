@@ -156,3 +156,105 @@ def test_syncs_of_different_bucket_sizes_each_reach_every_engine(tmp_path):
         assert published[1] == 0 and published[4] == 0
         log = c.daemon.log_path.read_text()
         assert log.count('"fanout_rebound"') == 2
+
+
+FANOUT_BUDGET = 192 << 20  # the daemon's default --fanout-queue-bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_bytes", [16 << 20, 64 << 20], ids=["16MiB", "64MiB"])
+def test_tensors_larger_than_a_bucket_cost_a_frozen_engines_daemon_the_budget(tmp_path, bucket_bytes):
+    """The fan-out's bound holds in bytes whatever the tensors: a model of 128 MiB tensors
+    (each larger than a bucket), one of two engines SIGSTOPped until LOST, four inline
+    pushes: the daemon grows by at most the fan-out budget + one bucket. The trainer splits
+    each tensor across buckets (the engines assemble it), and the daemon caps a sync's
+    bucket size at what its queue holds (64 MiB buckets are cut at 48 MiB: the begin
+    reply's bucket_bytes). Whole 128 MiB frames, the queue sized for 16 MiB buckets held
+    12 of them: about 1.5 GiB."""
+    spec = synthetic_spec(256 << 20, tensor_bytes=128 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(
+        tmp_path / "d",
+        model,
+        engines=2,
+        backend="sink",
+        min_engines=1,
+        daemon_args=["--engine-timeout", "2", "--log-level", "info"],
+        engine_args=["--heartbeat-interval", "0.5"],
+    )
+    version = 0
+    with c, c.client(timeout=60.0) as client:
+
+        def push() -> None:
+            nonlocal version
+            version += 1
+            r = client.push(
+                random_weights(spec, seed=version), version, transport="inline", bucket_bytes=bucket_bytes
+            )
+            assert r.state == "READY" and {e["digest"] for e in r.engines} == {r.digest}, r
+
+        push()  # both engines assemble the split tensors: the same digest as the trainer's
+        daemon = c.daemon.popen.pid
+        frozen = next(p for p in c.procs if p.name == "engine-1")
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: _engine(c, "engine-1")["state"] == "LOST", 30, "engine-1 LOST")
+            before = _rss(daemon)
+            for _ in range(4):
+                push()
+            grew = _rss(daemon) - before
+        finally:
+            os.kill(frozen.popen.pid, signal.SIGCONT)
+        cut = min(bucket_bytes, FANOUT_BUDGET // 4)
+        print(f"bucket {bucket_bytes >> 20} MiB (cut at {cut >> 20}): the daemon grew {grew >> 20} MiB")
+        assert grew <= FANOUT_BUDGET + cut, f"the daemon grew {grew >> 20} MiB over four pushes"
+        assert c.status()["state"] == "READY"
+
+
+@pytest.mark.slow
+def test_eight_sources_fill_their_windows_on_a_stopped_engine_and_still_commit(tmp_path):
+    """8 sources of one sharded inline push with 16 MiB buckets: the daemon cuts the sync's
+    buckets so that open + every source's window fits its queue twice over in messages and
+    the budget in bytes (messages.fanout.sync_queue: 192 MiB / 18 messages -> 10.7 MiB
+    buckets). One engine is SIGSTOPped until every source's window waits on it, then
+    SIGCONTed: READY on both engines with the trainer's digest, three times in a row."""
+    import threading
+
+    spec = synthetic_spec(256 << 20, tensor_bytes=16 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(tmp_path / "d", model, engines=2, backend="sink", daemon_args=["--log-level", "info"])
+    sources = 8
+    with c:
+        slow = next(p for p in c.procs if p.name == "engine-1")
+        for version in (1, 2, 3):
+            weights = list(random_weights(spec, seed=version))
+            out: dict[int, object] = {}
+
+            def run(k: int, v: int = version, w: list = weights) -> None:
+                try:
+                    with c.client(timeout=60.0, retries=0) as client:
+                        out[k] = client.push(w[k::sources], v, transport="inline", source=(k, sources))
+                except Exception as exc:  # reported below
+                    out[k] = exc
+
+            os.kill(slow.popen.pid, signal.SIGSTOP)
+            threads = [threading.Thread(target=run, args=(k,)) for k in range(sources)]
+            try:
+                for t in threads:
+                    t.start()
+                wait_for(
+                    lambda: c.status()["queues"]["unacked_bucket_requests"] >= sources,
+                    60,
+                    "every source's window waits on the stopped engine",
+                )
+            finally:
+                os.kill(slow.popen.pid, signal.SIGCONT)
+            for t in threads:
+                t.join(120)
+            errors = [r for r in out.values() if isinstance(r, Exception)]
+            assert not errors and len(out) == sources, errors
+            results = list(out.values())
+            assert {r.state for r in results} == {"READY"}  # type: ignore[attr-defined]
+            r0 = results[0]
+            assert len(r0.engines) == 2 and {e["digest"] for e in r0.engines} == {r0.digest}  # type: ignore[attr-defined]
+            assert r0.detail["bucket_bytes"] <= (192 << 20) // 18  # type: ignore[attr-defined]

@@ -223,10 +223,15 @@ def test_status_and_metrics_show_each_source_while_a_sharded_push_runs(tmp_path,
             src = st["sync"]["sources"]
             assert st["sync"]["senders"] == 2 and [x["begun"] for x in src] == [True, True]
             assert not src[1]["finished"] and src[0]["bytes"] > 0 and src[1]["bytes"] > 0
-            m = wait_for(
-                lambda: (mm := scrape(addr)) and value(mm, "weightsync_sync_sources") == 2 and mm,
+            m = wait_for(  # the metrics' snapshot may trail the status by a refresh
+                lambda: (
+                    (mm := scrape(addr))
+                    and value(mm, "weightsync_sync_sources") == 2
+                    and value(mm, "weightsync_source_state", source="0", state="finished") == 1
+                    and mm
+                ),
                 10,
-                "the metrics show the running sharded push",
+                "the metrics show the running sharded push, source 0 finished",
             )
             assert value(m, "weightsync_source_state", source="0", state="finished") == 1
             assert value(m, "weightsync_source_state", source="1", state="sending") == 1

@@ -150,3 +150,92 @@ def test_one_pass_gives_the_checksum_and_every_digest_part(monkeypatch):
     last = b.tensors[-1]
     raw[last.offset + last.nbytes - 1] ^= 0x80  # the bucket's very last byte
     assert bucket_checksum(bytes(raw), b.tensors) != b.checksum
+
+
+# -- tensors larger than a bucket: split by the sender, assembled by the receiver ----------
+from messages import codec, schema  # noqa: E402
+from messages.buckets import Assembler, Cast, Digester  # noqa: E402
+from messages.errors import MessageError  # noqa: E402
+
+
+def _assemble(buckets):
+    """What a receiver loads: whole tensors, and split ones once their last piece is in."""
+    asm, out, parts = Assembler(), {}, {}
+    for b in buckets:
+        frame = bytes(b.frame())
+        for m in b.tensors:
+            if m.start is None:
+                out[m.name] = next(t for n, t in unpack([m], frame) if n == m.name).clone()
+                continue
+            done = asm.add(m, frame)
+            if done is not None:
+                meta, data, part = done
+                ((_, t),) = unpack([meta], data.numpy())
+                out[meta.name], parts[meta.name] = t.clone(), part
+    return out, parts, asm
+
+
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    bucket=st.integers(8, 4096),
+    cast=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_split_buckets_never_exceed_the_bucket_size_and_reassemble_to_the_same_digest(sizes, bucket, cast):
+    g = torch.Generator().manual_seed(len(sizes) * 7919 + bucket)
+    named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+    items = [(n, Cast(t, torch.bfloat16)) if cast else (n, t) for n, t in named]
+    want = {n: (t.to(torch.bfloat16) if cast else t) for n, t in named}
+    d = Digester()
+    buckets = list(iter_buckets(items, bucket, split=True, digester=d))
+    for b in buckets:
+        assert b.nbytes <= max(bucket, 4)  # at least one element (4 bytes) per piece
+        assert bucket_checksum(b.frame(), b.tensors) == b.checksum
+        codec.decode(
+            codec.encode(
+                schema.Bucket(sync_id="s", seq=b.seq, tensors=b.tensors, checksum=b.checksum), [b.frame()]
+            )
+        )
+    got, parts, asm = _assemble(buckets)
+    assert not asm.incomplete()
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert d.hexdigest() == digest(want.items())
+    for name, part in parts.items():  # an assembled tensor's part is its whole digest part
+        one = Digester()
+        one.update(name, want[name])
+        assert one._parts[name] == part
+
+
+def test_a_piece_out_of_order_or_of_another_shape_is_refused_and_a_partial_tensor_is_incomplete():
+    t = torch.arange(1000, dtype=torch.float32)
+    b0, b1, b2, *_ = list(iter_buckets([("w", t)], 1024, split=True))
+    asm = Assembler()
+    with pytest.raises(MessageError, match="before its first"):
+        asm.add(b1.tensors[0], bytes(b1.frame()))
+    assert asm.add(b0.tensors[0], bytes(b0.frame())) is None
+    with pytest.raises(MessageError, match="was due"):
+        asm.add(b2.tensors[0], bytes(b2.frame()))
+    assert asm.incomplete() == ["w (1024/4000 bytes)"]
+
+
+@pytest.mark.parametrize(
+    "start,nbytes,why",
+    [(4, 4000, "piece"), (0, 4000, "piece"), (2, 8, "cuts an element"), (0, 0, "piece")],
+)
+def test_the_codec_bounds_a_piece_inside_its_tensor(start, nbytes, why):
+    meta = schema.TensorMeta("w", "float32", (1000,), 0, nbytes, None, start)
+    msg = schema.Bucket(sync_id="s", seq=0, tensors=(meta,), checksum=0)
+    with pytest.raises(MessageError, match=why):
+        codec.decode(codec.encode(msg, [b"\0" * max(nbytes, 1)]))
+
+
+def test_a_delta_patch_larger_than_a_bucket_is_sent_as_its_dense_tensor_in_pieces():
+    from messages.buckets import Patched
+
+    dense = torch.randn(2000)
+    patch = schema.Patch(kind="xor", base=b"\1" * 16, result=b"\0" * 16)
+    big = Patched(patch, torch.zeros(6000, dtype=torch.uint8), torch.float32, (2000,), dense=dense)
+    buckets = list(iter_buckets([("w", big)], 4096, split=True))
+    assert all(m.patch is None and m.start is not None for b in buckets for m in b.tensors)
+    got, _parts, _asm = _assemble(buckets)
+    assert torch.equal(got["w"], dense)
