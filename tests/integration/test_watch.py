@@ -293,58 +293,60 @@ def test_watch_outlives_its_daemon_started_late_killed_and_stopped_mid_push(
     assert [e["digest"] for e in st["engines"]] == [want, want]
 
 
-def test_watch_reports_what_it_cannot_read_and_waits_for_a_sharded_steps_index(
+def test_watch_waits_for_a_sharded_steps_index_and_reports_what_it_cannot_read(
     tmp_path, tiny_model_dir, tiny_state
 ):
-    """A truncated step is reported (`incomplete`), never pushed; a sharded step written
-    shard by shard with its index last is pushed once, after the index exists."""
+    """A sharded step written shard by shard with its index last is pushed once, after
+    the index exists; a truncated step is reported (`incomplete`), never pushed."""
     root = tmp_path / "ckpts"
     root.mkdir()
     with running_daemon(tmp_path / "d", tiny_model_dir, engines=1) as cluster:
         watcher = _watch(cluster, root)
         try:
-            bad = root / "step-1"
-            bad.mkdir()
-            blob = save(dict(perturbed(tiny_state, 1)))
-            (bad / "model.safetensors").write_bytes(blob[: len(blob) // 2])  # the writer died
-            events = _read_until(watcher, lambda ev: any(e["version"] == 1 for e in ev), 30)
-            assert [e["event"] for e in events] == ["incomplete"], events
-            assert "model.safetensors: not a readable safetensors file" in events[0]["reason"]
-
-            d = root / "step-2"
+            d = root / "step-1"
             d.mkdir()
-            w = dict(perturbed(tiny_state, 2))
+            w = dict(perturbed(tiny_state, 1))
             names = sorted(w)
             shards = {
                 "model-00001-of-00002.safetensors": names[: len(names) // 2],
                 "model-00002-of-00002.safetensors": names[len(names) // 2 :],
             }
+            events: list[dict] = []
             for shard, keys in shards.items():
                 save_file({k: w[k] for k in keys}, str(d / shard))
                 n = len(events)
                 # the shard settles with no index beside it: reported, not pushed (today's
                 # watcher pushes the first shard alone and the daemon refuses it)
-                events += _read_until(watcher, lambda ev: any(e["version"] == 2 for e in ev), 30)
-                new = [e for e in events[n:] if e["version"] == 2]
+                events += _read_until(watcher, lambda ev: any(e["version"] == 1 for e in ev), 30)
+                new = [e for e in events[n:] if e["version"] == 1]
                 assert [e["event"] for e in new] == ["incomplete"], events
                 assert "no *.safetensors.index.json yet" in new[0]["reason"], new
             index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
             (d / "model.safetensors.index.json").write_text(json.dumps(index))
             events += _read_until(watcher, lambda ev: any(e["event"] == "pushed" for e in ev), 30)
+
+            bad = root / "step-2"
+            bad.mkdir()
+            blob = save(dict(perturbed(tiny_state, 2)))
+            (bad / "model.safetensors").write_bytes(blob[: len(blob) // 2])  # the writer died
+            n = len(events)
+            events += _read_until(watcher, lambda ev: any(e["version"] == 2 for e in ev), 30)
+            assert [e["event"] for e in events[n:]] == ["incomplete"], events
+            assert "model.safetensors: not a readable safetensors file" in events[n]["reason"]
             assert _stop(watcher) == 0
         finally:
             if watcher.poll() is None:
                 watcher.kill()
         for e in events:
             print(json.dumps(e))
-        assert [(e["event"], e["version"]) for e in events if e["event"] != "incomplete"] == [("pushed", 2)]
+        assert [(e["event"], e["version"]) for e in events if e["event"] != "incomplete"] == [("pushed", 1)]
         st = cluster.status()
-        assert st["state"] == "READY" and st["version"] == 2
+        assert st["state"] == "READY" and st["version"] == 1
         # one sync only: nothing was begun before the index existed
         assert [(h["to"], h["version"]) for h in st["history"]] == [
-            ("LOADING_BUCKETS", 2),
-            ("FINALIZING", 2),
-            ("READY", 2),
+            ("LOADING_BUCKETS", 1),
+            ("FINALIZING", 1),
+            ("READY", 1),
         ]
         assert [e["digest"] for e in st["engines"]] == [digest(w.items())]
 
