@@ -56,6 +56,7 @@ class Link:
         self.reconnected = False  # up again after a disconnect: resend what was in flight
         self.failure: str | None = None
         self.down_since = time.monotonic()
+        self.drops = 0  # connections lost after their handshake (a daemon restart is one)
 
     def pump(self) -> None:
         while True:
@@ -74,6 +75,7 @@ class Link:
                 if self.up:
                     self.down_since = time.monotonic()
                     self.tcp_seen = False
+                    self.drops += 1
                 self.up = False
             elif ev in _FAILED:
                 why: dict[int, str] = {

@@ -604,14 +604,25 @@ def watch(
     transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register"),
+    wait_daemon: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="seconds in a row to wait for a daemon that does not answer, or has no engines, "
+        "before exiting 4; 0: forever",
+        show_default="0: forever",
+    ),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per line and event"),
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Push each complete checkpoint that appears under DIRECTORY as its version, in order.
 
+    A daemon that does not answer (stopped, restarting, not started yet), a fleet without
+    engines, or a push cut by a daemon restart is waited for (one `waiting` line when it
+    begins, `resumed` when it ends), never counted against a step; only a refusal is.
+
     Exit 0 when stopped (SIGTERM, Ctrl-C) or --until is served; 4 if a version was refused
-    (out of order) or given up after --retries failed pushes."""
+    (out of order), given up after --retries refused pushes, or --wait-daemon ran out."""
     import re
     import signal
 
@@ -632,7 +643,19 @@ def watch(
         if as_json:
             print(json.dumps(event, sort_keys=True, default=str), flush=True)
             return
+        if event["event"] in ("waiting", "resumed"):
+            whom = "the daemon" if event["for"] == "daemon" else "engines to register"
+            if event["event"] == "waiting":
+                print(
+                    f"waiting for {whom} ({event['waited_s']}s so far): {event['code']} {event['reason']}",
+                    flush=True,
+                )
+            else:
+                print(f"resumed: waited {event['waited_s']}s for {whom}", flush=True)
+            return
         what = f"version {event['version']} ({event['path']}): {event['event']}"
+        if event["version"] is None:
+            what = f"{event['path']}: {event['event']}"
         if event["event"] == "pushed":
             what += f" {event['state']}, {event['buckets']} buckets, {event['bytes']} bytes in {event['seconds']}s"
         elif "reason" in event:
@@ -647,7 +670,8 @@ def watch(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with _client(addr, keys, key_name, timeout=timeout) as c:
+    probe = min(timeout, 5.0)  # a status while waiting: no answer this soon is still a wait
+    with _client(addr, keys, key_name, timeout=timeout, connect_timeout=probe) as c:
         w = Watcher(
             directory,
             c,
@@ -657,6 +681,8 @@ def watch(
             settle=settle,
             retries=retries,
             delta=delta,
+            wait_daemon=wait_daemon,
+            probe_timeout=probe,
             push_options={"bucket_bytes": bucket_bytes, "transport": transport, "engines_wait": engines_wait},
         )
 
@@ -666,7 +692,7 @@ def watch(
             if until is None:
                 return False
             try:
-                served = c.status().get("last_ready_version")
+                served = c.status(timeout=probe, retries=0).get("last_ready_version")
             except WeightSyncError:
                 return False
             return served is not None and served >= until

@@ -121,14 +121,22 @@ class TrainerClient:
     def hello(self) -> dict[str, Any]:
         return self.conn.request(lambda i: schema.Hello(id=i, client="weightsync-client"))
 
-    def status(self, timeout: float | None = None) -> dict[str, Any]:
+    def status(self, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
         """The whole status object, as `weightsync status --json` prints it."""
-        return self.conn.request(lambda i: schema.Status(id=i), timeout)
+        return self.conn.request(lambda i: schema.Status(id=i), timeout, retries=retries)
 
-    def fleet(self, timeout: float | None = None) -> StatusReply:
+    def fleet(self, timeout: float | None = None, retries: int | None = None) -> StatusReply:
         """The status, typed: what a trainer acts on (decoded once, BAD_MESSAGE if it does
         not match)."""
-        return decode_reply(self.status(timeout), StatusReply)
+        return decode_reply(self.status(timeout, retries), StatusReply)
+
+    @property
+    def lost_connections(self) -> int:
+        """How many times the connection to the daemon was lost after it was up (a daemon
+        restart is one): a request that failed while this grew failed with the connection,
+        not on its merits. Counts what the socket monitor has shown so far."""
+        self.conn.link.pump()
+        return self.conn.link.drops
 
     def next_version(self, last: int | None = None) -> int:
         """The version after both `last` (this trainer's own) and what the fleet served, so a
