@@ -68,8 +68,22 @@ def canary(
 ) -> Callable[[], list[Probe]]:
     """`probes=` for WeightSyncTransfer: at each sync, `model`'s own greedy answer to each
     prompt (token ids), which every engine must reproduce after its post-load step. Under
-    TRL, `send_weights` runs with a PEFT adapter merged, so the answer is the merged one's."""
-    return lambda: make_probes(model, prompts, max_tokens)
+    TRL, `send_weights` runs with a PEFT adapter merged, so the answer is the merged one's.
+    A model set to an attention that needs packing metadata (TRL's tree attention) decodes
+    with torch's SDPA over the same weights, and is set back."""
+
+    def probes() -> list[Probe]:
+        impl = getattr(model.config, "_attn_implementation", None)
+        switch = impl not in (None, "eager", "sdpa")
+        if switch:
+            model.set_attn_implementation("sdpa")
+        try:
+            return make_probes(model, prompts, max_tokens)
+        finally:
+            if switch:
+                model.set_attn_implementation(impl)
+
+    return probes
 
 
 class WeightSyncTransfer:

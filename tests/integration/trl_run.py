@@ -8,7 +8,7 @@ names and frozen-parameter filter of `_iter_vllm_named_params`) are TRL's, uncha
 except the two CUDA-only calls `examples.trl_grpo.use_cpu` replaces.
 
     python -m tests.integration.trl_run ADDR MODEL_DIR RESULT_JSON [--steps N]
-        [--freeze NAME ...] [--canary]
+        [--freeze NAME ...] [--canary] [--lora]
 
 Writes RESULT_JSON: each sync's version, bytes and engines' digests, TRL's log history
 (grad_norm per step), and digests of the trainer's weights before and after training."""
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--freeze", action="append", default=[])
     p.add_argument("--canary", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft_config)")
     a = p.parse_args(argv)
 
     from datasets import Dataset
@@ -134,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         token_budget=0,  # fixed-count batches: no server to ask for its max_model_len
         use_cpu=True,
     )
+    peft_config = None
+    if a.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"w{i}"}]} for i in range(16)])
     trainer = AsyncGRPOTrainer(
         model=a.model,  # TRL 1.16 loads the model itself (a path)
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=ds,
         weight_transfer=transfer,
         rollout_worker=StubRollouts(AutoConfig.from_pretrained(a.model).vocab_size),
+        peft_config=peft_config,
     )
     model = trainer.model
     for name in a.freeze:  # frozen before train() builds the optimizer
@@ -151,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         transfer.probes = canary(model, [[5, 9, 17], [40, 41]], 4)
 
     def weights(trainable: bool | None = None) -> str:
+        """Under TRL's names; a PEFT model's adapter tensors left out (they are in the base)."""
         return digest(
             (trl_name(n), p.detach())
             for n, p in model.named_parameters()
-            if trainable is None or p.requires_grad == trainable
+            if (trainable is None or p.requires_grad == trainable) and (trainable or "lora_" not in n)
         )
 
     before = {"trainable": weights(True), "frozen": weights(False)}
@@ -167,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         "before": before,
         "after": {"trainable": weights(True), "frozen": weights(False), "all": weights()},
     }
+    if a.lora:  # what TRL sends: the base weights with the adapter merged in
+        model.merge_adapter()
+        out["after"]["merged"] = weights()
+        model.unmerge_adapter()
     Path(a.result).write_text(json.dumps(out))
     return 0
 
