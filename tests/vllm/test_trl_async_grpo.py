@@ -3,12 +3,12 @@ generating from a real vLLM OpenAI server, with every weight sync going through
 weightsync: `weight_transfer=WeightSyncTransfer(addr)`, a daemon, and a
 `weightsync engine --backend vllm-server` attached to that server.
 
-The trainer runs as `examples/trl_grpo.py --cpu --freeze model.embed_tokens.weight
---canary` in its own process: TRL's classes unchanged except its two CUDA-only calls (the
-peak-FLOPs lookup and the FA3 kernel of its tree attention), which the example replaces on
-a CPU host. The embeddings are frozen, so TRL leaves them out of every sync: the first
-sync sends them, the later ones declare them unchanged, and every sync's canary (the
-trainer's greedy answers, reproduced by the server) checks the model they make."""
+The trainer runs as `examples/trl_grpo.py --cpu --freeze model.embed_tokens.weight` in its
+own process: TRL's classes unchanged except its two CUDA-only calls (the peak-FLOPs lookup
+and the FA3 kernel of its tree attention), which the example replaces on a CPU host. The
+embeddings are frozen, so TRL leaves them out of every sync: the first sync sends them,
+the later ones declare them unchanged (`tests/vllm/test_vllm_frozen.py` checks a canary
+through such syncs into a vLLM engine)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,6 @@ def test_async_grpo_trainer_syncs_every_step_through_weightsync(fleet, grpo_mode
                 "--cpu",
                 "--freeze",
                 FROZEN,
-                "--canary",
                 "--model",
                 str(grpo_model),
                 "--addr",
