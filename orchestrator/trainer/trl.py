@@ -72,16 +72,18 @@ def canary(
     A model set to an attention that needs packing metadata (TRL's tree attention) decodes
     with torch's SDPA over the same weights, and is set back."""
 
+    hf: Any = model  # a transformers model: its config and attention setter are untyped
+
     def probes() -> list[Probe]:
-        impl = getattr(model.config, "_attn_implementation", None)
+        impl = getattr(hf.config, "_attn_implementation", None)
         switch = impl not in (None, "eager", "sdpa")
         if switch:
-            model.set_attn_implementation("sdpa")
+            hf.set_attn_implementation("sdpa")
         try:
             return make_probes(model, prompts, max_tokens)
         finally:
             if switch:
-                model.set_attn_implementation(impl)
+                hf.set_attn_implementation(impl)
 
     return probes
 
