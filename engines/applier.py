@@ -24,6 +24,7 @@ import structlog
 
 from engines.base import (
     DigestsBeforeFinalize,
+    DropsWeights,
     Engine,
     LabelsOutputs,
     LoadsBuckets,
@@ -490,6 +491,9 @@ class Applier(threading.Thread):
             finalize_count=self.engine.finalize_count,
             seconds=round(seconds, 4),
         )
+        drop_after = self.failpoints.get("drop_weights_after")
+        if drop_after == self.engine.finalize_count and isinstance(self.engine, DropsWeights):
+            self.engine.drop_weights()  # fault injection: the weights lost after serving them
 
     def _do_commit(self, msg: schema.Commit) -> None:
         """The version is committed fleet-wide: label the outputs with it."""

@@ -132,6 +132,15 @@ class LabelsOutputs(Protocol):
 
 
 @runtime_checkable
+class DropsWeights(Protocol):
+    """Fault injection (`--failpoint drop_weights_after=N`): loses the weights it holds
+    without knowing it, as a vLLM server does that slept at level 2 and woke without a
+    reload (its recorded digest and version stay what they were)."""
+
+    def drop_weights(self) -> None: ...
+
+
+@runtime_checkable
 class DigestsBeforeFinalize(Protocol):
     """Can tell the digest of the weights it holds before its post-load step (the same
     digest `finalize` returns), so the daemon compares digests in phase one of the

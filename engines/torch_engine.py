@@ -230,6 +230,13 @@ class TorchEngine:
                 del m.forward
         self.packed = False
 
+    @torch.no_grad()
+    def drop_weights(self) -> None:
+        """Fault injection (`DropsWeights`): every weight zeroed in place, in whatever layout
+        it is in; the recorded digest and version stay, as a server's would that lost them."""
+        for t in self.params.values():
+            t.zero_()
+
     def weight_ptrs(self) -> dict[str, int]:
         """data_ptr of every checkpoint tensor (tests check loads are in place)."""
         return {n: t.data_ptr() for n, t in self.params.items()}

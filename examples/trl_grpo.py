@@ -1,7 +1,8 @@
 """TRL's AsyncGRPOTrainer with its weight syncs going through weightsync.
 
     python -m examples.trl_grpo --model DIR --addr tcp://daemon:5555 \
-        --server http://127.0.0.1:8000 --steps 3 --result out.json
+        --server http://127.0.0.1:8000 [--steps 3] [--output-dir DIR] [--result out.json] \
+        [--timeout 120] [--freeze NAME ...] [--canary] [--cpu]
 
 The trainer is TRL's own (`trl.experimental.async_grpo.AsyncGRPOTrainer`, trl 1.16):
 its rollout worker generates from the vLLM server at `--server`, scores with a reward
@@ -10,10 +11,21 @@ optimizer step) is `WeightSyncTransfer.send_weights`, a weightsync push that ret
 every engine behind the daemon is READY at the next version. The vLLM server is fed by a
 `weightsync engine --backend vllm-server --url ...` attached to the daemon.
 
-`--cpu-attention`: TRL trains with its tree attention, whose kernel is FlashAttention-3
-fetched from the Hugging Face kernels hub (CUDA only). On a CPU host this option puts a
-torch SDPA implementation of the same varlen call (same arguments, causal, keys aligned to
-the end of each segment) in its place; nothing else in TRL is touched.
+Flags:
+- `--model`, `--addr`, `--server`: the checkpoint directory TRL loads, the daemon's
+  trainer address, the vLLM server's base URL (TRL's `vllm_server_base_url`).
+- `--steps` (3): optimizer steps; `--output-dir`: TRL's; `--result`: where the JSON below
+  is written; `--timeout` (120 s): the weightsync client's deadline for each wait.
+- `--freeze NAME` (repeatable): set that parameter's `requires_grad=False` before training.
+  TRL then leaves it out of every sync; the transfer is given `trainer.model`, so the
+  first sync sends it and the later ones declare it unchanged.
+- `--canary`: every sync also checks the engines' greedy answers against the trainer's
+  own (`orchestrator.trainer.trl.canary`); a mismatch fails the sync (CANARY_MISMATCH).
+- `--cpu`: run on a CPU host. TRL trains with its tree attention, whose kernel is
+  FlashAttention-3 fetched from the Hugging Face kernels hub (CUDA only), and looks up the
+  device's peak FLOPs with `torch.cuda`; this puts a torch SDPA implementation of the same
+  varlen call (same arguments, causal, keys aligned to the end of each segment) and TRL's
+  answer for an unknown device in their place; nothing else in TRL is touched.
 
 What is recorded per sync (written to `--result` as JSON): the version committed, seconds,
 bytes, the digest the engines hold, TRL's model version after the sync, and the weight
@@ -30,9 +42,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from orchestrator.trainer.trl import WeightSyncTransfer
+from orchestrator.trainer.trl import WeightSyncTransfer, canary
 
 PROMPTS = [f"w{i} w{i + 7} w{i + 3}" for i in range(10, 42)]
+CANARY_PROMPTS = [[5, 9, 17], [40, 41]]  # token ids
 
 
 def add_chat_template(model_dir: str | Path) -> None:
@@ -159,7 +172,7 @@ class RecordingTransfer(WeightSyncTransfer):
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--addr", required=True)
@@ -168,15 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default="trl-grpo-out")
     p.add_argument("--result", default=None)
     p.add_argument("--cpu", action="store_true", help="replace the two CUDA-only calls (see use_cpu)")
-    p.add_argument("--cpu-flops-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=120.0)
-    a = p.parse_args(argv)
+    p.add_argument("--freeze", action="append", default=[], metavar="NAME", help="freeze this parameter")
+    p.add_argument("--canary", action="store_true", help="check the engines' greedy answers at each sync")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
 
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    if a.cpu or a.cpu_flops_only:
-        use_cpu(attention=not a.cpu_flops_only)
+    if a.cpu:
+        use_cpu()
     transfer = RecordingTransfer(a.addr, a.server, timeout=a.timeout)
     cfg = AsyncGRPOConfig(
         output_dir=a.output_dir,
@@ -204,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         weight_transfer=transfer,
     )
     transfer.trainer = trainer
+    for name in a.freeze:  # before train() builds the optimizer
+        trainer.model.get_parameter(name).requires_grad_(False)
+    transfer.model = trainer.model  # the parameters TRL leaves out are taken from it
+    if a.canary:
+        transfer.probes = canary(trainer.model, CANARY_PROMPTS, 4)
     trainer.train()
     result = {
         "syncs": transfer.syncs,

@@ -17,13 +17,14 @@ from messages.schema import Probe
 @torch.no_grad()
 def greedy(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int) -> tuple[int, ...]:
     """Greedy-decode `max_tokens` tokens after `prompt` (EOS is not a stop: engines use ignore_eos)."""
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    device = next(model.parameters()).device  # a trainer's model may live on its GPU
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     out: list[int] = []
     for _ in range(max_tokens):
         logits = model(input_ids=ids, use_cache=False).logits[0, -1]
         nxt = int(torch.argmax(logits))
         out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long)], dim=1)
+        ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long, device=device)], dim=1)
     return tuple(out)
 
 

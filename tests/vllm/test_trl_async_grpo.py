@@ -3,9 +3,12 @@ generating from a real vLLM OpenAI server, with every weight sync going through
 weightsync: `weight_transfer=WeightSyncTransfer(addr)`, a daemon, and a
 `weightsync engine --backend vllm-server` attached to that server.
 
-The trainer runs as `examples/trl_grpo.py --cpu` in its own process: TRL's classes
-unchanged except its two CUDA-only calls (the peak-FLOPs lookup and the FA3 kernel of its
-tree attention), which the example replaces on a CPU host."""
+The trainer runs as `examples/trl_grpo.py --cpu --freeze model.embed_tokens.weight` in its
+own process: TRL's classes unchanged except its two CUDA-only calls (the peak-FLOPs lookup
+and the FA3 kernel of its tree attention), which the example replaces on a CPU host. The
+embeddings are frozen, so TRL leaves them out of every sync: the first sync sends them,
+the later ones declare them unchanged (`tests/vllm/test_vllm_frozen.py` checks a canary
+through such syncs into a vLLM engine)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from tests.vllm.conftest import server_cluster, vllm_server
 pytest.importorskip("trl", reason="the .[trl] extra (make test installs it)")
 
 STEPS = 3
+FROZEN = "model.embed_tokens.weight"
+FROZEN_BYTES = 512 * 128 * 4  # the tiny Llama's embedding table, float32
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,8 @@ def test_async_grpo_trainer_syncs_every_step_through_weightsync(fleet, grpo_mode
                 "-m",
                 "examples.trl_grpo",
                 "--cpu",
+                "--freeze",
+                FROZEN,
                 "--model",
                 str(grpo_model),
                 "--addr",
@@ -95,13 +102,19 @@ def test_async_grpo_trainer_syncs_every_step_through_weightsync(fleet, grpo_mode
         assert s["engine_digests"] == {"server-0": s["sent_digest"]}, s
         # what the server generates right after the sync carries that version
         assert s["label_after"] == [str(s["version"])], s
-    # the engine got each step's weights: a step with a gradient changed the digest (a
-    # step whose groups' rewards all tie has none; Adam's momentum may still move it)
+    # the frozen embeddings travel once, with the first sync
+    assert all(s["bytes"] == syncs[1]["bytes"] for s in syncs[1:])
+    assert syncs[0]["bytes"] == syncs[1]["bytes"] + FROZEN_BYTES
+    # something trained, and the engine got each step's weights: a step with a gradient
+    # changed the digest of what was sent (a step whose groups' rewards all tie has none;
+    # Adam's momentum may still move it); sync 0 also carried the embeddings, so step 1's
+    # is compared with nothing
     sent = [s["sent_digest"] for s in syncs]
     steps = [h for h in out["log_history"] if "loss" in h]
     assert len(steps) == STEPS
+    assert any(h["grad_norm"] > 0 for h in steps), [h["grad_norm"] for h in steps]
     for k, h in enumerate(steps, start=1):
-        if h["grad_norm"] > 0:
+        if k >= 2 and h["grad_norm"] > 0:
             assert sent[k] != sent[k - 1], (k, h["grad_norm"], sent)
     # TRL's own version counter moved once per sync, after it returned
     assert [s["trl_version_before"] for s in syncs] == list(range(STEPS + 1))
