@@ -19,7 +19,7 @@ from messages import delta
 from messages.buckets import digest, iter_buckets
 from messages.errors import WeightSyncError
 
-from .helpers import finalized_syncs, running_daemon, wait_for
+from .helpers import finalized_syncs, running_daemon, wait_for, ws
 
 pytestmark = pytest.mark.slow
 
@@ -183,6 +183,8 @@ def test_a_recorded_old_scheme_at_a_clean_restart_keeps_the_engines_and_a_push_r
         assert [(e["state"], e["version"]) for e in st["engines"]] == [("STALE", 1)] * 2, st["engines"]
         for p in c.procs[1:]:
             assert not [s for s in finalized_syncs(p) if s.startswith("catchup-")], p.name
+        r = ws("status", "--addr", c.addr)  # what an operator reads
+        assert r.returncode == 0 and "DIGEST_SCHEME_MISMATCH" in r.stdout, (r.stdout, r.stderr)
         with c.client(timeout=30.0) as client:
             assert client.push(dict(perturbed(tiny_state, 2)).items(), 2).state == "READY"
         c.daemon.popen.send_signal(signal.SIGTERM)
