@@ -70,6 +70,14 @@ def bucket_checksum(buf: Any, metas: Iterable[Ranged]) -> int:
 
 DIGEST_MOD = 1 << 128
 
+# The digest's scheme, recorded with every served digest (journal, spool): a digest made by
+# another scheme is never compared with this one's (it would call every engine wrong).
+DIGEST_SCHEME = "sum128"  # `combine`: the parts' sum modulo 2**128 (protocol v6)
+LEGACY_DIGEST_SCHEME = "sorted128"  # xxh3-128 over the name-sorted parts (protocol v5 and before)
+# What a journal row or spool manifest that records no scheme was made by: a daemon from
+# before the scheme was recorded, counted as v5's (docs/PROTOCOL.md, "Digest scheme").
+UNRECORDED_DIGEST_SCHEME = LEGACY_DIGEST_SCHEME
+
 
 def combine(parts: dict[str, bytes] | Iterable[bytes]) -> str:
     """The weight digest over every tensor's part, whatever order they came in: the sum of

@@ -31,6 +31,8 @@ class ErrorCode(str, Enum):
     UNREACHABLE = "UNREACHABLE"  # no daemon accepted a connection (client side)
     DUPLICATE_ENGINE = "DUPLICATE_ENGINE"  # a live engine already holds this engine_id
     TOO_LARGE = "TOO_LARGE"
+    # the served digest (journal, spool) was made by another digest scheme: push a new version
+    DIGEST_SCHEME_MISMATCH = "DIGEST_SCHEME_MISMATCH"
     UNAUTHORIZED = "UNAUTHORIZED"
     INTERNAL = "INTERNAL"
 
@@ -127,6 +129,7 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.STALE_VERSION: StateError,
     ErrorCode.STALE_BASE: StateError,
     ErrorCode.INCOMPLETE_SYNC: StateError,
+    ErrorCode.DIGEST_SCHEME_MISMATCH: StateError,
     ErrorCode.DUPLICATE_TENSOR: DataError,
     ErrorCode.CHECKSUM_MISMATCH: DataError,
     ErrorCode.UNKNOWN_TENSOR: DataError,

@@ -22,6 +22,9 @@ def status_table(st: dict[str, Any]) -> Table:
             f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets "
             f"{sync['bytes']} B via {sync.get('transport')}"
         )
+    scheme = st.get("digest_scheme_error")
+    if scheme:  # an older daemon's state database or spool: the operator's next step
+        title += f"\n[bold red]{scheme['code']}[/bold red]: {scheme['message']}"
     group = st.get("collective")
     if group:
         title += (

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.replies import EngineFinal, FinishReply, Json, JsonObject
 from messages.replies import body as reply_body
@@ -53,6 +54,7 @@ class Model:
         initial: State = S.IDLE,
         served_version: int | None = None,
         served_digest: str | None = None,
+        served_scheme: str = DIGEST_SCHEME,
         dirty: bool = False,
         now: float = 0.0,
         run_id: str = "0",
@@ -66,6 +68,9 @@ class Model:
         self.run_id = run_id
         self.last_ready_version = served_version
         self.served_digest = served_digest
+        # What made `served_digest` (the journal's record): a digest of another scheme is
+        # never compared with what engines report, so nothing is replayed against it.
+        self.served_scheme = served_scheme
         self.dirty = dirty
         self.engines: dict[str, EngineRecord] = {}
         self.epoch = Epoch()  # bumped by its engine records (records.Epoch)
@@ -116,13 +121,41 @@ class Model:
         return None if x is None or x.state == E.LOST else s
 
     def can_roll_back(self) -> bool:
-        """The spool holds exactly the version last served (same digest)."""
+        """The spool holds exactly the version last served (same digest), and that digest is
+        of this daemon's scheme (what its engines will report)."""
         sp = self.spooled
         return (
             sp is not None
             and self.last_ready_version is not None
             and sp.version == self.last_ready_version
             and sp.digest == self.served_digest
+            and sp.scheme == self.served_scheme == DIGEST_SCHEME
+        )
+
+    def scheme_error(self) -> WeightSyncError | None:
+        """DIGEST_SCHEME_MISMATCH when the served digest or the spool's was made by another
+        digest scheme than this daemon's (a state database or spool of an older daemon):
+        no engine can reproduce it, so no rollback or catch-up runs and no engine is judged
+        by it; the next pushed version records this daemon's scheme and clears it."""
+        found: dict[str, str] = {}
+        if self.served_digest is not None and self.served_scheme != DIGEST_SCHEME:
+            found["served"] = self.served_scheme
+        sp = self.spooled
+        if sp is not None and sp.scheme != DIGEST_SCHEME:
+            found["spool"] = sp.scheme
+        if not found:
+            return None
+        where = " and the ".join("state database" if k == "served" else "spool" for k in found)
+        schemes = "/".join(sorted(set(found.values())))
+        return self.error(
+            ErrorCode.DIGEST_SCHEME_MISMATCH,
+            f"version {self.last_ready_version}'s digest in the {where} was made by digest scheme "
+            f"{schemes!r} (an older daemon's); this daemon's engines compute {DIGEST_SCHEME!r} and "
+            f"can never match it, so nothing is rolled back or caught up to it and the engines "
+            f"are kept as they are (STALE, unverified). Push a new version: its digest is "
+            f"recorded in {DIGEST_SCHEME!r}",
+            recorded=found,
+            daemon_scheme=DIGEST_SCHEME,
         )
 
     def untouched_and_was_ready(self) -> bool:
@@ -203,6 +236,8 @@ class Model:
             "version": self.served_version,
             "last_ready_version": self.last_ready_version,
             "digest": self.served_digest,
+            "digest_scheme": self.served_scheme if self.served_digest is not None else None,
+            "digest_scheme_error": e.to_fields() if (e := self.scheme_error()) is not None else None,
             "dirty": self.dirty,
             "sync": self.sync.view() if self.sync else None,
             "last_sync": dict(self.last_sync) if self.last_sync else None,
@@ -380,6 +415,7 @@ class Model:
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
         self.last_ready_version, self.served_digest = s.version, digest
+        self.served_scheme = DIGEST_SCHEME  # reported by engines of this daemon's protocol
         for eid, fin in s.finalized.items():
             x = self.engines[eid]
             x.version, x.digest, x.finalize_count, x.probes = (
@@ -418,6 +454,7 @@ class Model:
                     "version": s.version,
                     "status": "READY",
                     "digest": digest,
+                    "digest_scheme": DIGEST_SCHEME,
                     "buckets": s.bucket_count,
                     "bytes": s.byte_count,
                     "at": self.now,

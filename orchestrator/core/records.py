@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from messages.checksums import DIGEST_SCHEME
 from messages.errors import WeightSyncError
 from messages.replies import Json, JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
@@ -277,6 +278,7 @@ class Spooled:
     buckets: int
     probes: tuple[Probe, ...] = ()  # the version's canaries: replayed by a rollback or catch-up
     chain: int = 0  # delta versions on top of the last dense one (replayed in order)
+    scheme: str = DIGEST_SCHEME  # what made `digest` (messages.checksums): replayed only if ours
 
 
 @dataclass(slots=True)

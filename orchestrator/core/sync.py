@@ -198,7 +198,13 @@ def _check_base(m: Model, msg: Begin) -> None:
             )
     sp = m.spooled
     if m.limits.spool and not m.can_roll_back():
-        raise m.error(ErrorCode.STALE_BASE, f"the spool does not hold version {served}; push dense")
+        scheme = m.scheme_error()
+        why = (
+            f"the spool does not hold version {served}"
+            if scheme is None
+            else f"version {served}'s digest is of another digest scheme ({scheme.code.value})"
+        )
+        raise m.error(ErrorCode.STALE_BASE, f"{why}; push dense")
     if m.limits.spool and sp is not None and sp.chain >= m.limits.max_delta_chain:
         raise m.error(
             ErrorCode.STALE_BASE,

@@ -179,7 +179,9 @@ class Effects:
 
     def spooled(self) -> Spooled | None:
         info = self.spool.info if self.spool else None
-        return Spooled(info.version, info.digest, info.buckets, info.probes, info.chain) if info else None
+        if info is None:
+            return None
+        return Spooled(info.version, info.digest, info.buckets, info.probes, info.chain, info.scheme)
 
     # -- persisting (closures for the storage thread) ----------------------------------
     def persist_now(self, c: cmd.Journal) -> None:

@@ -2,7 +2,9 @@
 
 Rules: one writer (the service's loop); every transition row is committed before the
 service acts on it, so a crash leaves a journal that says what was in flight. `recover()`
-turns "a sync was running when the daemon died" into IDLE with dirty=true.
+turns "a sync was running when the daemon died" into IDLE with dirty=true. A READY row
+records its digest with the digest's scheme (`messages.checksums.DIGEST_SCHEME`); a row
+from before the scheme was recorded reads as `UNRECORDED_DIGEST_SCHEME`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from messages.checksums import UNRECORDED_DIGEST_SCHEME
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -24,11 +28,11 @@ CREATE TABLE IF NOT EXISTS transitions (
 CREATE TABLE IF NOT EXISTS syncs (
     sync_id TEXT PRIMARY KEY, version INTEGER NOT NULL, status TEXT NOT NULL,
     digest TEXT, buckets INTEGER, bytes INTEGER, code TEXT, reason TEXT,
-    started REAL, ended REAL, ended_by TEXT
+    started REAL, ended REAL, ended_by TEXT, digest_scheme TEXT
 );
 """
 # Columns added since a journal's first version, created on open where missing.
-ADDED_COLUMNS = {"syncs": {"ended_by": "TEXT"}}
+ADDED_COLUMNS = {"syncs": {"ended_by": "TEXT", "digest_scheme": "TEXT"}}
 
 ACTIVE = ("LOADING_BUCKETS", "FINALIZING")
 
@@ -38,6 +42,7 @@ class Recovered:
     state: str  # IDLE or READY
     version: int | None  # last READY version
     digest: str | None
+    digest_scheme: str | None  # what made `digest` (None with no digest)
     dirty: bool
     interrupted: str | None  # sync_id that a crash cut short
     history: list[dict[str, Any]]
@@ -88,11 +93,12 @@ class Journal:
             )
         else:
             self.db.execute(
-                "UPDATE syncs SET status=?, digest=?, buckets=?, bytes=?, code=?, reason=?, ended=?,"
-                " ended_by=? WHERE sync_id=?",
+                "UPDATE syncs SET status=?, digest=?, digest_scheme=?, buckets=?, bytes=?, code=?,"
+                " reason=?, ended=?, ended_by=? WHERE sync_id=?",
                 (
                     status,
                     data.get("digest"),
+                    data.get("digest_scheme"),
                     data.get("buckets"),
                     data.get("bytes"),
                     data.get("code"),
@@ -105,9 +111,11 @@ class Journal:
 
     def recover(self, history: int = 50) -> Recovered:
         row = self.db.execute(
-            "SELECT version, digest FROM syncs WHERE status='READY' ORDER BY ended DESC LIMIT 1"
+            "SELECT version, digest, digest_scheme FROM syncs WHERE status='READY'"
+            " ORDER BY ended DESC LIMIT 1"
         ).fetchone()
         version, digest = (row[0], row[1]) if row else (None, None)
+        scheme = None if digest is None else (row[2] or UNRECORDED_DIGEST_SCHEME)
         last = self.db.execute(
             "SELECT dst, sync_id, dirty FROM transitions ORDER BY id DESC LIMIT 1"
         ).fetchone()
@@ -141,7 +149,7 @@ class Journal:
             }
             for r in reversed(rows)
         ]
-        return Recovered(state, version, digest, dirty, interrupted, hist)
+        return Recovered(state, version, digest, scheme, dirty, interrupted, hist)
 
     def syncs(self, limit: int = 20) -> list[dict[str, Any]]:
         cols = (

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from messages import fanout, schema
+from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import Core, Limits, State
@@ -133,6 +134,7 @@ class Service:
             initial=State(rec.state),
             served_version=rec.version,
             served_digest=rec.digest,
+            served_scheme=rec.digest_scheme or DIGEST_SCHEME,
             dirty=rec.dirty,
             now=time.monotonic(),
             run_id=uuid.uuid4().hex[:8],
@@ -181,6 +183,15 @@ class Service:
         self.effects.publish = self._publish
         # before any engine is connected: what the spool holds, nothing to send yet
         self.dispatch.decide(ev.SpoolChanged(self.effects.spooled()))
+        scheme = self.core.scheme_error()
+        if scheme is not None:  # an older daemon's state: said once, nothing replayed against it
+            log.error(
+                "digest_scheme_mismatch",
+                code=scheme.code.value,
+                reason=scheme.message,
+                version=self.core.last_ready_version,
+                **scheme.details,
+            )
 
     async def feed(self, event: ev.Event) -> None:
         await self.dispatch.feed(event)

@@ -10,6 +10,9 @@ Rules:
 - A bucket is written when the daemon forwards it; the incoming directory is fsynced,
   renamed and made `current` before the sync's READY is journaled or answered. Anything
   else (an interrupted sync, an old version) is deleted at startup or on the next commit.
+- The manifest records the digest's scheme (`messages.checksums.DIGEST_SCHEME`) beside the
+  digest; one written before the scheme was recorded reads as `UNRECORDED_DIGEST_SCHEME`.
+  The core replays only a spool of this daemon's scheme (`Model.can_roll_back`).
 - A write failure never fails a sync: the spool goes `degraded` for that version (the
   error is in status and the log) and holds nothing that could be replayed as the served
   version. Torch-free: it stores frames and headers, never tensors.
@@ -28,6 +31,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from messages.checksums import DIGEST_SCHEME, UNRECORDED_DIGEST_SCHEME
 from messages.schema import Probe
 
 log = structlog.get_logger()
@@ -48,6 +52,7 @@ class SpoolInfo:
     nbytes: int
     probes: tuple[Probe, ...] = ()  # the version's canaries (checked again on replay)
     chain: int = 0  # delta generations on top of the last dense version
+    scheme: str = DIGEST_SCHEME  # what made `digest` (messages.checksums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,7 @@ class Spool:
                 sum(e.nbytes for e in entries),
                 tuple(msgspec.convert(raw.get("probes", []), type=list[Probe])),
                 max((e.gen for e in entries), default=0),
+                msgspec.convert(raw.get("digest_scheme", UNRECORDED_DIGEST_SCHEME), type=str),
             )
             self._dir, self._entries = target, entries
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
@@ -208,6 +214,7 @@ class Spool:
                 manifest = {
                     "version": version,
                     "digest": digest,
+                    "digest_scheme": DIGEST_SCHEME,
                     "sync_id": sync_id,
                     "probes": [p.to_wire() for p in probes],
                     "buckets": [
@@ -295,6 +302,7 @@ class Spool:
             "path": str(self.root),
             "version": i.version if i else None,
             "digest": i.digest if i else None,
+            "digest_scheme": i.scheme if i else None,
             "buckets": i.buckets if i else 0,
             "bytes": i.nbytes if i else 0,
             "error": self.error,

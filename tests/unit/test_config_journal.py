@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from messages.checksums import DIGEST_SCHEME, LEGACY_DIGEST_SCHEME, UNRECORDED_DIGEST_SCHEME
 from orchestrator.daemon.config import ConfigError, load_settings
 from orchestrator.daemon.journal import Journal
 
@@ -78,3 +79,21 @@ def test_failed_sync_recovers_idle_dirty_and_ready_recovers_ready(tmp_path):
     _t(j, "LOADING_BUCKETS", "FINALIZING", "finish", 2, "b")
     _t(j, "FINALIZING", "READY", "finalized", 2, "b")
     assert j.recover().state == "READY"
+
+
+def test_a_ready_digest_is_recovered_with_its_scheme_and_an_unrecorded_one_is_v5s(tmp_path):
+    """The journal keeps the scheme beside the digest; a row an older daemon wrote (no
+    digest_scheme column at all) reads as the v5 scheme, and the column is added."""
+    path = tmp_path / "s.db"
+    j = Journal(path)
+    j.sync({"sync_id": "a", "version": 1, "status": "LOADING_BUCKETS"})
+    _t(j, "FINALIZING", "READY", "finalized", 1, "a")
+    j.sync({"sync_id": "a", "version": 1, "status": "READY", "digest": "d1", "digest_scheme": DIGEST_SCHEME})
+    assert (j.recover().digest, j.recover().digest_scheme) == ("d1", DIGEST_SCHEME)
+    j.db.execute("ALTER TABLE syncs DROP COLUMN digest_scheme")  # as a v5 daemon left it
+    j.close()
+    j = Journal(path)
+    r = j.recover()
+    assert UNRECORDED_DIGEST_SCHEME == LEGACY_DIGEST_SCHEME
+    assert (r.version, r.digest, r.digest_scheme) == (1, "d1", LEGACY_DIGEST_SCHEME)
+    assert Journal(tmp_path / "fresh.db").recover().digest_scheme is None  # no digest, no scheme

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from engines.delta import BaseStore
 from messages import codec, delta, schema
 from messages.buckets import Patched, iter_buckets
+from messages.checksums import LEGACY_DIGEST_SCHEME
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 from messages.schema import Begin, Patch, Register, TensorMeta
 from orchestrator.core import Core, Limits
@@ -217,6 +218,7 @@ def core_at(version: int, *, delta: bool = True, chain: int = 0, spool: bool = T
         ({"delta": False}, "engine e keeps no base copy"),
         ({"chain": 2}, "max_delta_chain 2"),
         ({"spooled_other": True}, "the spool does not hold version 5"),
+        ({"spooled_scheme": LEGACY_DIGEST_SCHEME}, "digest scheme (DIGEST_SCHEME_MISMATCH)"),
         ({"collective": True}, "engine e receives collective buckets in its own workers"),
     ],
 )
@@ -224,6 +226,8 @@ def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(c
     o = core_at(5, delta=case.get("delta", True), chain=case.get("chain", 0))
     if case.get("spooled_other"):
         o.spooled = Spooled(4, "d", 1)
+    if case.get("spooled_scheme"):  # an older daemon's spool of the served version
+        o.spooled = Spooled(5, "d", 1, scheme=case["spooled_scheme"])
     before = (o.state, o.last_ready_version, o.sync)
     offer = (
         schema.CollectiveOffer(host="127.0.0.1", port=29500, session="t") if case.get("collective") else None

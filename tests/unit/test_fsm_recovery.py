@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from messages.checksums import DIGEST_SCHEME, LEGACY_DIGEST_SCHEME
 from messages.errors import ErrorCode, StateError
 from messages.schema import Begin, Failed, Finalized, Probe, Register
 from orchestrator.core import Core as Orchestrator
@@ -243,3 +244,56 @@ def test_a_rollback_and_a_catch_up_check_the_spooled_versions_canaries():
     )
     (done,) = cmds(out, fsm.CatchUpDone)
     assert not done.ok and "CANARY_MISMATCH" in done.reason and o2.engines["e2"].state == "STALE"
+
+
+def test_a_served_digest_of_another_scheme_rolls_nothing_back_and_judges_no_engine():
+    """A daemon started on an older daemon's state (its served digest in the v5 scheme,
+    dirty): DIGEST_SCHEME_MISMATCH in status, no rollback at a tick, no catch-up for a
+    registering engine (kept STALE at the version it reports); a READY sync records this
+    daemon's scheme and clears it."""
+    o = Orchestrator(
+        Limits(min_engines=2, spool=True),
+        initial=State.IDLE,
+        served_version=1,
+        served_digest="d5",
+        served_scheme=LEGACY_DIGEST_SCHEME,
+        dirty=True,
+    )
+    o.handle(ev.SpoolChanged(Spooled(1, "d5", 1, scheme=LEGACY_DIGEST_SCHEME)), 0.0)
+    for e in ENGINES:
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch", version=1, digest="d6")), 0.0)
+    assert not o.can_roll_back() and o.handle(ev.Tick(), 1.0).commands == []
+    assert o.sync is None and [x.state for x in o.engines.values()] == ["STALE", "STALE"]
+    err = o.scheme_error()
+    assert err is not None and err.code is ErrorCode.DIGEST_SCHEME_MISMATCH
+    assert err.details["recorded"] == {"served": LEGACY_DIGEST_SCHEME, "spool": LEGACY_DIGEST_SCHEME}
+    snap = o.snapshot()
+    assert snap["digest_scheme_error"]["code"] == "DIGEST_SCHEME_MISMATCH"
+    assert snap["rollback_pending"] is False
+    # the next version is pushed as usual and records this daemon's scheme
+    to_ready(o, version=2)
+    res = o.handle(ev.SpoolChanged(Spooled(2, "d", 1)), 2.0)
+    assert o.scheme_error() is None and o.snapshot()["digest_scheme"] == DIGEST_SCHEME
+    assert res.commands == []
+
+
+def test_a_spool_of_another_scheme_is_not_replayed_even_with_the_served_digest():
+    o = ready_v1_spooled()
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 1, scheme=LEGACY_DIGEST_SCHEME)), o.now)
+    assert not o.can_roll_back()
+    res = o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
+    assert not cmds(res, fsm.SendSpooled) and o.engines["e2"].state == "STALE"
+    assert o.scheme_error().details["recorded"] == {"spool": LEGACY_DIGEST_SCHEME}
+
+
+def test_a_ready_sync_journals_its_digest_with_this_daemons_scheme():
+    o = to_ready(spooled_new())
+    assert o.served_scheme == DIGEST_SCHEME
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
+    bucket(o, 0)
+    ack(o, 0)
+    finish(o, 1)
+    finalized(o, "e0")
+    res = finalized(o, "e1")
+    (row,) = [c for c in cmds(res, fsm.Journal) if c.kind == "sync"]
+    assert (row.data["status"], row.data["digest_scheme"]) == ("READY", DIGEST_SCHEME)

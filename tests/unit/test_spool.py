@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from messages.checksums import DIGEST_SCHEME, LEGACY_DIGEST_SCHEME
 from messages.schema import Probe
 from orchestrator.daemon.spool import MANIFEST, Spool
 
@@ -34,3 +35,21 @@ def test_a_manifest_with_malformed_probes_is_unreadable_not_trusted(tmp_path):
     path.write_text(json.dumps(raw))
     again = Spool(tmp_path)
     assert again.info is None and "unreadable" in (again.error or "")
+
+
+def test_the_manifest_records_the_digest_scheme_and_an_unrecorded_one_reads_as_v5s(tmp_path):
+    s = Spool(tmp_path)
+    s.begin("s1", 1)
+    s.add("s1", 0, 0, [], 1, b"z" * 4)
+    s.commit("s1", 1, "d", ())
+    path = tmp_path / "current" / MANIFEST
+    raw = json.loads(path.read_text())
+    assert raw["digest_scheme"] == DIGEST_SCHEME and Spool(tmp_path).info.scheme == DIGEST_SCHEME
+    del raw["digest_scheme"]  # as a v5 daemon wrote it
+    path.write_text(json.dumps(raw))
+    again = Spool(tmp_path)
+    assert again.info is not None and again.info.scheme == LEGACY_DIGEST_SCHEME
+    assert again.view()["digest_scheme"] == LEGACY_DIGEST_SCHEME
+    raw["digest_scheme"] = 128  # not a name: unreadable, not trusted
+    path.write_text(json.dumps(raw))
+    assert Spool(tmp_path).info is None
