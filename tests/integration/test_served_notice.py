@@ -103,3 +103,49 @@ def test_an_engine_lost_or_late_in_the_commit_phase_leaves_readers_with_nothing(
         assert again.value.code == ErrorCode.ABORTED, again.value
         assert r.engine.served is None and r.last_read is None
         assert ready_rows(c.state_db, 1) == []
+
+
+def test_a_daemon_killed_after_journaling_ready_tells_the_holder_once_it_is_back(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """The daemon dies right after READY is durable, before it told any engine: the reader
+    waiting for version 1 gets it only from the restarted daemon, which finds the version
+    served in its journal and tells the holder when it registers again."""
+    weights = dict(perturbed(tiny_state, 1))
+    with (
+        running_daemon(
+            tmp_path / "c",
+            tiny_model_dir,
+            engines=1,
+            min_engines=2,
+            daemon_args=[*FAST_DAEMON, "--failpoint", "kill_after_persisted=finalized"],
+        ) as c,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        r = HoldingReceiver(tiny_model_dir, c.engine_addr, "holder-0", timeout=60.0, heartbeat_interval=0.5)
+        try:
+            r.wait_registered()
+            c.wait_engines(2)
+            first = c.daemon
+
+            def reader() -> tuple[bool, dict[str, torch.Tensor]]:
+                it = r.read(1)
+                name, t = next(it)
+                first_dead = first.popen.poll() is not None  # who released it: not the first daemon
+                return first_dead, {name: t.clone(), **{n: x.clone() for n, x in it}}
+
+            fut = pool.submit(reader)
+            with pytest.raises(WeightSyncError), c.client(timeout=5.0, retries=0) as client:
+                client.push(weights.items(), 1)
+            first.popen.wait(15)
+            assert first.popen.returncode == -9, first.log_tail()  # the failpoint, not a crash
+            assert ready_rows(c.state_db, 1) != []  # READY was durable before it died
+            c.daemon_args = list(FAST_DAEMON)
+            c.start_daemon()
+            first_dead, got = fut.result(timeout=60)
+            assert first_dead
+            assert got.keys() == weights.keys()
+            for name, t in weights.items():
+                assert torch.equal(got[name], t), name
+        finally:
+            r.close()
