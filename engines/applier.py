@@ -26,6 +26,7 @@ from engines.base import (
     DigestsBeforeFinalize,
     DropsWeights,
     Engine,
+    HandsToReaders,
     LabelsOutputs,
     LoadsBuckets,
     LoadsShm,
@@ -142,6 +143,8 @@ class Applier(threading.Thread):
             self._do_finalize(job)
         elif isinstance(job, schema.Commit):
             self._do_commit(job)
+        elif isinstance(job, schema.Served):
+            self._do_served(job)
         elif isinstance(job, schema.Abort):
             self._do_abort(job)
         else:  # a job the engine's Syncs never makes: our bug
@@ -504,6 +507,18 @@ class Applier(threading.Thread):
         label = self.engine.set_label(str(msg.version))
         self._emit(schema.Committed(sync_id=msg.sync_id, version=msg.version, label=label))
         log.info("engine_labelled", sync_id=msg.sync_id, version=msg.version, label=label)
+
+    def _do_served(self, msg: schema.Served) -> None:
+        """The daemon made `version` its served version (durably): readers may have it."""
+        if not isinstance(self.engine, HandsToReaders):
+            return  # a notice this engine did not ask for (it registered without served_notice)
+        offered = self.engine.serve(msg.version, msg.digest)
+        log.info(
+            "version_served" if offered else "served_notice_ignored",
+            sync_id=msg.sync_id,
+            version=msg.version,
+            digest=msg.digest,
+        )
 
     def _do_abort(self, msg: schema.Abort) -> None:
         self.verifier.close_maps()

@@ -141,6 +141,19 @@ class DropsWeights(Protocol):
 
 
 @runtime_checkable
+class HandsToReaders(Protocol):
+    """Hands the versions it holds to readers in its own process (verl's rollout side:
+    `engines.holding`). The daemon tells it `served` once a version it finalized is the
+    daemon's served version (READY written to the journal); it never hears of a version
+    whose sync failed, and an abort withdraws what it was loading."""
+
+    def serve(self, version: int, digest: str) -> bool:
+        """`version` with `digest` is served now: offer it if that is what it holds;
+        whether it did."""
+        ...
+
+
+@runtime_checkable
 class DigestsBeforeFinalize(Protocol):
     """Can tell the digest of the weights it holds before its post-load step (the same
     digest `finalize` returns), so the daemon compares digests in phase one of the

@@ -1,15 +1,20 @@
 """A holding engine: a weightsync engine that keeps each version in host tensors and hands a
-version to a reader only once it is committed fleet-wide (for frameworks that load weights
-into their own inference server, e.g. verl's checkpoint engines: `orchestrator.trainer.verl`).
+version to a reader only once the daemon made it its served version (for frameworks that
+load weights into their own inference server, e.g. verl's checkpoint engines:
+`orchestrator.trainer.verl`).
 
 Rules:
 - It is a sink engine (preallocated tensors, each bucket validated and copied in place,
   the digest taken behind the copy, finalize counted) built from the checkpoint's spec.
-- The daemon's `commit` (sent once every participant of the sync finalized) is what
-  releases a version: `read(version)` waits for it and yields `(name, tensor)` views of
-  the held tensors. A sync that fails is never committed, so a reader never sees it; from
-  a sync's `begin` on, the version before it is no longer offered either (its buffers are
-  being written), until the next commit.
+- The daemon's `served` notice releases a version: the daemon sends it once the sync is
+  READY and that READY is written to its journal (every participant finalized with the
+  same digest, every labelling engine answered `commit`). It is acted on only when the
+  engine holds exactly that version and digest (its last finalize). A sync that fails,
+  in its commit phase too, is never served: a reader waiting for its version, or coming
+  later, is refused with ABORTED, and nothing of it is handed out.
+- From a sync's `begin` on, the version before it is no longer offered (its buffers are
+  being written), until the next `served`; an abort withdraws what was loaded. A rollback
+  or a catch-up is a sync like any other: its version is offered again once served.
 - While a reader iterates, the next sync's `begin` waits for it (up to `timeout`; past it
   the begin fails, the sync fails cleanly and the reader's tensors were never torn).
 - `HoldingReceiver` runs the engine's `Worker` in a thread of the calling process.
@@ -40,7 +45,12 @@ class HoldingEngine(SinkEngine):
     def __init__(self, model_dir: str | Path, spec: Sequence[ParamSpec], timeout: float = 600.0) -> None:
         super().__init__(model_dir, spec)
         self.timeout = timeout
-        self.committed: int | None = None  # the last version committed fleet-wide
+        self.served: int | None = None  # the version readers may have: the daemon's served one
+        # the version of the last sync aborted here (its readers are refused), until a
+        # sync of that version or a later one begins
+        self.aborted: int | None = None
+        self._loading: int | None = None  # the version the running sync writes
+        self._holds: tuple[int, str] | None = None  # what the last finalize left: version, digest
         self._cond = threading.Condition()
         self._readers = 0
 
@@ -48,47 +58,72 @@ class HoldingEngine(SinkEngine):
         with self._cond:
             if not self._cond.wait_for(lambda: self._readers == 0, self.timeout):
                 raise make_error(
-                    ErrorCode.TIMEOUT, f"a reader held version {self.committed} past {self.timeout}s"
+                    ErrorCode.TIMEOUT, f"a reader held version {self.served} past {self.timeout}s"
                 )
-            # the buffers change from here on: the last committed version is no longer
-            # held whole (a failed sync leaves nothing a reader may take)
-            self.committed = None
+            # the buffers change from here on: the version before is no longer held whole
+            self.served, self._holds, self._loading = None, None, version
+            if self.aborted is not None and version >= self.aborted:
+                self.aborted = None
             super().begin(sync_id, version)
 
-    def set_label(self, label: str) -> str:
-        """The daemon's commit: `label` is the version, committed fleet-wide."""
+    def finalize(self, sync_id: str = "") -> str:
+        digest = super().finalize(sync_id)
         with self._cond:
-            self.committed = int(label)
+            self._holds = (self._loading, digest) if self._loading is not None else None
+        return digest
+
+    def serve(self, version: int, digest: str) -> bool:
+        """The daemon's `served`: `version` with `digest` is durably its served version."""
+        with self._cond:
+            if self._holds != (version, digest):
+                return False  # not what this engine holds (a sync began since, or it failed)
+            self.served = version
             self._cond.notify_all()
-        return label
+            return True
+
+    def abort(self) -> None:
+        """The daemon aborted the running sync: nothing it loaded is ever offered."""
+        super().abort()
+        with self._cond:
+            self.served, self._holds = None, None
+            if self._loading is not None:
+                self.aborted = self._loading
+            self._cond.notify_all()
 
     @contextmanager
     def hold(self, version: int | None, after: int | None, timeout: float) -> Iterator[int]:
         """Wait until `version` (or, when None, any version newer than `after`) is the
-        committed one, and keep the next sync from starting while the caller reads."""
+        served one, and keep the next sync from starting while the caller reads. A wait
+        for a version whose sync was aborted ends at once with ABORTED."""
+
+        def failed() -> bool:
+            return version is not None and self.aborted == version and self.served != version
 
         def ready() -> bool:
-            c = self.committed
+            c = self.served
             if c is None:
                 return False
             return c >= version if version is not None else (after is None or c > after)
 
         with self._cond:
-            if not self._cond.wait_for(ready, timeout):
+            if not self._cond.wait_for(lambda: failed() or ready(), timeout):
                 want = f"version {version}" if version is not None else f"a version after {after}"
                 raise make_error(
                     ErrorCode.TIMEOUT,
-                    f"{want} was not committed within {timeout}s (last committed: {self.committed})",
+                    f"{want} was not served within {timeout}s (served now: {self.served})",
                 )
-            if version is not None and self.committed != version:
+            if failed():
                 raise make_error(
-                    ErrorCode.STALE_VERSION, f"version {self.committed} committed, not {version}"
+                    ErrorCode.ABORTED,
+                    f"the sync of version {version} failed; it is not handed out (served now: {self.served})",
                 )
+            if version is not None and self.served != version:
+                raise make_error(ErrorCode.STALE_VERSION, f"version {self.served} served, not {version}")
             self._readers += 1
-            held = self.committed
+            held = self.served
         try:
             if held is None:  # ready() made sure of it; for the type checker
-                raise make_error(ErrorCode.INTERNAL, "no committed version")
+                raise make_error(ErrorCode.INTERNAL, "no served version")
             yield held
         finally:
             with self._cond:
@@ -127,8 +162,9 @@ class HoldingReceiver:
             time.sleep(0.05)
 
     def read(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields the tensors of `version` (None: the next version committed after the last
-        one read) once it is committed fleet-wide; the next sync waits until this ends."""
+        """Yields the tensors of `version` (None: the next version served after the last
+        one read) once the daemon made it its served version; the next sync waits until
+        this ends. A version whose sync failed raises ABORTED."""
         with self.engine.hold(version, self.last_read, self.timeout) as held:
             yield from self.engine.params.items()
             self.last_read = held

@@ -81,7 +81,7 @@ class LoadJob:
     payload: Any
 
 
-Job = Begin | schema.Load | schema.OpenStream | schema.Finalize | schema.Commit | schema.Abort
+Job = Begin | schema.Load | schema.OpenStream | schema.Finalize | schema.Commit | schema.Served | schema.Abort
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,10 @@ class Syncs:
             if s is not None:
                 self._move(s, "commit")
             out.append(Submit(msg))  # the applier says whether this engine labels outputs
+        elif isinstance(msg, schema.Served):
+            # after the sync's end (or none): the engine offers it only if it holds exactly
+            # that version and digest, and the applier runs it after any begin queued before
+            out.append(Submit(msg))
         elif isinstance(msg, schema.Abort):
             s = self._of(msg.sync_id)
             # a published bucket arriving late starts nothing; a stream stops receiving now

@@ -31,7 +31,7 @@ import structlog
 import zmq
 
 from engines.applier import Applier
-from engines.base import Engine, LabelsOutputs, ReceivesCollective
+from engines.base import Engine, HandsToReaders, LabelsOutputs, ReceivesCollective
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema
 from messages.collective import Backend, available_backends
@@ -123,6 +123,7 @@ class Worker:
             collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
             labels=isinstance(self.engine, LabelsOutputs),
             delta=self.delta_base,
+            served_notice=isinstance(self.engine, HandsToReaders),
             fanout=True,
         )
 
@@ -318,7 +319,9 @@ class Worker:
         msg = decoded.msg
         if isinstance(msg, schema.Load):
             self._on_load(msg, decoded.payload, applier)
-        elif isinstance(msg, (schema.OpenStream, schema.Finalize, schema.Commit, schema.Abort)):
+        elif isinstance(
+            msg, (schema.OpenStream, schema.Finalize, schema.Commit, schema.Served, schema.Abort)
+        ):
             self._do(self.state.feed(msg), applier)
         elif isinstance(msg, schema.Ok):
             try:

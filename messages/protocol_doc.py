@@ -39,7 +39,15 @@ SECTIONS = [
     ),
     (
         "Orchestrator -> engine",
-        (schema.Load, schema.OpenStream, schema.FanoutOpen, schema.Finalize, schema.Commit, schema.Abort),
+        (
+            schema.Load,
+            schema.OpenStream,
+            schema.FanoutOpen,
+            schema.Finalize,
+            schema.Commit,
+            schema.Served,
+            schema.Abort,
+        ),
     ),
     (
         "Nested",

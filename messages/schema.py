@@ -374,6 +374,10 @@ class Register(Message, frozen=True, tag="register"):
     labels: bool = False
     # keeps a base copy of the served version's tensors and rebuilds delta patches on it
     delta: bool = False
+    # hands the versions it holds to readers (verl's rollout side, engines/holding.py): the
+    # daemon sends it `served` once a version it finalized is the daemon's served version
+    # (READY written to the journal), and never for a sync that failed
+    served_notice: bool = False
     # v4: takes inline and shm buckets from the daemon's fan-out (one publish per bucket
     # for the whole fleet); the register reply then names the address (`fanout`)
     fanout: bool = False
@@ -513,6 +517,20 @@ class Commit(Message, frozen=True, tag="commit"):
     id: RequestId = 0
 
 
+class Served(Message, frozen=True, tag="served"):
+    """Orchestrator -> an engine that registered `served_notice`, after the daemon's READY
+    for `version` is durable (journal row and spool written): `version` with `digest` is
+    the served version now. Sent once per READY sync to each such participant, and to such
+    an engine that comes to serve the served version later (a catch-up's finalize, a
+    register with the served version and digest). An engine acts on it only if it holds
+    exactly that version and digest."""
+
+    version: Version
+    digest: Digest
+    sync_id: Annotated[str, Meta(max_length=MAX_ID_LEN)] = ""  # the sync that made it served, if any
+    id: RequestId = 0
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 for _cls in (
     Hello,
@@ -535,6 +553,7 @@ for _cls in (
     FanoutOpen,
     Finalize,
     Commit,
+    Served,
 ):
     _cls.TYPE = str(_cls.__struct_config__.tag)  # the header's `type`, for code that reads TYPE
     MESSAGE_TYPES[_cls.TYPE] = _cls
@@ -544,6 +563,6 @@ del _cls
 # directions, named once here for the daemon, the engines, the trainer and the fan-out.
 FROM_TRAINER = ("hello", "begin", "bucket", "finish", "abort", "status")
 FROM_ENGINE = ("register", "heartbeat", "loaded", "prepared", "finalized", "committed", "failed")
-TO_ENGINE = ("load", "stream", "finalize", "commit", "abort", "ok", "error")
+TO_ENGINE = ("load", "stream", "finalize", "commit", "served", "abort", "ok", "error")
 TO_TRAINER = ("ok", "error")
 PUBLISHED = ("fanout", "load")  # what the fan-out carries

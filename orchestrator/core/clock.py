@@ -114,10 +114,21 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str]) -> WeightSyncError | None
         and now - s.finalize_started > lim.finalize_timeout
     ):
         slow = sorted(set(s.participants) - set(s.finalized))
+        if slow or not s.commit_sent:
+            return m.error(
+                ErrorCode.TIMEOUT,
+                f"finalize not reported within {lim.finalize_timeout}s by {slow}",
+                engine_ids=slow,
+            )
+        # every participant finalized: the commit phase waits for the labelling engines
+        unlabelled = sorted(x for x in s.participants if m.engines[x].labels and x not in s.committed)
         return m.error(
             ErrorCode.TIMEOUT,
-            f"finalize not reported within {lim.finalize_timeout}s by {slow}",
-            engine_ids=slow,
+            f"every engine finalized version {s.version}, but the commit (its label) was not "
+            f"reported within {lim.finalize_timeout}s (--finalize-timeout) by {unlabelled}; "
+            f"version {s.version} was not made the served version",
+            engine_ids=unlabelled,
+            phase="commit",
         )
     return None
 

@@ -76,6 +76,18 @@ class SendCommit:
 
 
 @dataclass(frozen=True, slots=True)
+class SendServed:
+    """Tell an engine that hands versions to readers that `version` (with `digest`) is the
+    served version. Issued with the READY it follows (persisted first), or for a version
+    already served, so the engine never hears it of a version the journal lacks."""
+
+    engine_id: str
+    sync_id: str
+    version: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
 class SendAbort:
     engine_ids: tuple[str, ...]
     sync_id: str
@@ -167,6 +179,7 @@ Command = (
     | AckBucket
     | SendFinalize
     | SendCommit
+    | SendServed
     | SendAbort
     | EngineLost
     | CompleteSync

@@ -79,6 +79,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         collective_stream=msg.collective_stream,
         labels=msg.labels,
         delta=msg.delta,
+        served_notice=msg.served_notice,
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.
@@ -87,6 +88,8 @@ def register(m: Model, event: EngineRegistered) -> None:
     m.engines[msg.engine_id] = rec
     if ready and rec.state == E.STALE:
         m.start_catchup(msg.engine_id)
+    elif current:  # it holds the served version (the daemon restarted, or it reconnected)
+        m.tell_served(msg.engine_id)
     m.reply = reply_body(
         RegisterReply(
             engine_id=msg.engine_id,

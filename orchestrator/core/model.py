@@ -30,6 +30,7 @@ from orchestrator.core.commands import (
     EngineLost,
     Journal,
     SendAbort,
+    SendServed,
     SendSpooled,
     SpoolCommit,
     SpoolDiscard,
@@ -465,9 +466,25 @@ class Model:
             CompleteSync(s.sync_id, body, summary=self.last_sync, state=self.state.value, dirty=self.dirty)
         )
         self.remember_ended(s.sync_id, None, "READY")
+        for eid in s.participants:  # after the READY above is persisted (commands' order)
+            self.tell_served(eid, s.sync_id)
         self.sync = None
         self.want_rollback = False
         self.catch_up_stale()  # engines that registered during the sync join now
+
+    def tell_served(self, engine_id: str, sync_id: str = "") -> None:
+        """An engine that hands versions to readers serves the daemon's served version:
+        tell it so (the service sends it after this input's journal rows are durable)."""
+        x = self.engines[engine_id]
+        v, d = self.served_version, self.served_digest
+        if (
+            d is not None
+            and x.served_notice
+            and x.state == E.READY
+            and v is not None
+            and (x.version, x.digest) == (v, d)
+        ):
+            self.outbox.append(SendServed(engine_id, sync_id, v, d))
 
     # -- catch-up: one engine brought to the served version from the spool --------------
     def catch_up_stale(self) -> None:

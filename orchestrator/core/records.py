@@ -45,6 +45,7 @@ class EngineRecord:
     labels: bool = False  # labels its outputs with the version (told at commit)
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
+    served_notice: bool = False  # hands versions to readers: told `served` once one is durable
     epoch: Epoch = field(default_factory=Epoch, repr=False, compare=False)  # its core's
 
     def __post_init__(self) -> None:

@@ -698,6 +698,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
             m.end_catchup(eid, True)
             if x.labels:  # it serves the committed version: label it so
                 m.outbox.append(SendCommit(eid, msg.sync_id, msg.version))
+            m.tell_served(eid, msg.sync_id)
         else:
             m.end_catchup(
                 eid,

@@ -255,6 +255,10 @@ class Effects:
             header = codec.encode_header(schema.Commit(sync_id=c.sync_id, version=c.version))
             if not self.transport.send_engine(c.engine_id, [header]) and self.feed is not None:
                 await self.feed(ev.Tick())  # unreachable: lost at its deadline
+        elif isinstance(c, cmd.SendServed):
+            # a notice: one that does not arrive is made good when the engine registers again
+            header = codec.encode_header(schema.Served(version=c.version, digest=c.digest, sync_id=c.sync_id))
+            self.transport.send_engine(c.engine_id, [header])
         elif isinstance(c, cmd.SendAbort):
             header = codec.encode_header(schema.Abort(sync_id=c.sync_id))
             for eid in c.engine_ids:

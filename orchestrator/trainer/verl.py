@@ -18,9 +18,10 @@ Rules:
   other actor ranks drain the iterator (they take part in its gathers).
 - On a rollout worker (verl passes no `is_master`), the instance runs a holding engine
   (`engines.holding`) registered with the daemon at `engine_addr`; `receive_weights`
-  yields what it received only once the version is committed fleet-wide (every engine
-  finalized, digests equal), so verl's server adapter never sees a version that failed
-  anywhere. The next sync waits until the adapter has read the tensors.
+  yields what it received only once the daemon made the version its served version (its
+  `served` notice, sent after the READY is journaled), so verl's server adapter never sees
+  a version whose sync failed, in its commit phase included (it raises ABORTED instead).
+  The next sync waits until the adapter has read the tensors.
 - `prepare`, `build_topology`, `init_process_group` and `finalize` exchange nothing: the
   daemon is the rendezvous and its fan-out the data path.
 - What stays verl's: the load into its inference server (`server_adapter.update_weights`)
@@ -128,7 +129,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         if self.receiver is None:
             raise RuntimeError("receive_weights runs on verl's rollout side (built without is_master)")
         it = self.receiver.read(global_steps)
-        first = await asyncio.to_thread(next, it, _END)  # waits for the fleet-wide commit
+        first = await asyncio.to_thread(next, it, _END)  # waits for the daemon's `served`
         if first is _END:
             return
         yield first  # type: ignore[misc]

@@ -81,6 +81,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
     ),
     (schema.Prepared(sync_id="s", buckets=3, nbytes=96, chain=2**64 - 1, digest="a" * 32, seconds=0.5), []),
     (schema.Commit(sync_id="s", version=7, id=3), []),
+    (schema.Served(version=7, digest="d", sync_id="s"), []),
     (schema.Committed(sync_id="s", version=7, label="7", id=4), []),
     (schema.FanoutOpen(sync_id="s", version=7, inline=("e0", "e1"), shm=("e2",), report_interval=0.01), []),
 ]
