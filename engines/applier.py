@@ -38,7 +38,7 @@ from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
 from messages.buckets import iter_buckets, unpack
-from messages.checksums import bucket_checksum
+from messages.checksums import bucket_hash
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
@@ -67,6 +67,7 @@ class Applier(threading.Thread):
         self.failed: set[str] = set()
         self.verifier = Verifier(parts=isinstance(engine, TakesDigestParts) and engine.digest_parts)
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
+        self.pass_bytes: dict[str, int] = {}  # and the bytes a phase's pass went over (checksum)
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
         self._spec = {p.name for p in engine.describe().spec}
@@ -80,8 +81,10 @@ class Applier(threading.Thread):
         pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
         self.jobs.put(LoadJob(msg, pending))
 
-    def _add(self, phase: str, seconds: float) -> None:
+    def _add(self, phase: str, seconds: float, nbytes: int | None = None) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        if nbytes is not None:
+            self.pass_bytes[phase] = self.pass_bytes.get(phase, 0) + nbytes
 
     def prefetch(self, msg: schema.Load) -> Any:
         """Start receiving a collective bucket now. None: the engine receives by itself
@@ -160,6 +163,7 @@ class Applier(threading.Thread):
         self.base.discard()
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
+        self.pass_bytes = {}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
 
     def _do_load(self, job: LoadJob) -> None:
@@ -285,10 +289,11 @@ class Applier(threading.Thread):
             metas = stream.decode_metas(h, meta_raw)
         except MessageError as exc:
             raise WeightSyncError(exc.reason, code=exc.code) from None
-        if bucket_checksum(buf, metas) != h.checksum:
+        got, _, hashed = bucket_hash(buf, metas)
+        if got != h.checksum:
             raise WeightSyncError(f"bucket seq {h.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         t1 = time.perf_counter()
-        self._add("checksum", t1 - t0)
+        self._add("checksum", t1 - t0, hashed)
         self._apply_metas(metas, buf)
         self._add("load", time.perf_counter() - t1)
         chain.add(h.checksum, h.data_len)
@@ -299,7 +304,7 @@ class Applier(threading.Thread):
         t0 = time.perf_counter()
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
-        self._add("checksum", v.seconds)
+        self._add("checksum", v.seconds, v.hashed)
         if msg.shm is not None and isinstance(self.engine, LoadsShm) and not _patched(msg.tensors):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
             self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
@@ -313,9 +318,10 @@ class Applier(threading.Thread):
         if buf is None:  # the engine's own workers received and loaded it (vLLM)
             return
         t0 = time.perf_counter()
-        if bucket_checksum(buf, msg.tensors) != msg.checksum:
+        got, _, hashed = bucket_hash(buf, msg.tensors)
+        if got != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        self._add("checksum", time.perf_counter() - t0)
+        self._add("checksum", time.perf_counter() - t0, hashed)
         self._apply(msg, buf)
 
     def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
@@ -447,6 +453,7 @@ class Applier(threading.Thread):
                 probes=probes,
                 seconds=seconds,
                 phases=phases,
+                pass_bytes=dict(self.pass_bytes),
                 delta=self.base.held if self.base.enabled else None,
             )
         )

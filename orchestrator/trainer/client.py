@@ -480,6 +480,7 @@ class TrainerClient:
                 **reply_body(done),
                 "transport": started.transport,
                 "trainer_phases": trainer_phases,
+                "trainer_pass_bytes": streamed.pass_bytes,
                 "window": streamed.window,
                 **(
                     {"source": rank, "sources": world, "source_digest": digester.hexdigest()}
