@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -29,6 +30,7 @@ from engines.base import (
     LoadsBuckets,
     LoadsShm,
     ReceivesCollective,
+    RehashesWeights,
     ReportsPhases,
     TakesDigestParts,
 )
@@ -46,6 +48,24 @@ log = structlog.get_logger()
 STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
 
 
+@dataclass(frozen=True, slots=True)
+class Rehash:
+    """A job outside any sync: read the weights the engine holds and digest them again
+    (`RehashesWeights`), in order after every job queued before it."""
+
+    asked: int  # the worker's count of requests, echoed in the answer
+
+
+@dataclass(frozen=True, slots=True)
+class Rehashed:
+    """The answer to `Rehash`: the fresh digest, or why there is none."""
+
+    asked: int
+    digest: str | None
+    seconds: float
+    error: str | None = None
+
+
 class Applier(threading.Thread):
     """Runs engine operations in order on one thread; results go back via `out` + pipe."""
 
@@ -60,8 +80,9 @@ class Applier(threading.Thread):
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
         self.failpoints = failpoints or {}
-        self.jobs: queue.Queue[Job | LoadJob | None] = queue.Queue()
-        self.out: queue.Queue[schema.Message] = queue.Queue()  # reports for the worker's Syncs
+        self.jobs: queue.Queue[Job | LoadJob | Rehash | None] = queue.Queue()
+        # reports for the worker's Syncs, and the answers to its rehash requests
+        self.out: queue.Queue[schema.Message | Rehashed] = queue.Queue()
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
@@ -113,7 +134,26 @@ class Applier(threading.Thread):
     def stop(self) -> None:
         self.jobs.put(None)
 
-    def _emit(self, item: schema.Message) -> None:
+    def rehash(self, asked: int) -> None:
+        """Called by the main thread: digest the weights again once the jobs before run."""
+        self.jobs.put(Rehash(asked))
+
+    def _do_rehash(self, job: Rehash) -> None:
+        t0 = time.perf_counter()
+        if not isinstance(self.engine, RehashesWeights):
+            self._emit(
+                Rehashed(job.asked, None, 0.0, f"a {self.engine.describe().backend} engine cannot rehash")
+            )
+            return
+        try:
+            digest = self.engine.fresh_digest()
+        except Exception as exc:  # weights mid-load or an engine bug: the answer says which
+            log.exception("rehash_failed")
+            self._emit(Rehashed(job.asked, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"))
+            return
+        self._emit(Rehashed(job.asked, digest, time.perf_counter() - t0))
+
+    def _emit(self, item: schema.Message | Rehashed) -> None:
         self.out.put(item)
         os.write(self.wake_fd, b"x")
 
@@ -123,6 +163,9 @@ class Applier(threading.Thread):
             if job is None:
                 self.verifier.stop()
                 return
+            if isinstance(job, Rehash):  # no sync to fail: it answers for itself
+                self._do_rehash(job)
+                continue
             try:
                 self._run(job)
             except WeightSyncError as err:
@@ -465,6 +508,8 @@ class Applier(threading.Thread):
             finalize_count=self.engine.finalize_count,
             seconds=round(seconds, 4),
         )
+        if self.failpoints.get("finalize_twice"):  # fault injection: the bug the guard stops,
+            self.engine.finalize(msg.sync_id)  # after the first finalize's digest was reported
 
     def _do_commit(self, msg: schema.Commit) -> None:
         """The version is committed fleet-wide: label the outputs with it."""

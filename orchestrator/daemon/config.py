@@ -95,6 +95,8 @@ def load_settings(**overrides: Any) -> Settings:
 FAILPOINTS = {
     "duplicate_finalize": "daemon: send every finalize to its engine twice",
     "finalize_sleep": "engine: sleep this many seconds before the post-load step",
+    "finalize_twice": "engine: run the post-load step a second time once the first one's "
+    "digest was reported (the bug the finalize guard stops, past the guard)",
     "crash_on_loaded": "daemon: raise inside the handler of the Nth engine `loaded` message",
     "kill_after_persisted": "daemon: SIGKILL itself once the journal/spool writes of the batch "
     "caused by this message type (begin, finish, loaded, ...) are durable",

@@ -90,3 +90,16 @@ def test_load_while_packed_is_refused(engine, tiny_state):
     with pytest.raises(WeightSyncError) as ei:
         engine.load([("model.norm.weight", tiny_state["model.norm.weight"])])
     assert ei.value.code is ErrorCode.INVALID_STATE
+
+
+def test_a_fresh_digest_reads_the_served_weights_back_and_sees_a_second_finalize(engine, tiny_state):
+    """`fresh_digest` reads the packed kernels back in checkpoint layout (equal to the
+    digest finalize reported), and is computed again each time: a second post-load step
+    changes it while the recorded digest stays."""
+    new = dict(perturbed(tiny_state, 3))
+    engine.begin("s3", 3)
+    engine.load(list(new.items()))
+    reported = engine.finalize()
+    assert engine.packed and engine.fresh_digest() == reported == digest(new.items())
+    engine.finalize()  # what the finalize guard exists to stop
+    assert engine.fresh_digest() != digest(new.items())
