@@ -8,9 +8,10 @@ baseline, measured in the same run); a step, then a delta push against it. Repor
 medians of `--repeats`: wire bytes and push wall seconds (first begin to READY) of each,
 and their ratios; the transports' order turns every repeat. A delta push sends dense
 where the client measured delta slower than dense on that transport (`delta chosen`
-says how many went as deltas): its time counts as measured, its bytes come from the
-pushes that went as deltas. Then, on inline: a step that changes every element (dense-every-element:
-the client must fall back to dense at about the cost of a dense push), and a sweep of
+says how many went as deltas): its time counts as measured, its bytes and density come
+from the pushes that went as deltas (a push sent dense has density 1: every element).
+Then, on inline: a step that changes every element (dense-every-element: the client must
+fall back to dense at about the cost of a dense push), and a sweep of
 densities (a fraction of every tensor's elements changed) showing where delta stops
 paying. The memory the base copy costs is the model's bytes, on the trainer
 (`DeltaBase.nbytes`) and on each engine (its RSS is reported). `--check` exits 1 naming
@@ -34,6 +35,35 @@ TIME_TARGET = 0.6  # delta push seconds / dense, on inline and collective
 MAX_TIME_RATIO = 1.2  # delta push seconds / dense, on every transport (never much worse)
 DENSE_FALLBACK_TARGET = 1.1  # delta push of an every-element change / dense push
 DENSITIES = (0.001, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5)
+
+
+def summarize(rows: list[dict[str, Any]], transports: list[str]) -> dict[str, Any]:
+    """Per transport, medians over its rows (a delta push against the dense push before
+    it). Time counts every delta push as chosen (a push sent dense is what a user waits
+    for); bytes and density count only the pushes that went as deltas (a push sent dense
+    changed every element it sent: its density says nothing of the step). No delta push:
+    bytes from all (the first push of a run always goes delta), density None."""
+    summary: dict[str, Any] = {}
+    for t in transports:
+        mine = [r for r in rows if r["transport"] == t]
+        deltas = [r for r in mine if r["chose"] == "delta"]
+        encoded = deltas or mine
+        dense_s = statistics.median(r["dense_s"] for r in mine)
+        delta_s = statistics.median(r["delta_s"] for r in mine)  # as chosen: the product's cost
+        dense_b = statistics.median(r["dense_bytes"] for r in encoded)
+        delta_b = statistics.median(r["delta_bytes"] for r in encoded)  # what a delta sends
+        summary[t] = {
+            "delta_chosen": len(deltas),
+            "pushes": len(mine),
+            "dense_s": dense_s,
+            "delta_s": delta_s,
+            "time_ratio": delta_s / dense_s,
+            "dense_bytes": dense_b,
+            "delta_bytes": delta_b,
+            "bytes_ratio": delta_b / dense_b,
+            "density": statistics.median(r["density"] for r in deltas) if deltas else None,
+        }
+    return summary
 
 
 def build(path: Path, hidden: int, layers: int, vocab: int) -> Any:
@@ -212,25 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base_bytes = client.delta_base.nbytes
             engine_rss = rss_mib(engine_pid)
 
-    summary: dict[str, Any] = {}
-    for t in transports:
-        mine = [r for r in rows if r["transport"] == t]
-        encoded = [r for r in mine if r["chose"] == "delta"] or mine  # the first always is
-        dense_s = statistics.median(r["dense_s"] for r in mine)
-        delta_s = statistics.median(r["delta_s"] for r in mine)  # as chosen: the product's cost
-        dense_b = statistics.median(r["dense_bytes"] for r in encoded)
-        delta_b = statistics.median(r["delta_bytes"] for r in encoded)  # what a delta sends
-        summary[t] = {
-            "delta_chosen": sum(r["chose"] == "delta" for r in mine),
-            "pushes": len(mine),
-            "dense_s": dense_s,
-            "delta_s": delta_s,
-            "time_ratio": delta_s / dense_s,
-            "dense_bytes": dense_b,
-            "delta_bytes": delta_b,
-            "bytes_ratio": delta_b / dense_b,
-            "density": statistics.median(r["density"] for r in mine),
-        }
+    summary = summarize(rows, transports)
     every_ratio = statistics.median(x / d for d, x in every)
     where_time = {
         f"{kind} {t}": {
@@ -277,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{t:>10} {s['dense_s']:8.3f} {s['delta_s']:8.3f} {s['time_ratio']:6.3f}x "
             f"{s['dense_bytes'] / 1e6:9.1f} {s['delta_bytes'] / 1e6:9.2f} {s['bytes_ratio']:6.3f}x "
-            f"{s['density']:8.4f} {s['delta_chosen']:>8}/{s['pushes']}"
+            f"{'-' if s['density'] is None else format(s['density'], '8.4f'):>8} "
+            f"{s['delta_chosen']:>8}/{s['pushes']}"
         )
     print("where a push's time goes (medians, seconds; the trainer's and the engine's phases overlap):")
     for key, ph in where_time.items():

@@ -147,6 +147,9 @@ def run_size(
                             "cpu": cpu,
                             "trainer": res.detail.get("trainer_phases", {}),
                             "engines": {e["engine_id"]: e.get("phases", {}) for e in res.engines},
+                            # the bytes each pass went over, as the code doing it counted them
+                            "trainer_bytes": res.detail.get("trainer_pass_bytes", {}),
+                            "engine_bytes": {e["engine_id"]: e.get("pass_bytes", {}) for e in res.engines},
                         }
                     )
             if disk:
@@ -173,50 +176,75 @@ def run_size(
     }
 
 
+def _median_bytes(rows: list[dict[str, int]], key: str) -> int | None:
+    """The median over the repeats of one pass's counted bytes; None where it was not counted."""
+    got = [r[key] for r in rows if key in r]
+    return int(statistics.median(got)) if got and len(got) == len(rows) else None
+
+
 def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
     """One sync's passes over the model's bytes (medians over the repeats), and the direct
-    load's for comparison. `bytes` is what the pass reads; seconds are its own time on
-    its thread (`cpu` rows: that process's CPU, every thread)."""
+    load's for comparison. `bytes` is what the pass went over: counted by the code that
+    does the work (`counted`: the trainer's copy and hash, the engine's hash, vLLM's kept
+    weights), or else the model's bytes times the passes the code is written to make
+    (`counted` False: the daemon's forward, the collective's receive, vLLM's loaders).
+    Seconds are the pass's own time on its thread (`cpu` rows: that process's CPU, every
+    thread)."""
     n = res["model_bytes"]
     rows = res["profiles"][transport]
     tr = _median_phases([r["trainer"] for r in rows])
     en = _median_phases([next(iter(r["engines"].values()), {}) for r in rows])
     cpu = _median_phases([r["cpu"] for r in rows])
+    tr_bytes = [r.get("trainer_bytes", {}) for r in rows]
+    en_bytes = [next(iter(r.get("engine_bytes", {}).values()), {}) for r in rows]
     slot = {"shm": "its shm slot", "inline": "its ring buffer", "collective": "its ring buffer"}[transport]
+
+    def counted(
+        name: str, proc: str, thread: str, what: str, nbytes: int | None, s: float
+    ) -> tuple[Any, ...]:
+        return (name, proc, thread, what, nbytes if nbytes is not None else 0, s, nbytes is not None)
+
+    def nominal(name: str, proc: str, thread: str, what: str, nbytes: int, s: float) -> tuple[Any, ...]:
+        return (name, proc, thread, what, nbytes, s, False)
+
     if "pack_copy" in tr:
         out = [
-            ("trainer: pack", "trainer", "main", f"tensors -> {slot}", n, tr["pack_copy"]),
-            ("trainer: hash", "trainer", "main", f"{slot} -> every tensor's part", n, tr["pack_hash"]),
+            counted(
+                "trainer: pack",
+                "trainer",
+                "main",
+                f"tensors -> {slot}",
+                _median_bytes(tr_bytes, "pack_copy"),
+                tr["pack_copy"],
+            ),
+            counted(
+                "trainer: hash",
+                "trainer",
+                "main",
+                f"{slot} -> every tensor's part",
+                _median_bytes(tr_bytes, "pack_hash"),
+                tr["pack_hash"],
+            ),
         ]
     else:  # a trainer that does not time its copy and its hash apart
         out = [
-            ("trainer: pack+hash", "trainer", "main", f"tensors -> {slot}, hashed", n, tr.get("pack", 0.0))
-        ]
-    if transport == "inline":
-        out.append(
-            (
-                "daemon: forward",
-                "daemon",
-                "all (CPU)",
-                "socket -> frame -> part check -> socket (and the control messages)",
-                n,
-                cpu.get("daemon", 0.0),
+            nominal(
+                "trainer: pack+hash", "trainer", "main", f"tensors -> {slot}, hashed", n, tr.get("pack", 0.0)
             )
-        )
+        ]
+    daemon = cpu.get("daemon", 0.0)
+    if transport == "inline":
+        what = "socket -> frame -> part check -> socket (and the control messages)"
+        out.append(nominal("daemon: forward", "daemon", "all (CPU)", what, n, daemon))
     else:
         out.append(
-            (
-                "daemon: control",
-                "daemon",
-                "all (CPU)",
-                "messages only: no byte of the model",
-                0,
-                cpu.get("daemon", 0.0),
+            nominal(
+                "daemon: control", "daemon", "all (CPU)", "messages only: no byte of the model", 0, daemon
             )
         )
     if transport == "collective":
         out.append(
-            (
+            nominal(
                 "worker: receive",
                 "engine",
                 "vLLM worker",
@@ -226,7 +254,7 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
             )
         )
         out.append(
-            (
+            nominal(
                 "worker: hash",
                 "engine",
                 "vLLM worker",
@@ -237,10 +265,17 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         )
     else:
         out.append(
-            ("engine: hash", "engine", "verifier", "bucket -> parts, checked", n, en.get("checksum", 0.0))
+            counted(
+                "engine: hash",
+                "engine",
+                "verifier",
+                "bucket -> parts, checked",
+                _median_bytes(en_bytes, "checksum"),
+                en.get("checksum", 0.0),
+            )
         )
     out.append(
-        (
+        nominal(
             "vLLM: load",
             "engine",
             "applier (vLLM's loaders)",
@@ -250,7 +285,7 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         )
     )
     out.append(
-        (
+        counted(
             "vLLM: keep pending",
             "engine",
             "applier",
@@ -260,7 +295,7 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         )
     )
     out.append(
-        (
+        nominal(
             "direct: load",
             "bench",
             "vLLM's loaders",
@@ -270,7 +305,13 @@ def passes(res: dict[str, Any], transport: str) -> list[dict[str, Any]]:
         )
     )
     return [
-        dict(zip(("pass", "process", "thread", "reads -> writes", "bytes", "seconds"), r, strict=True))
+        dict(
+            zip(
+                ("pass", "process", "thread", "reads -> writes", "bytes", "seconds", "counted"),
+                r,
+                strict=True,
+            )
+        )
         for r in out
     ]
 
@@ -316,10 +357,14 @@ def pass_table(res: dict[str, Any], transport: str) -> str:
     ]
     for p in passes(res, transport):
         mb = p["bytes"] / 1e6
+        mark = " " if p["counted"] else "*"
         lines.append(
             f"    {p['pass']:20s} {p['process']:8s} {p['thread']:26s} {p['reads -> writes']:66s} "
-            f"{mb:7.1f} {p['seconds'] * 1e3:7.1f} {p['seconds'] * 1e3 / mb if mb else 0.0:6.3f}"
+            f"{mb:6.1f}{mark} {p['seconds'] * 1e3:7.1f} {p['seconds'] * 1e3 / mb if mb else 0.0:6.3f}"
         )
+    lines.append(
+        "    MB counted by the code doing the pass; * the model's bytes times the passes the code makes"
+    )
     return "\n".join(lines)
 
 

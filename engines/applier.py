@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -31,6 +32,7 @@ from engines.base import (
     LoadsBuckets,
     LoadsShm,
     ReceivesCollective,
+    RehashesWeights,
     ReportsPhases,
     TakesDigestParts,
 )
@@ -40,12 +42,30 @@ from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
-from messages.checksums import bucket_checksum
+from messages.checksums import bucket_hash
 from messages.collective import CollectiveError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 log = structlog.get_logger()
 STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
+
+
+@dataclass(frozen=True, slots=True)
+class Rehash:
+    """A job outside any sync: read the weights the engine holds and digest them again
+    (`RehashesWeights`), in order after every job queued before it."""
+
+    asked: int  # the worker's count of requests, echoed in the answer
+
+
+@dataclass(frozen=True, slots=True)
+class Rehashed:
+    """The answer to `Rehash`: the fresh digest, or why there is none."""
+
+    asked: int
+    digest: str | None
+    seconds: float
+    error: str | None = None
 
 
 class Applier(threading.Thread):
@@ -62,13 +82,15 @@ class Applier(threading.Thread):
         super().__init__(name="engine-applier", daemon=True)
         self.engine = engine
         self.failpoints = failpoints or {}
-        self.jobs: queue.Queue[Job | LoadJob | None] = queue.Queue()
-        self.out: queue.Queue[schema.Message] = queue.Queue()  # reports for the worker's Syncs
+        self.jobs: queue.Queue[Job | LoadJob | Rehash | None] = queue.Queue()
+        # reports for the worker's Syncs, and the answers to its rehash requests
+        self.out: queue.Queue[schema.Message | Rehashed] = queue.Queue()
         self.wake_fd = wake_fd
         self.current: str | None = None
         self.failed: set[str] = set()
         self.verifier = Verifier(parts=isinstance(engine, TakesDigestParts) and engine.digest_parts)
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
+        self.pass_bytes: dict[str, int] = {}  # and the bytes a phase's pass went over (checksum)
         self.collective_bind = collective_bind
         self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
         self._spec = {p.name for p in engine.describe().spec}
@@ -83,8 +105,10 @@ class Applier(threading.Thread):
         pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
         self.jobs.put(LoadJob(msg, pending))
 
-    def _add(self, phase: str, seconds: float) -> None:
+    def _add(self, phase: str, seconds: float, nbytes: int | None = None) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        if nbytes is not None:
+            self.pass_bytes[phase] = self.pass_bytes.get(phase, 0) + nbytes
 
     def prefetch(self, msg: schema.Load) -> Any:
         """Start receiving a collective bucket now. None: the engine receives by itself
@@ -113,7 +137,26 @@ class Applier(threading.Thread):
     def stop(self) -> None:
         self.jobs.put(None)
 
-    def _emit(self, item: schema.Message) -> None:
+    def rehash(self, asked: int) -> None:
+        """Called by the main thread: digest the weights again once the jobs before run."""
+        self.jobs.put(Rehash(asked))
+
+    def _do_rehash(self, job: Rehash) -> None:
+        t0 = time.perf_counter()
+        if not isinstance(self.engine, RehashesWeights):
+            self._emit(
+                Rehashed(job.asked, None, 0.0, f"a {self.engine.describe().backend} engine cannot rehash")
+            )
+            return
+        try:
+            digest = self.engine.fresh_digest()
+        except Exception as exc:  # weights mid-load or an engine bug: the answer says which
+            log.exception("rehash_failed")
+            self._emit(Rehashed(job.asked, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"))
+            return
+        self._emit(Rehashed(job.asked, digest, time.perf_counter() - t0))
+
+    def _emit(self, item: schema.Message | Rehashed) -> None:
         self.out.put(item)
         os.write(self.wake_fd, b"x")
 
@@ -123,6 +166,9 @@ class Applier(threading.Thread):
             if job is None:
                 self.verifier.stop()
                 return
+            if isinstance(job, Rehash):  # no sync to fail: it answers for itself
+                self._do_rehash(job)
+                continue
             try:
                 self._run(job)
             except WeightSyncError as err:
@@ -166,6 +212,7 @@ class Applier(threading.Thread):
         self.pieces.clear()
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
+        self.pass_bytes = {}
         log.info("sync_begun", sync_id=msg.sync_id, version=msg.version)
 
     def _do_load(self, job: LoadJob) -> None:
@@ -291,10 +338,11 @@ class Applier(threading.Thread):
             metas = stream.decode_metas(h, meta_raw)
         except MessageError as exc:
             raise WeightSyncError(exc.reason, code=exc.code) from None
-        if bucket_checksum(buf, metas) != h.checksum:
+        got, _, hashed = bucket_hash(buf, metas)
+        if got != h.checksum:
             raise WeightSyncError(f"bucket seq {h.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
         t1 = time.perf_counter()
-        self._add("checksum", t1 - t0)
+        self._add("checksum", t1 - t0, hashed)
         self._apply_metas(metas, buf)
         self._add("load", time.perf_counter() - t1)
         chain.add(h.checksum, h.data_len)
@@ -305,7 +353,7 @@ class Applier(threading.Thread):
         t0 = time.perf_counter()
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
         self._add("checksum_wait", time.perf_counter() - t0)
-        self._add("checksum", v.seconds)
+        self._add("checksum", v.seconds, v.hashed)
         if (
             msg.shm is not None
             and isinstance(self.engine, LoadsShm)
@@ -324,9 +372,10 @@ class Applier(threading.Thread):
         if buf is None:  # the engine's own workers received and loaded it (vLLM)
             return
         t0 = time.perf_counter()
-        if bucket_checksum(buf, msg.tensors) != msg.checksum:
+        got, _, hashed = bucket_hash(buf, msg.tensors)
+        if got != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        self._add("checksum", time.perf_counter() - t0)
+        self._add("checksum", time.perf_counter() - t0, hashed)
         self._apply(msg, buf)
 
     def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
@@ -483,6 +532,7 @@ class Applier(threading.Thread):
                 probes=probes,
                 seconds=seconds,
                 phases=phases,
+                pass_bytes=dict(self.pass_bytes),
                 delta=self.base.held if self.base.enabled else None,
             )
         )
@@ -497,6 +547,8 @@ class Applier(threading.Thread):
         drop_after = self.failpoints.get("drop_weights_after")
         if drop_after == self.engine.finalize_count and isinstance(self.engine, DropsWeights):
             self.engine.drop_weights()  # fault injection: the weights lost after serving them
+        if self.failpoints.get("finalize_twice"):  # fault injection: the bug the guard stops,
+            self.engine.finalize(msg.sync_id)  # after the first finalize's digest was reported
 
     def _do_commit(self, msg: schema.Commit) -> None:
         """The version is committed fleet-wide: label the outputs with it."""

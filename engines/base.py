@@ -115,6 +115,15 @@ class TakesDigestParts(Protocol):
 
 
 @runtime_checkable
+class RehashesWeights(Protocol):
+    """Can tell the digest of the weights it holds now, read again from their storage (in
+    checkpoint layout, whatever layout its post-load step left them in), not the digest
+    its last finalize recorded: a check that what it serves is what it reported."""
+
+    def fresh_digest(self) -> str: ...
+
+
+@runtime_checkable
 class ReportsPhases(Protocol):
     @property
     def last_phases(self) -> dict[str, float]: ...

@@ -13,7 +13,9 @@ Rules, kept here and nowhere else:
 - The finalize guard: a second `finalize` for a sync_id, even of a sync long superseded, is
   refused with `failed{duplicate: true}` and the post-load step is not run again.
 - A resent bucket (same sync_id, sender, seq) is acknowledged again, never re-applied; a
-  bucket of a failed sync is dropped (the failure was reported).
+  bucket of a failed sync is dropped (the failure was reported); a new bucket of a sync
+  whose finalize came is refused by its row of the table (`failed`, INVALID_STATE): the
+  post-load step has the weights, and nothing more is copied into them.
 - The engine's served version and digest are what its last finalize reported; they are
   cleared when a sync starts (the weights are about to change) or fails.
 """
@@ -38,14 +40,29 @@ class Phase(Enum):
     ABORTED = "ABORTED"  # the daemon aborted it; the engine dropped what it loaded
 
 
-# (phase, input) -> the phase after it. The inputs are the daemon's messages and the
-# applier's reports; a pair not in the table changes no phase (the input is then one the
-# guards below answer, or one about a sync that is over).
-TABLE: dict[tuple[Phase, str], Phase] = {
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """A table row that refuses its input: the engine answers `failed` with `reason` and
+    neither its phase nor its weights change."""
+
+    reason: str
+
+
+_AFTER_FINALIZE = Refuse("a bucket after finalize; refused (the post-load step ran)")
+
+# (phase, input) -> the phase after it, or the refusal it gets. The inputs are the daemon's
+# messages and the applier's reports. A "load" in a pair not in the table is dropped (a
+# bucket of a failed or aborted sync: the failure was reported); any other input in a pair
+# not in the table changes no phase (one the guards below answer, or about a sync that is
+# over).
+TABLE: dict[tuple[Phase, str], Phase | Refuse] = {
     (Phase.LOADING, "load"): Phase.LOADING,
     (Phase.LOADING, "finalize"): Phase.FINALIZING,
     (Phase.STREAMING, "load"): Phase.STREAMING,
     (Phase.STREAMING, "finalize"): Phase.FINALIZING,
+    # the weights were handed to the post-load step: nothing more is copied into them
+    (Phase.FINALIZING, "load"): _AFTER_FINALIZE,
+    (Phase.FINALIZED, "load"): _AFTER_FINALIZE,
     (Phase.FINALIZING, "finalized"): Phase.FINALIZED,
     (Phase.FINALIZED, "commit"): Phase.FINALIZED,
     **{(p, "failed"): Phase.FAILED for p in (Phase.LOADING, Phase.STREAMING, Phase.FINALIZING)},
@@ -62,6 +79,17 @@ def duplicate_finalize(sync_id: str) -> schema.Failed:
         code=ErrorCode.INVALID_STATE.value,
         message="finalize already ran for this sync; refused",
         duplicate=True,
+    )
+
+
+def refused(msg: schema.Load, row: Refuse) -> schema.Failed:
+    """What an engine answers a bucket its table refuses (nothing of it is applied)."""
+    return schema.Failed(
+        sync_id=msg.sync_id,
+        code=ErrorCode.INVALID_STATE.value,
+        message=f"bucket seq {msg.seq}: {row.reason}",
+        seq=msg.seq,
+        sender=msg.sender,
     )
 
 
@@ -138,7 +166,9 @@ class Syncs:
 
     def _move(self, s: Sync, trigger: str) -> None:
         """`s`'s phase after `trigger`, if the table has the pair (else unchanged)."""
-        s.phase = TABLE.get((s.phase, trigger), s.phase)
+        row = TABLE.get((s.phase, trigger), s.phase)
+        if isinstance(row, Phase):
+            s.phase = row
 
     def _open(self, sync_id: str, version: int, trigger: str, out: list[Action]) -> Sync:
         """`sync_id`'s record; its first message starts it, superseding the running one."""
@@ -189,10 +219,16 @@ class Syncs:
         if key in s.progress.applied:  # a resend: say again that it is applied
             out.append(Send(s.progress.again(msg.sender, msg.seq)))
             return
-        if key in s.queued or s.phase in (Phase.FAILED, Phase.ABORTED):
+        if key in s.queued:
+            return
+        row = TABLE.get((s.phase, "load"))
+        if isinstance(row, Refuse):
+            out.append(Send(refused(msg, row)))
+            return
+        if row is None:
             return
         s.queued.add(key)
-        self._move(s, "load")
+        s.phase = row
         out.append(Submit(msg, payload))
 
     def _finalize(self, msg: schema.Finalize, out: list[Action]) -> None:

@@ -157,6 +157,21 @@ class TorchEngine:
             self._digest = self._checkpoint_digest()
         return self._digest
 
+    @torch.no_grad()
+    def fresh_digest(self) -> str:
+        """The digest of what the parameters' storage holds now, each tensor read back in
+        checkpoint layout (a repacked kernel `[in, out]` transposed back to `[out, in]`),
+        computed again: never the digest recorded at finalize."""
+        kernels = {m.weight.data_ptr() for m in self.linears} if self.packed else set()
+        d = Digester()
+        for name, t in self.params.items():
+            w = t.detach()
+            if w.data_ptr() in kernels:
+                out_f, in_f = w.shape
+                w = w.view(in_f, out_f).t()
+            d.update(name, w)
+        return d.hexdigest()
+
     def probe(self, probes: Sequence[Probe]) -> tuple[tuple[int, ...], ...]:
         if not self.packed:
             raise make_error(ErrorCode.INVALID_STATE, "probe before finalize: weights not served")

@@ -27,6 +27,7 @@ class Verified:
     buf: Any  # the bucket's bytes: the received frame's buffer or a view of the trainer's slot
     parts: dict[str, bytes] | None  # per-tensor digest parts, when the engine asked for them
     seconds: float  # hashing time on the verifier thread
+    hashed: int  # the bytes that hashing read (counted by messages.checksums.bucket_hash)
 
 
 # Below this many bytes a bucket is hashed by the applier itself: hashing it takes less
@@ -62,10 +63,10 @@ class Verifier:
                 raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
         else:
             buf = frame.buffer if hasattr(frame, "buffer") else frame
-        got, parts = hash_bucket(buf, msg.tensors, self.parts)
+        got, parts, hashed = hash_bucket(buf, msg.tensors, self.parts)
         if got != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)
-        return Verified(buf, parts, time.perf_counter() - t0)
+        return Verified(buf, parts, time.perf_counter() - t0, hashed)
 
     def close_maps(self) -> None:
         """Once the jobs queued before this have run, unmap the trainer's slots that are

@@ -13,11 +13,15 @@ Rules:
   that sender up to seq k is applied, sent at most once per report interval (a failure
   goes at once), so the daemon reads a few reports per window, not one per bucket.
 - Every received frame is verified against its checksum again (end to end) before use.
+- A rehash request (`request_digest`, SIGUSR1 in `weightsync engine`) queues a job on the
+  applier, after every job before it; its answer (the digest of the weights held, read
+  again) is logged and, with `digest_file`, written there whole (replaced atomically).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import queue
 import socket as pysocket
@@ -25,12 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
 import zmq
 
-from engines.applier import Applier
+from engines.applier import Applier, Rehashed
 from engines.base import Engine, HandsToReaders, LabelsOutputs, ReceivesCollective
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema
@@ -61,6 +66,7 @@ class Worker:
         collective_bind: str = "",
         key_label: str = "",
         delta_base: bool = False,
+        digest_file: Path | None = None,
     ) -> None:
         self.engine = engine
         self.delta_base = delta_base  # keep a base copy for delta syncs (engines/delta.py)
@@ -88,9 +94,23 @@ class Worker:
         self._last_report = 0.0
         self.fanout = fanout.Receiver(self.ctx, self.engine_id, self.keys)
         self.poller = zmq.Poller()
+        self.digest_file = digest_file  # where a rehash's answer is written
+        self._rehash_asked = 0  # rehash requests taken (a signal handler counts them)
+        self._rehash_sent = 0  # and handed to the applier
+        self._wake_fd: int | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def request_digest(self) -> None:
+        """Ask for the digest of the weights held, read again (safe in a signal handler:
+        it counts the request and wakes the loop, which queues the job)."""
+        self._rehash_asked += 1
+        if self._wake_fd is not None:
+            try:
+                os.write(self._wake_fd, b"r")
+            except OSError:
+                pass  # the pipe is full: the loop wakes anyway
 
     def _id(self) -> int:
         self._next_id += 1
@@ -135,6 +155,8 @@ class Worker:
     def run(self) -> None:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
+        os.set_blocking(wfd, False)
+        self._wake_fd = wfd
         applier = Applier(self.engine, wfd, self.failpoints, self.collective_bind, delta_base=self.delta_base)
         applier.start()
         sock = self.ctx.socket(zmq.DEALER)
@@ -203,6 +225,9 @@ class Worker:
                     except BlockingIOError:
                         pass
                     self._drain_results(applier)
+                if self._rehash_sent < self._rehash_asked:
+                    self._rehash_sent = self._rehash_asked
+                    applier.rehash(self._rehash_sent)
                 if self.fanout.sock is not None and self.fanout.sock in events:
                     for load, payload in self.fanout.recv_all():
                         self._on_load(load, payload, applier)
@@ -225,6 +250,7 @@ class Worker:
             link.close()
             self.fanout.close()
             sock.close(linger=1000)
+            self._wake_fd = None
             os.close(rfd)
             os.close(wfd)
             if self.close_engine:
@@ -283,7 +309,28 @@ class Worker:
                 item = applier.out.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, Rehashed):
+                self._rehashed(item)
+                continue
             self._do(self.state.result(item), applier)
+
+    def _rehashed(self, r: Rehashed) -> None:
+        """Say what the rehash found, beside the version and digest this engine reports."""
+        answer = {
+            "engine_id": self.engine_id,
+            "pid": os.getpid(),
+            "asked": r.asked,
+            "version": self.version,
+            "reported_digest": self.digest,
+            "digest": r.digest,
+            "seconds": round(r.seconds, 6),
+            "error": r.error,
+        }
+        log.info("weights_rehashed", **answer)
+        if self.digest_file is not None:
+            tmp = self.digest_file.with_name(self.digest_file.name + ".tmp")
+            tmp.write_text(json.dumps(answer))
+            os.replace(tmp, self.digest_file)
 
     def _unreported(self) -> bool:
         c = self.state.current

@@ -7,6 +7,7 @@ terminates what it started (SIGTERM, then SIGKILL after a grace period).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,6 +79,7 @@ class Cluster:
     engine_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     keys: Path | None = None  # CURVE keys directory (daemon, engines and clients use it)
+    digest_files: bool = False  # engines answer `fresh_digests` (`weightsync engine --digest-file`)
     procs: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -133,6 +135,7 @@ class Cluster:
                 "--engine-id",
                 engine_id,
                 *(["--keys", str(self.keys)] if self.keys else []),
+                *(["--digest-file", str(self.digest_file(engine_id))] if self.digest_files else []),
                 *self.engine_args,
                 *(extra or []),
             ],
@@ -143,6 +146,39 @@ class Cluster:
         self.procs = [q for q in self.procs if q.name != engine_id or q.popen.poll() is None]
         self.procs.append(p)
         return p
+
+    def digest_file(self, engine_id: str) -> Path:
+        return self.workdir / f"{engine_id}.digest.json"
+
+    def fresh_digests(self, engine_ids: list[str], timeout: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Ask each engine process for the digest of the weights it holds now (SIGUSR1: it
+        reads them back from their storage) and return its answers: {engine_id: {asked,
+        version, reported_digest, digest, error, ...}}. An engine that is not running or
+        does not answer within `timeout` is left out."""
+        if not self.digest_files:
+            raise LaunchError("fresh_digests needs Cluster(digest_files=True)")
+        asked: dict[str, tuple[int, int]] = {}  # engine_id -> (its pid, answers it had given)
+        for p in self.procs:
+            if p.name in engine_ids and p.popen.poll() is None:
+                a = self._answer(p.name)
+                asked[p.name] = (p.popen.pid, a.get("asked", 0) if a.get("pid") == p.popen.pid else 0)
+                p.popen.send_signal(signal.SIGUSR1)
+        out: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < len(asked) and time.monotonic() < deadline:
+            for name, (pid, before) in asked.items():
+                a = self._answer(name)
+                if name not in out and a.get("pid") == pid and a.get("asked", 0) > before:
+                    out[name] = a
+            time.sleep(0.02)
+        return out
+
+    def _answer(self, engine_id: str) -> dict[str, Any]:
+        try:
+            got: dict[str, Any] = json.loads(self.digest_file(engine_id).read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return got
 
     def __enter__(self) -> Cluster:
         try:

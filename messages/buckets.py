@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ class PackedBucket:
     checksum: int
     copy_s: float = 0.0  # packing's two passes over the bytes, timed apart (bench.vllm's account)
     hash_s: float = 0.0
+    copied: int = 0  # and the bytes each pass went over, counted by the loop that ran it
+    hashed: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +133,7 @@ class Piece:
     def element_size(self) -> int:
         return 1
 
-    def write(self, dst: torch.Tensor, hasher: Any) -> tuple[float, float]:
+    def write(self, dst: torch.Tensor, hasher: Any) -> Passed:
         """Copy the piece's bytes into `dst`, hashed for its own part and the tensor's."""
         if isinstance(self.src, Cast):  # cast this piece's elements straight into dst
             size = self.dtype.itemsize
@@ -142,7 +144,7 @@ class Piece:
             v = _buffer(dst)
             hasher.update(v)
             self.full.update(v)
-            return t1 - t0, time.perf_counter() - t1
+            return Passed(t1 - t0, time.perf_counter() - t1, dst.numel(), 2 * v.nbytes)
         return copy_hashing(dst, self.src[self.start : self.start + self.nbytes], hasher, self.full)
 
 
@@ -199,25 +201,38 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> tuple[float, float]:
+class Passed(NamedTuple):
+    """What `copy_hashing` did: seconds copying and hashing, bytes copied, and bytes fed
+    to the hashers (each hasher's, summed), counted chunk by chunk as the work is done."""
+
+    copy_s: float
+    hash_s: float
+    copied: int
+    hashed: int
+
+
+def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> Passed:
     """dst[:] = src for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
     chunk of `dst` to every streaming hasher (the tensor's part, which serves the checksum
-    and the digest alike). Returns the seconds spent copying and hashing."""
+    and the digest alike)."""
     n = src.numel()
     copying = hashing = 0.0
+    copied = hashed = 0
     t0 = time.perf_counter()
     for off in range(0, n, CHUNK):
         d = dst[off : off + CHUNK]
         copy_bytes(d, src[off : off + CHUNK])
+        copied += d.numel()
         t1 = time.perf_counter()
         copying += t1 - t0
         if hashers:
             v = d.numpy()
             for h in hashers:
                 h.update(v)
+                hashed += v.nbytes
         t0 = time.perf_counter()
         hashing += t0 - t1
-    return copying, hashing
+    return Passed(copying, hashing, copied, hashed)
 
 
 def _pack(
@@ -238,6 +253,7 @@ def _pack(
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
     parts: list[bytes] = []  # every tensor's part: its digest part and a piece of the checksum
     copying = hashing = 0.0
+    copied = hashed = 0
     pos = 0
     for meta, (name, t) in zip(metas, items, strict=True):
         if meta.offset > pos:  # padding: zeros, so the frame is the same every time
@@ -247,17 +263,22 @@ def _pack(
         if not meta.nbytes:
             pass
         elif isinstance(t, Piece):
-            c, hs = t.write(dst, h)
-            copying, hashing = copying + c, hashing + hs
+            done = t.write(dst, h)
+            copying, hashing = copying + done.copy_s, hashing + done.hash_s
+            copied, hashed = copied + done.copied, hashed + done.hashed
         elif isinstance(t, Cast):  # the casting copy writes the bucket itself
             t0 = time.perf_counter()
             dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
+            copied += dst.numel()
             t1 = time.perf_counter()
-            h.update(_buffer(dst))
+            v = _buffer(dst)
+            h.update(v)
+            hashed += v.nbytes
             copying, hashing = copying + t1 - t0, hashing + time.perf_counter() - t1
         else:
-            c, hs = copy_hashing(dst, t.data if isinstance(t, Patched) else as_bytes(t), h)
-            copying, hashing = copying + c, hashing + hs
+            done = copy_hashing(dst, t.data if isinstance(t, Patched) else as_bytes(t), h)
+            copying, hashing = copying + done.copy_s, hashing + done.hash_s
+            copied, hashed = copied + done.copied, hashed + done.hashed
         part = h.digest()
         parts.append(part)
         if isinstance(t, Piece):  # the tensor's part is over all its pieces: known at the last
@@ -266,7 +287,7 @@ def _pack(
         elif digester is not None:  # a patch's digest part is the tensor it rebuilds
             digester.add(name, t.patch.result if isinstance(t, Patched) else part)
         pos = meta.offset + meta.nbytes
-    return PackedBucket(seq, tuple(metas), data, checksum_of(parts), copying, hashing)
+    return PackedBucket(seq, tuple(metas), data, checksum_of(parts), copying, hashing, copied, hashed)
 
 
 def iter_buckets(
@@ -404,13 +425,17 @@ def has_pieces(metas: Sequence[TensorMeta]) -> bool:
     return any(m.start is not None for m in metas)
 
 
-def hash_bucket(
-    buf: Any, metas: Sequence[TensorMeta], parts: bool = False
-) -> tuple[int, dict[str, bytes] | None]:
+class Hashed(NamedTuple):
+    checksum: int
+    parts: dict[str, bytes] | None
+    hashed: int  # the bytes the pass fed the hash (messages.checksums.bucket_hash counts them)
+
+
+def hash_bucket(buf: Any, metas: Sequence[TensorMeta], parts: bool = False) -> Hashed:
     """The bucket checksum of `buf` and, with `parts`, every tensor's digest part
     (`Digester.add`): the same single pass over the bytes either way."""
-    got, pieces = bucket_hash(buf, metas)
-    return got, ({m.name: p for m, p in zip(metas, pieces, strict=True)} if parts else None)
+    got, pieces, hashed = bucket_hash(buf, metas)
+    return Hashed(got, {m.name: p for m, p in zip(metas, pieces, strict=True)} if parts else None, hashed)
 
 
 class Digester:

@@ -87,6 +87,7 @@ class EngineFinal(msgspec.Struct, frozen=True, kw_only=True):
     probes: list[list[int]]  # the canaries' greedy tokens, per probe
     seconds: float
     phases: dict[str, float]  # where its finalize's time went
+    pass_bytes: dict[str, int] = {}  # the bytes a phase's pass went over (checksum: hashed)
 
 
 class SyncSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

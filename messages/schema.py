@@ -415,6 +415,8 @@ class Finalized(Message, frozen=True, tag="finalized"):
     seconds: Seconds = 0.0
     # where this engine's time went during the sync (begin, checksum, load, finalize, ...)
     phases: Annotated[dict[PhaseName, Seconds], Meta(max_length=MAX_PHASES)] = {}
+    # the bytes a phase's pass went over, counted where it ran (checksum: bytes hashed)
+    pass_bytes: Annotated[dict[PhaseName, Size], Meta(max_length=MAX_PHASES)] = {}
     # it holds a base copy of what it now serves (a delta may follow); None: unchanged
     # since it registered. A collective sync its own workers received leaves it none.
     delta: bool | None = None

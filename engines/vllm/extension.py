@@ -127,7 +127,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     """Check a bucket received by broadcast against its checksum and return every tensor's
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
-    got, parts = hash_bucket(
+    got, parts, _ = hash_bucket(
         host.numpy(),
         _metas(metas),
         parts=True,

@@ -288,6 +288,12 @@ def engine(
         help="keep a host-memory copy of the served checkpoint (one model's bytes) so the "
         "trainer may push deltas (push --delta)",
     ),
+    digest_file: Optional[Path] = typer.Option(
+        None,
+        help="on SIGUSR1 the engine digests the weights it holds again (read back from their "
+        "storage, not the digest its finalize recorded) and writes the answer here as JSON "
+        "(asked, version, reported_digest, digest); it is logged either way (weights_rehashed)",
+    ),
     failpoint: str = typer.Option("", hidden=True, help="fault injection (tests)"),
     log_level: Optional[LogLevel] = typer.Option(None),
     log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
@@ -346,9 +352,11 @@ def engine(
         collective_bind=collective_host,
         key_label=f"{key_name!r} in {keys}" if keys is not None else "",
         delta_base=delta_base,
+        digest_file=digest_file,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
+    signal.signal(signal.SIGUSR1, lambda *_: worker.request_digest())
     worker.run()
     if worker.refused:
         err_console.print(f"[red]engine refused by the orchestrator:[/red] {escape(worker.refused)}")

@@ -441,6 +441,7 @@ class Model:
                         finalize_count=f.finalize_count,
                         seconds=f.seconds,
                         phases=dict(f.phases),
+                        pass_bytes=dict(f.pass_bytes),
                     )
                     for eid, f in sorted(s.finalized.items())
                 ],

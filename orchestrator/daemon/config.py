@@ -97,6 +97,8 @@ FAILPOINTS = {
     "finalize_sleep": "engine: sleep this many seconds before the post-load step",
     "drop_weights_after": "engine: once its Nth post-load step was reported, zero every weight it "
     "holds, its recorded digest unchanged (a server that slept and woke without its weights)",
+    "finalize_twice": "engine: run the post-load step a second time once the first one's "
+    "digest was reported (the bug the finalize guard stops, past the guard)",
     "crash_on_loaded": "daemon: raise inside the handler of the Nth engine `loaded` message",
     "kill_after_persisted": "daemon: SIGKILL itself once the journal/spool writes of the batch "
     "caused by this message type (begin, finish, loaded, ...) are durable",

@@ -314,7 +314,7 @@ class TrainerClient:
         pace = self.delta_chooser
         if not delta:
             result = self._push(named_tensors, version, sync_id=sync_id, **kw)
-            pace.record(transport, "dense", result.seconds, result.bytes)
+            pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
             return result
         base = self.delta_base
         reiterable = not isinstance(named_tensors, Iterator)
@@ -341,7 +341,9 @@ class TrainerClient:
                 raise
             else:
                 base.commit(version)
-                pace.record(transport, "delta", result.seconds, base.stats.dense_bytes)
+                pace.record(
+                    transport, result.detail["transport"], "delta", result.seconds, base.stats.dense_bytes
+                )
                 result.detail["delta"] = {"base": against, "chose": "delta", "why": why, **base.stats.view()}
                 return result
         elif against is None:
@@ -352,7 +354,7 @@ class TrainerClient:
             base.forget()
             raise
         base.commit(version)
-        pace.record(transport, "dense", result.seconds, result.bytes)
+        pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
         result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **base.stats.view()}
         return result
 
@@ -489,6 +491,7 @@ class TrainerClient:
                 **reply_body(done),
                 "transport": started.transport,
                 "trainer_phases": trainer_phases,
+                "trainer_pass_bytes": streamed.pass_bytes,
                 "window": streamed.window,
                 "bucket_bytes": bucket_bytes,  # as cut (within the daemon's cap: begin reply)
                 **(

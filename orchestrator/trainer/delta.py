@@ -48,12 +48,20 @@ class DeltaChooser:
     and not where the link outruns it (shared memory, a fast collective on one host). A
     delta push over a transport whose delta pushes took longer per model byte than its
     dense pushes goes dense (the copy kept as usual), trying delta again every
-    RETRY_DELTA pushes in case that changed; the result says which was chosen and why."""
+    RETRY_DELTA pushes in case that changed; the result says which was chosen and why.
+
+    Measurements are keyed by the transport the daemon chose for the push (its begin's
+    answer: "inline", "shm", "mixed", "collective"), never by the one asked for: "auto"
+    or a fallback ("shm" answered inline) would otherwise mix links of different speeds.
+    A push asks by what it requests; the chooser looks up what the daemon last chose for
+    that request."""
 
     def __init__(self) -> None:
-        self.paces: dict[str, Pace] = {}
+        self.paces: dict[str, Pace] = {}  # the daemon's chosen transport -> its measurements
+        self.answered: dict[str, str] = {}  # transport asked for -> the one the daemon chose last
 
-    def choose(self, transport: str) -> tuple[bool, str]:
+    def choose(self, asked: str) -> tuple[bool, str]:
+        transport = self.answered.get(asked, asked)
         p = self.paces.get(transport)
         if p is None or p.dense is None or p.delta is None:
             return True, "not measured on this transport yet"
@@ -70,8 +78,11 @@ class DeltaChooser:
             f"{p.dense * 1e9:.2f} s/GB: the link outruns the encoding"
         )
 
-    def record(self, transport: str, kind: str, seconds: float, model_bytes: int) -> None:
-        """A push of `kind` ("dense" or "delta") of a `model_bytes` model took `seconds`."""
+    def record(self, asked: str, chose: str, kind: str, seconds: float, model_bytes: int) -> None:
+        """A push of `kind` ("dense" or "delta") of a `model_bytes` model that asked for
+        transport `asked` went over `chose` (the daemon's choice) and took `seconds`."""
+        self.answered[asked] = chose
+        transport = chose
         if model_bytes <= 0 or seconds <= 0:
             return
         p = self.paces.setdefault(transport, Pace())

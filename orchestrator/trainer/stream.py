@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -94,6 +94,9 @@ class Streamed:
     phases: dict[str, float]
     window: int
     chain: int | None = None
+    # the bytes packing's passes went over: pack_copy written, pack_hash fed to the hashes
+    # (counted by messages.buckets as it copies and hashes)
+    pass_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -238,10 +241,13 @@ class Stream:
 
         chain = Chain()
         phases = {"pack": 0.0, "send": 0.0, "pack_copy": 0.0, "pack_hash": 0.0}
+        counted = {"pack_copy": 0, "pack_hash": 0}
         t_loop = time.perf_counter()
         for b in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester):
             phases["pack_copy"] += b.copy_s
             phases["pack_hash"] += b.hash_s
+            counted["pack_copy"] += b.copied
+            counted["pack_hash"] += b.hashed
             t0 = time.perf_counter()
             metas = encode_metas(b.tensors)
             h = bucket_header(b.seq, metas, b.nbytes, b.checksum, mac=key is not None)
@@ -274,7 +280,7 @@ class Stream:
             spooled(chain.buckets - 1)
         phases["send"] += time.perf_counter() - t0
         phases["pack"] = time.perf_counter() - t_loop - phases["send"]
-        return Streamed(chain.buckets, chain.nbytes, 0, phases, 2, chain.value)
+        return Streamed(chain.buckets, chain.nbytes, 0, phases, 2, chain.value, counted)
 
     def run(
         self,
@@ -314,6 +320,7 @@ class Stream:
                 self.conn.send(self.bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
         phases = {"pack": 0.0, "send": 0.0, "wait_acks": 0.0, "pack_copy": 0.0, "pack_hash": 0.0}
+        counted = {"pack_copy": 0, "pack_hash": 0}
 
         def wait_one() -> None:
             t0 = time.perf_counter()
@@ -389,6 +396,8 @@ class Stream:
             inflight[bucket.seq] = f
             phases["pack_copy"] += bucket.copy_s
             phases["pack_hash"] += bucket.hash_s
+            counted["pack_copy"] += bucket.copied
+            counted["pack_hash"] += bucket.hashed
             t0 = time.perf_counter()
             send(f)
             phases["send"] += time.perf_counter() - t0
@@ -402,4 +411,4 @@ class Stream:
         phases["send"] += time.perf_counter() - t0
         while inflight:
             wait_one()
-        return Streamed(count, nbytes, retries, phases, sizer.size)
+        return Streamed(count, nbytes, retries, phases, sizer.size, pass_bytes=counted)

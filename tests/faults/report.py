@@ -139,7 +139,10 @@ def render(
         "## Soak (`python -m tests.faults.soak`)",
         "",
         f"{soak['syncs']} syncs with a fault drawn before {sum(v for k, v in soak['faults'].items() if k != 'none')} "
-        f"of them, {soak['seconds']} s.",
+        f"of them, {soak['seconds']} s. *Ready with wrong digest*: after each settle every READY "
+        "engine process is asked for the digest of the weights it holds, read again from their "
+        "storage (SIGUSR1, `--digest-file`), and counts when that is not the trainer's digest "
+        "of the served version (or it does not answer).",
         "",
         "| measure | value |",
         "|---|---|",

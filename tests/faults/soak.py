@@ -7,7 +7,10 @@ that transport can suffer (trainer abort, corrupted bucket, resent bucket, engin
 engine SIGSTOP past its deadline, daemon SIGKILL and restart, a source dying mid-push) and
 injected halfway through. After each sync the daemon must settle at READY (IDLE-dirty only
 before any version was served: after that it counts as unsettled), and every READY
-engine must hold the digest of the version the daemon says it serves. Every failure that
+engine must hold the digest of the version the daemon says it serves: each engine process
+is asked (SIGUSR1, `--digest-file`) to digest the weights it holds again, and its answer,
+not the daemon's record of its finalize, is compared with the trainer's digest of that
+version (an engine that does not answer counts as wrong). Every failure that
 touched engines (the daemon answered IDLE, or it was killed mid-sync) must be rolled back,
 and only those: rolled back == failed after touching engines.
 
@@ -70,7 +73,7 @@ BUCKET = 128 * 1024
 
 
 class Soak:
-    def __init__(self, workdir: Path, seed: int, fault_rate: float) -> None:
+    def __init__(self, workdir: Path, seed: int, fault_rate: float, engine_failpoint: str = "") -> None:
         from engines.torch_engine import load_model
         from examples.launch import Cluster
         from examples.tiny import build_tiny_llama
@@ -93,12 +96,20 @@ class Soak:
                 "--log-level",
                 "info",
             ],
-            engine_args=["--threads", "1", "--heartbeat-interval", "0.5"],
+            engine_args=[
+                "--threads",
+                "1",
+                "--heartbeat-interval",
+                "0.5",
+                *(["--failpoint", engine_failpoint] if engine_failpoint else []),
+            ],
+            digest_files=True,  # settle() asks every READY engine what it holds
         )
         self.digests: dict[int, str] = {}
         self.version = 0
         self.counts: Counter[str] = Counter()
         self.wrong_digest = 0
+        self.wrong: list[dict[str, Any]] = []  # each READY engine whose fresh digest was not the version's
         self.served: int | None = None  # the version the fleet last settled READY at
         self._failed: tuple[int, str] | None = None  # (version, fault) of a failure to settle
         self.failures: list[dict[str, Any]] = []  # each failed sync: fault, code and cause
@@ -373,9 +384,13 @@ class Soak:
         if st["state"] == "READY":
             self.served = st["version"]
             want = self.digests.get(st["version"])
-            for e in st["engines"]:
-                if e["state"] == "READY" and e["digest"] != want:
+            ready = [e["engine_id"] for e in st["engines"] if e["state"] == "READY"]
+            fresh = self.cluster.fresh_digests(ready)  # what each engine holds, read again now
+            for eid in ready:
+                got = fresh.get(eid, {})
+                if (got.get("version"), got.get("digest")) != (st["version"], want):
                     self.wrong_digest += 1
+                    self.wrong.append({"engine_id": eid, "version": st["version"], "want": want, "got": got})
 
     @staticmethod
     def _touched(st: dict[str, Any], version: int, fault: str) -> bool:
@@ -441,13 +456,15 @@ def leaked_processes(workdir: Path) -> int:
     return n
 
 
-def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = True) -> dict[str, Any]:
+def run(
+    syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = True, engine_failpoint: str = ""
+) -> dict[str, Any]:
     from messages.shm import list_segments
 
     shm_before = set(list_segments())
     with tempfile.TemporaryDirectory(prefix="weightsync-soak-") as tmp:
         work = Path(tmp)
-        soak = Soak(work, seed, fault_rate)
+        soak = Soak(work, seed, fault_rate, engine_failpoint)
         t0 = time.monotonic()
         with soak.cluster:
             for i in range(syncs):
@@ -468,6 +485,7 @@ def run(syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = Tr
         "idle_dirty": soak.counts["idle_dirty"],
         "double_finalizes": doubles,
         "ready_with_wrong_digest": soak.wrong_digest,
+        "wrong_digests": soak.wrong,
         "leaked_processes": leaked,
         "leaked_shm_segments": len(leaked_shm),
         "seconds": round(time.monotonic() - t0, 1),

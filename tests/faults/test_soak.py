@@ -27,3 +27,15 @@ def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights()
     assert len(r["failures"]) == r["failed"] and all(
         f["code"] and f["message"] and f["explained"] for f in r["failures"]
     )
+
+
+def test_the_soak_judges_what_each_engine_holds_not_what_the_daemon_recorded():
+    """Engines that run their post-load step a second time after reporting the first one's
+    digest (the bug the finalize guard stops, injected past it) serve other weights than
+    the daemon's record says: the soak's fresh digests count every READY engine wrong."""
+    r = run(2, seed=5, fault_rate=0.0, progress=False, engine_failpoint="finalize_twice")
+    assert r["ok"] == 2 and r["failed"] == 0 and r["unsettled"] == 0
+    assert r["ready_with_wrong_digest"] == 4, r["wrong_digests"]  # 2 syncs x 2 engines
+    for w in r["wrong_digests"]:
+        # each engine still reports the right digest; what it holds is not that
+        assert w["got"]["reported_digest"] == w["want"] != w["got"]["digest"], w

@@ -124,6 +124,21 @@ def test_a_delta_against_a_stale_base_is_refused_then_pushed_dense(cluster, tiny
         assert r.detail["delta"]["base"] == v + 2 and "sparse" in r.detail["delta"]["tensors"]
 
 
+def test_the_delta_chooser_measures_each_push_under_the_transport_the_daemon_chose(cluster, tiny_state):
+    """A push asking "auto" is measured under the transport the daemon answered its begin
+    with, dense and delta alike, never under "auto"."""
+    with cluster.client(timeout=20.0) as client:
+        v = fresh_version(cluster)
+        w = dict(perturbed(tiny_state, v))
+        first = client.push(list(w.items()), v, delta=True)  # dense: no copy yet
+        r = client.push(list(small_step(w, v + 1).items()), v + 1, delta=True)
+        chose = first.detail["transport"]
+        assert r.detail["delta"]["base"] == v and r.detail["transport"] == chose != "auto"
+        assert set(client.delta_chooser.paces) == {chose} and client.delta_chooser.answered == {"auto": chose}
+        pace = client.delta_chooser.paces[chose]
+        assert pace.dense is not None and pace.delta is not None
+
+
 class Breaks(list):
     """A list of tensors whose iteration fails half-way (a trainer crash mid-push)."""
 

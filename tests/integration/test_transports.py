@@ -50,6 +50,20 @@ def test_inline_and_shm_deliver_the_same_weights_and_leave_no_segments(cluster, 
     assert not trainer_segments()
 
 
+@pytest.mark.parametrize("transport", ["inline", "shm", "collective"])
+def test_each_pass_over_the_bytes_reports_the_bytes_its_own_loop_went_over(cluster, tiny_state, transport):
+    """The trainer's copy and hash and every engine's hash count the bytes they went over
+    as they do it (what bench.vllm reports): each of the model's bytes once, padding never."""
+    with cluster.client() as client:
+        v = (client.status()["last_ready_version"] or 0) + 1
+        w = dict(perturbed(tiny_state, v))
+        n = sum(t.numel() * t.element_size() for t in w.values())
+        r = client.push(w.items(), v, bucket_bytes=128 * 1024, transport=transport)
+    assert r.detail["transport"] == transport and r.buckets > 1
+    assert r.detail["trainer_pass_bytes"] == {"pack_copy": n, "pack_hash": n}
+    assert [e["pass_bytes"] for e in r.engines] == [{"checksum": n}] * 2
+
+
 def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
     with cluster.client() as client:
         v = (client.status()["last_ready_version"] or 0) + 1

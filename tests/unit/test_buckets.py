@@ -139,7 +139,8 @@ def test_one_pass_gives_the_checksum_and_every_digest_part(monkeypatch):
     d = Digester()
     (b,) = list(iter_buckets(named, 1 << 20, digester=d))
     assert sum(fed) == sum(m.nbytes for m in b.tensors)  # every byte hashed once, padding never
-    got, parts = hash_bucket(b.frame(), b.tensors, parts=True)
+    got, parts, hashed = hash_bucket(b.frame(), b.tensors, parts=True)
+    assert hashed == sum(m.nbytes for m in b.tensors)
     assert got == b.checksum
     assert d.hexdigest() == digest(named)
     ref = Digester()

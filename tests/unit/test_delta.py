@@ -342,19 +342,37 @@ def test_a_delta_goes_dense_where_the_link_outran_the_encoding_and_is_tried_agai
     c = DeltaChooser()
     assert c.choose("shm")[0]  # nothing measured
     big = 4 * JUDGED_BYTES
-    c.record("shm", "dense", 0.8, big)
-    c.record("shm", "delta", 1.1, big)
-    c.record("inline", "dense", 1.8, big)
-    c.record("inline", "delta", 1.0, big)
+    c.record("shm", "shm", "dense", 0.8, big)
+    c.record("shm", "shm", "delta", 1.1, big)
+    c.record("inline", "inline", "dense", 1.8, big)
+    c.record("inline", "inline", "delta", 1.0, big)
     go, why = c.choose("shm")
     assert not go and "the link outruns the encoding" in why and "on shm" in why
     assert c.choose("inline")[0]
     tries = [c.choose("shm")[0] for _ in range(2 * RETRY_DELTA)]
     assert tries.count(True) == 2 and tries[RETRY_DELTA - 2] and tries[2 * RETRY_DELTA - 2]  # every 8th
-    c.record("shm", "delta", 0.3, big)  # the retry paid: averaged, delta now wins
-    c.record("shm", "delta", 0.3, big)
+    c.record("shm", "shm", "delta", 0.3, big)  # the retry paid: averaged, delta now wins
+    c.record("shm", "shm", "delta", 0.3, big)
     assert c.choose("shm")[0]
     small = DeltaChooser()
-    small.record("shm", "dense", 0.01, JUDGED_BYTES // 8)
-    small.record("shm", "delta", 0.05, JUDGED_BYTES // 8)
+    small.record("shm", "shm", "dense", 0.01, JUDGED_BYTES // 8)
+    small.record("shm", "shm", "delta", 0.05, JUDGED_BYTES // 8)
     assert small.choose("shm")[0]
+
+
+def test_the_delta_chooser_keys_measurements_by_the_transport_the_daemon_chose():
+    """Pure: pushes that asked for "auto" are measured under what the daemon chose (shm,
+    then inline), never under "auto"; a push asking "auto" is judged by the link it got last."""
+    from orchestrator.trainer.delta import JUDGED_BYTES, DeltaChooser
+
+    c = DeltaChooser()
+    big = 4 * JUDGED_BYTES
+    c.record("auto", "shm", "dense", 0.8, big)
+    c.record("auto", "shm", "delta", 1.1, big)
+    assert set(c.paces) == {"shm"} and c.answered == {"auto": "shm"}
+    go, why = c.choose("auto")
+    assert not go and "on shm" in why
+    assert c.choose("inline")[0] and c.choose("shm")[0] is False
+    c.record("auto", "inline", "dense", 1.8, big)  # the daemon now answers inline (no shm)
+    c.record("auto", "inline", "delta", 1.0, big)
+    assert set(c.paces) == {"shm", "inline"} and c.choose("auto")[0]  # judged on inline

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.session import TABLE, Begin, Phase, Send, Stop, Submit, Syncs
+from engines.session import TABLE, Begin, Phase, Refuse, Send, Stop, Submit, Syncs
 from messages import schema
 
 
@@ -82,3 +82,22 @@ def test_an_abort_stops_the_stream_only_of_the_sync_it_names():
 def test_the_table_says_every_phase_but_aborted_can_be_aborted_and_nothing_leaves_aborted(phase):
     assert (TABLE.get((phase, "abort")) is Phase.ABORTED) is (phase is not Phase.ABORTED)
     assert not [k for k in TABLE if k[0] is Phase.ABORTED]
+
+
+@pytest.mark.parametrize("finalized", [False, True])
+def test_a_new_bucket_after_finalize_is_refused_by_its_table_row_and_never_applied(finalized):
+    s = Syncs()
+    s.feed(load(seq=0))
+    s.result(schema.Loaded(sync_id="s1", seq=0))
+    s.feed(finalize())
+    if finalized:
+        s.result(schema.Finalized(sync_id="s1", version=1, digest="d1", finalize_count=1))
+    phase = s.phase
+    out = s.feed(load(seq=1), payload=b"x")
+    assert jobs(out) == []  # the applier never sees it: nothing is copied into the weights
+    (refusal,) = sent(out)
+    assert (refusal.code, refusal.seq, refusal.duplicate) == ("INVALID_STATE", 1, False)
+    assert "after finalize" in refusal.message
+    assert s.phase is phase and (s.version, s.digest) == ((1, "d1") if finalized else (None, None))
+    assert [type(m) for m in sent(s.feed(load(seq=0)))] == [schema.Loaded]  # a resend: acked again
+    assert isinstance(TABLE[(phase, "load")], Refuse)

@@ -90,3 +90,17 @@ def test_load_while_packed_is_refused(engine, tiny_state):
     with pytest.raises(WeightSyncError) as ei:
         engine.load([("model.norm.weight", tiny_state["model.norm.weight"])])
     assert ei.value.code is ErrorCode.INVALID_STATE
+
+
+def test_a_fresh_digest_reads_the_served_weights_back_and_sees_them_change(engine, tiny_state):
+    """`fresh_digest` reads the packed kernels back in checkpoint layout (equal to the
+    digest finalize reported) and is computed again each time: one element changed in a
+    served kernel changes it while the recorded digest stays."""
+    new = dict(perturbed(tiny_state, 3))
+    engine.begin("s3", 3)
+    engine.load(list(new.items()))
+    reported = engine.finalize()
+    assert engine.packed and engine.fresh_digest() == reported == digest(new.items())
+    with torch.no_grad():
+        engine.linears[0].weight.data.view(-1)[5] += 1.0  # the served kernel, not its record
+    assert engine.digest() == reported != engine.fresh_digest()

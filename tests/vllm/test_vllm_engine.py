@@ -258,7 +258,7 @@ def test_inline_buckets_reach_vllms_loaders_as_views_of_the_received_frame(
             frame = bytearray(b.frame())  # the received frame: its own memory
             base = torch.frombuffer(frame, dtype=torch.uint8).data_ptr()
             ranges.append((base, base + len(frame)))
-            _, parts = hash_bucket(frame, b.tensors, parts=True)
+            _, parts, _ = hash_bucket(frame, b.tensors, parts=True)
             vllm_engine.load_bucket(b.tensors, memoryview(frame), parts=parts)
         d = vllm_engine.finalize("one-copy-950")
     finally:
