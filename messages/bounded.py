@@ -25,7 +25,7 @@ class LRU(MutableMapping[K, V]):
     def __init__(
         self,
         limit: int,
-        on_evict: Callable[[K, V], None] | None = None,
+        on_evict: Callable[[K, V], object] | None = None,
         pinned: Callable[[K], bool] | None = None,
     ) -> None:
         if limit < 1:
