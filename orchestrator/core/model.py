@@ -502,7 +502,9 @@ class Model:
     def lose(self, engine_id: str, cause: str) -> None:
         """Count the engine lost, and say why (logged by the service)."""
         self.outbox.append(EngineLost(engine_id, cause))
-        self.engines[engine_id].move("lose")
+        x = self.engines[engine_id]
+        x.move("lose")
+        x.lost_at = self.now
         self.leave_group(engine_id)
 
     def leave_group(self, engine_id: str) -> None:

@@ -265,6 +265,10 @@ class Effects:
                 self.transport.send_engine(eid, [header])
         elif isinstance(c, cmd.EngineLost):
             log.warning("engine_lost", engine_id=c.engine_id, cause=c.cause)
+        elif isinstance(c, cmd.EngineForgotten):
+            self.transport.forget_engine(c.engine_id)
+            self.metrics.forget_engine(c.engine_id)
+            log.info("engine_forgotten", engine_id=c.engine_id)
         elif isinstance(c, cmd.SendSpooled):
             failure = self._recovery_of(c).send_spooled(c)
             if failure is not None and self.feed is not None:

@@ -46,3 +46,25 @@ def test_refused_begins_buckets_and_finishes_leave_nothing_behind(tmp_path, engi
             trainer.close()
             if eng is not None:
                 eng.close()
+
+
+def test_a_lost_engine_is_forgotten_after_lost_expiry(tmp_path):
+    """An engine whose connection closed is LOST, then gone from status once --lost-expiry
+    passed; the one still heartbeating stays."""
+    args = ["--engine-timeout", "30", "--lost-expiry", "1"]
+    c = Cluster(tmp_path / "d", None, engines=0, min_engines=1, daemon_args=args)
+    with c:
+        stays, goes = ScriptedEngine(c.engine_addr, "stays"), ScriptedEngine(c.engine_addr, "goes")
+        try:
+
+            def states() -> dict[str, str]:
+                stays.heartbeat()
+                return {x["engine_id"]: x["state"] for x in c.status()["engines"]}
+
+            assert states() == {"stays": "STALE", "goes": "STALE"}
+            goes.close()
+            wait_for(lambda: states().get("goes") == "LOST", 10, "the closed engine LOST")
+            wait_for(lambda: states() == {"stays": "STALE"}, 10, "the LOST engine forgotten")
+        finally:
+            stays.close()
+            goes.close()
