@@ -41,6 +41,7 @@ from engines.prefetch import Prefetcher
 from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
 from messages import schema, stream
+from messages.bounded import LRU
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
 from messages.collective import CollectiveError
@@ -48,6 +49,7 @@ from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 log = structlog.get_logger()
 STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
+CANCELS_KEPT = 8  # aborted syncs remembered that never received a collective bucket: a few in a row
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +98,10 @@ class Applier(threading.Thread):
         self._spec = {p.name for p in engine.describe().spec}
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
-        # sync_id -> set when that sync's collective stream must stop (the main thread's abort)
-        self._cancels: dict[str, threading.Event] = {}
+        # sync_id -> set when that sync's collective stream must stop (the main thread's abort);
+        # read and written by the main and the applier thread, under the lock
+        self._cancels: LRU[str, threading.Event] = LRU(CANCELS_KEPT)
+        self._cancels_lock = threading.Lock()
 
     def accept(self, msg: schema.Load, payload: Any) -> None:
         """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
@@ -118,9 +122,7 @@ class Applier(threading.Thread):
         if self.prefetcher is None:
             self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
-        for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
-            self._cancels.pop(sid, None)
-        return self.prefetcher.submit(msg, self._cancels.setdefault(msg.sync_id, threading.Event()))
+        return self.prefetcher.submit(msg, self._cancelled(msg.sync_id))
 
     def _release(self, fut: Any) -> None:
         """The bucket's buffer may be reused once its receive ended and we are done with it."""
@@ -240,9 +242,16 @@ class Applier(threading.Thread):
         """Called by the main thread (an abort): the stream of `sync_id` stops receiving,
         or never starts when its job has not run yet; so do its announced buckets' receives
         (joining their group included)."""
-        self._cancels.setdefault(sync_id, threading.Event()).set()
-        while len(self._cancels) > 8:  # aborted syncs that never received a collective bucket
-            self._cancels.pop(next(iter(self._cancels)))
+        with self._cancels_lock:
+            self._cancels.setdefault(sync_id, threading.Event()).set()
+
+    def _cancelled(self, sync_id: str) -> threading.Event:
+        """The event that stops `sync_id`'s receives; only this sync's matters now, so the
+        others' go (those the main thread set for syncs that never got here stay bounded)."""
+        with self._cancels_lock:
+            for sid in [k for k in self._cancels if k != sync_id]:
+                del self._cancels[sid]
+            return self._cancels.setdefault(sync_id, threading.Event())
 
     def _do_stream(self, msg: schema.OpenStream) -> None:
         """Receive, verify and apply every bucket of a collective stream, then answer once
@@ -253,9 +262,7 @@ class Applier(threading.Thread):
             self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
         out: queue.Queue[Any] = queue.Queue()
-        for sid in [k for k in self._cancels if k != msg.sync_id]:  # only this sync's matters
-            self._cancels.pop(sid, None)
-        cancelled = self._cancels.setdefault(msg.sync_id, threading.Event())
+        cancelled = self._cancelled(msg.sync_id)
         if cancelled.is_set():
             return  # aborted before its stream began
         free = threading.Semaphore(STREAM_DEPTH)  # this stream's buffers (the receiver's)

@@ -17,7 +17,9 @@ Rules:
   or a catch-up is a sync like any other: its version is offered again once served.
 - While a reader iterates, the next sync's `begin` waits for it (up to `timeout`; past it
   the begin fails, the sync fails cleanly and the reader's tensors were never torn).
-- `HoldingReceiver` runs the engine's `Worker` in a thread of the calling process.
+- `HoldingReceiver` runs the engine's `Worker` in a thread of the calling process. Its
+  default engine id (`holder_id`) is this host, a name and the process's rank: the same
+  for a holder restarted in the same place, so the daemon keeps one record of it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from engines.sink import SinkEngine
 from engines.worker import Worker
 from messages.checkpoint import checkpoint_spec
 from messages.errors import ErrorCode, make_error
-from messages.schema import ParamSpec
+from messages.schema import MAX_ID_LEN, ParamSpec
 
 
 class HoldingEngine(SinkEngine):
@@ -131,8 +133,20 @@ class HoldingEngine(SinkEngine):
                 self._cond.notify_all()
 
 
+def holder_id(name: str = "holding", rank: int | None = None) -> str:
+    """A holding engine's default id: `{host}-{name}-{rank}`, the rank the process's
+    torch.distributed rank when a group is up (else 0). Stable across restarts of the same
+    holder (a restart takes its old record over instead of leaving one behind), distinct
+    between the holders of one host as long as their ranks or names differ."""
+    if rank is None:
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"{socket.gethostname()}-{name}-{rank}"[:MAX_ID_LEN]
+
+
 class HoldingReceiver:
-    """A holding engine registered with the daemon at `connect`, its worker on a thread."""
+    """A holding engine registered with the daemon at `connect`, its worker on a thread;
+    `engine_id` defaults to `holder_id(name, rank)`."""
 
     def __init__(
         self,
@@ -140,13 +154,15 @@ class HoldingReceiver:
         connect: str,
         engine_id: str | None = None,
         *,
+        name: str = "holding",
+        rank: int | None = None,
         timeout: float = 600.0,
         **worker_options: Any,
     ) -> None:
         spec = list(checkpoint_spec(model_dir).values())
         self.engine = HoldingEngine(model_dir, spec, timeout=timeout)
         self.timeout = timeout
-        self.engine_id = engine_id or f"{socket.gethostname()}-{id(self):x}"
+        self.engine_id = engine_id or holder_id(name, rank)
         self.worker = Worker(self.engine, connect, self.engine_id, **worker_options)
         self.thread = threading.Thread(
             target=self.worker.run, name=f"weightsync-{self.engine_id}", daemon=True

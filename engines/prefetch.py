@@ -78,7 +78,7 @@ class Prefetcher(threading.Thread):
                 if self.failpoints.get("kill_in_broadcast", -1) == msg.seq:  # fault injection
                     self.member.ensure(msg.group.to_wire())
                     os.kill(os.getpid(), signal.SIGKILL)
-                fut.set_result(self.member.receive(msg.group.to_wire(), msg.size, give_up))
+                fut.set_result(self.member.receive(msg.group.to_wire(), msg.size, give_up, msg.sync_id))
             except BaseException as exc:  # handed to the applier, which reports it typed
                 fut.set_exception(exc)
         self.member.close()
@@ -93,7 +93,7 @@ class Prefetcher(threading.Thread):
             return "the sync ended here" if cancelled.is_set() else None
 
         try:
-            g = self.member.ensure(ref, give_up)
+            g = self.member.ensure(ref, give_up, msg.sync_id)
             head = torch.empty(stream.HEADER_BYTES, dtype=torch.uint8, device=g.device)
             while True:
                 g.wait(g.start(head), give_up=give_up)

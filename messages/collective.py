@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from messages.bounded import LRU
 from messages.errors import ErrorCode
 from messages.liblog import get_logger
 from messages.rendezvous import StoreClient
@@ -302,7 +303,9 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
-MAX_GROUPS = MAX_COLLECTIVE_SOURCES  # groups an engine keeps open: one per source of a sharded push
+# Groups an engine keeps open: one per source of a sharded push, which has at most this
+# many; the least recently used goes first, never one the running sync used.
+MAX_GROUPS = MAX_COLLECTIVE_SOURCES
 
 
 class Member:
@@ -312,34 +315,47 @@ class Member:
 
     One group per trainer store: a sharded push's sources each broadcast from a group of
     their own, so the engine keeps one open per source; a new group from the same store
-    replaces (closes) that store's old one."""
+    replaces (closes) that store's old one. At most MAX_GROUPS stay open: past it the
+    group used least recently closes (a store of a trainer that went away), never one
+    that the running sync (`sync`, the sync_id of the bucket being received) has used."""
 
     def __init__(self, bind: str = "", rank_offset: int = 0, slots: int = 1) -> None:
         self.bind = bind
         self.rank_offset = rank_offset
-        self.groups: dict[tuple[str, int], Group] = {}  # (store host, port) -> its group
+        self._in_use: set[tuple[str, int]] = set()  # the stores the running sync used: kept open
+        # (store host, port) -> its group
+        self.groups: LRU[tuple[str, int], Group] = LRU(MAX_GROUPS, self._evicted, self._in_use.__contains__)
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._next = 0
         self._dead: set[str] = set()  # groups closed or broken here: never joined again
+        self._sync: str | None = None  # the sync whose buckets were received last
 
     @property
     def group(self) -> Group | None:
-        """The group joined last (one sender: the only one)."""
-        return next(reversed(self.groups.values()), None)
+        """The group used last (one sender: the only one)."""
+        return self.groups.newest()
 
-    def ensure(self, ref: dict[str, Any], give_up: Callable[[], str | None] | None = None) -> Group:
+    def _evicted(self, store: tuple[str, int], g: Group) -> None:
+        self._dead.add(g.spec.id)
+        g.close()
+
+    def ensure(
+        self, ref: dict[str, Any], give_up: Callable[[], str | None] | None = None, sync: str | None = None
+    ) -> Group:
         store = (str(ref["host"]), int(ref["port"]))
-        g = self.groups.get(store)
+        if sync is not None and sync != self._sync:  # a new sync: the last one's pins end
+            self._sync = sync
+            self._in_use.clear()
+            self.groups.trim()
+        if sync is not None:
+            self._in_use.add(store)
+        g = self.groups.get(store)  # a use: it stays the newest
         if g is not None and g.spec.id == ref["id"] and not g.broken:
             return g
         if g is not None:
             self._dead.add(g.spec.id)
             g.close()
             del self.groups[store]
-        while len(self.groups) >= MAX_GROUPS:  # stores of trainers that went away
-            old = self.groups.pop(next(iter(self.groups)))
-            self._dead.add(old.spec.id)
-            old.close()
         if ref["id"] in self._dead:  # its root left it: joining again would wait out the timeout
             raise CollectiveError(f"group {ref['id']} failed or was closed here; it is not joined again")
         spec = GroupSpec(
@@ -354,24 +370,32 @@ class Member:
             token=ref.get("token", ""),
             store_key=ref.get("store_key", ""),
         )
-        g = self.groups[store] = Group(spec, give_up=give_up)
+        g = self.groups[store] = Group(spec, give_up=give_up)  # may close the least recently used
         return g
 
     def receive(
-        self, ref: dict[str, Any], size: int, give_up: Callable[[], str | None] | None = None
+        self,
+        ref: dict[str, Any],
+        size: int,
+        give_up: Callable[[], str | None] | None = None,
+        sync: str | None = None,
     ) -> torch.Tensor:
         """The bucket's `size` bytes, received in place into the next buffer (a view of it:
         valid until that buffer comes round again). `give_up`: why to stop waiting (the
         sync ended), checked while joining and while receiving."""
-        return self.wait(self.post(ref, size, give_up), give_up)
+        return self.wait(self.post(ref, size, give_up, sync), give_up)
 
     def post(
-        self, ref: dict[str, Any], size: int, give_up: Callable[[], str | None] | None = None
+        self,
+        ref: dict[str, Any],
+        size: int,
+        give_up: Callable[[], str | None] | None = None,
+        sync: str | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Start receiving the next broadcast of `size` bytes into the next buffer and
         return at once (the backend receives on its own threads); `wait` for it. Posts
         must follow the order the root broadcasts in."""
-        g = self.ensure(ref, give_up)
+        g = self.ensure(ref, give_up, sync)
         view = self.buffer(size, g.device)
         return view, (g, g.start(view))
 

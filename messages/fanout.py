@@ -33,18 +33,19 @@ Torch-free: the engine worker and the fleet benchmark's simulated engines use `R
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, Literal
 
 import zmq
 
 from messages import codec, schema
+from messages.bounded import LRU
 from messages.errors import MessageError
 from messages.schema import REPORT_INTERVAL
 
 DATA = b"F"  # the topic of every published message
 LIVE = b"E"  # LIVE + engine id: "this engine's subscription is in place"
-KEPT = 8  # syncs whose open an engine remembers
+KEPT = 8  # syncs whose open an engine remembers: the running one, and late buckets of a few before
 ENDED = 64  # syncs an engine remembers as ended
 REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, about
 REPORT_INTERVAL_MAX = 0.05
@@ -144,8 +145,9 @@ class Receiver:
         self.keys = keys  # messages.keys.ClientKeys, or None
         self.sock: zmq.Socket[Any] | None = None
         self.addr = ""
-        self.takes: OrderedDict[str, Kind | None] = OrderedDict()  # sync id -> what it takes
         self.intervals: dict[str, float] = {}  # sync id -> its report interval (the open's)
+        # sync id -> what it takes; its interval goes with it
+        self.takes: LRU[str, Kind | None] = LRU(KEPT, lambda sync_id, _: self.intervals.pop(sync_id, None))
         self.ended: deque[str] = deque(maxlen=ENDED)
         self.refused = 0  # published messages that did not decode
         self.dropped = 0  # published buckets this engine does not take
@@ -197,10 +199,8 @@ class Receiver:
         msg = decoded.msg
         if isinstance(msg, schema.FanoutOpen):
             me = self.engine_id
-            self.takes[msg.sync_id] = "inline" if me in msg.inline else "shm" if me in msg.shm else None
             self.intervals[msg.sync_id] = msg.report_interval
-            while len(self.takes) > KEPT:
-                self.intervals.pop(self.takes.popitem(last=False)[0], None)
+            self.takes[msg.sync_id] = "inline" if me in msg.inline else "shm" if me in msg.shm else None
             return None
         if (
             not isinstance(msg, schema.Load)

@@ -283,11 +283,16 @@ class WeightSyncExtension:
         if posted is not None and posted[0] != key:
             member.close()  # a receive posted for another bucket would take this one's bytes
             raise RuntimeError(f"collective bucket {key} arrived, but {posted[0]} was posted")
-        buf = member.wait(posted[1] if posted is not None else member.post(a["group"], a["size"]))
+        buf = member.wait(
+            posted[1] if posted is not None else member.post(a["group"], a["size"], sync=a.get("sync_id"))
+        )
         t1 = time.perf_counter()
         nxt = a.get("next")
         if nxt:
-            st.posted = ((a["group"]["id"], nxt["seq"], nxt["size"]), member.post(a["group"], nxt["size"]))
+            st.posted = (
+                (a["group"]["id"], nxt["seq"], nxt["size"]),
+                member.post(a["group"], nxt["size"], sync=a.get("sync_id")),
+            )
         try:
             verify_mac(buf, a.get("seq") or 0, a.get("mac"))
             parts = verify_received(buf, a["tensors"], a["checksum"])

@@ -122,6 +122,9 @@ def serve(
     engine_timeout: Optional[float] = typer.Option(
         None, help="seconds without heartbeat before an engine is lost"
     ),
+    lost_expiry: Optional[float] = typer.Option(
+        None, help="seconds a LOST engine stays in status before it is forgotten (default 3600)"
+    ),
     sync_timeout: Optional[float] = typer.Option(
         None, help="seconds without trainer activity before a sync fails"
     ),
@@ -158,6 +161,7 @@ def serve(
         state_db=state_db,
         min_engines=min_engines,
         engine_timeout=engine_timeout,
+        lost_expiry=lost_expiry,
         sync_timeout=sync_timeout,
         bucket_timeout=bucket_timeout,
         finalize_timeout=finalize_timeout,

@@ -15,7 +15,7 @@ Rules: as in `sync`: find the facts first, then act.
 from __future__ import annotations
 
 from messages.errors import ErrorCode, WeightSyncError
-from orchestrator.core.commands import Journal, StartRollback, SyncOpened
+from orchestrator.core.commands import EngineForgotten, Journal, StartRollback, SyncOpened
 from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick, TrainerGone
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
@@ -36,12 +36,34 @@ def tick(m: Model, event: Tick) -> None:
     rollback = s is None and m.state == S.IDLE and _rollback_due(m, lost)
     for eid in lost:
         m.lose(eid, _lost_cause(m, eid))
+    _forget_lost(m)
     if overdue is not None:
         m.close_failed("tick", overdue)
     elif rollback:
         _open_rollback(m)
     elif s is None:
         _expire_catchups(m)
+
+
+def _forget_lost(m: Model) -> None:
+    """LOST records older than `lost_expiry` go (engines that never came back: the fleet's
+    record does not grow with every id that ever registered), but never one the running
+    sync or a catch-up still names."""
+    s, expiry = m.sync, m.limits.lost_expiry
+    old = [
+        eid
+        for eid, x in m.engines.items()
+        if x.state == E.LOST
+        and x.lost_at is not None
+        and m.now - x.lost_at >= expiry
+        and (s is None or eid not in s.participants)
+        and eid not in m.catchups
+    ]
+    for eid in old:
+        del m.engines[eid]
+        m.outbox.append(EngineForgotten(eid))
+    if old:
+        m.epoch.value += 1  # the fleet changed: live sets are made again
 
 
 def _lost_cause(m: Model, eid: str) -> str:

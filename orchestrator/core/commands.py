@@ -94,6 +94,14 @@ class SendAbort:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineForgotten:
+    """A LOST engine's record expired (`Limits.lost_expiry`): the daemon forgets its id
+    (its routing id, its metrics); registering again makes it new."""
+
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLost:
     """An engine was counted lost, and why (logged: an operator sees it happen)."""
 
@@ -182,6 +190,7 @@ Command = (
     | SendServed
     | SendAbort
     | EngineLost
+    | EngineForgotten
     | CompleteSync
     | Journal
     | SpoolBegin

@@ -102,9 +102,7 @@ def register(m: Model, event: EngineRegistered) -> None:
 
 def _shared_spec(m: Model, spec: tuple[ParamSpec, ...]) -> dict[str, ParamSpec]:
     """The spec as a dict, the same object for every engine that sent the same spec."""
-    if len(m.specs) > 256:  # engines of many models (or one re-registering oddly): start over
-        m.specs.clear()
-    return m.specs.setdefault(tuple(spec), {p.name: p for p in spec})
+    return m.specs.setdefault(tuple(spec), {p.name: p for p in spec})  # an LRU of SPECS_KEPT
 
 
 def heartbeat(m: Model, event: Heartbeat) -> None:

@@ -11,12 +11,13 @@ decide which steps an input takes.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
+from messages.bounded import LRU
 from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.replies import EngineFinal, FinishReply, Json, JsonObject
@@ -40,11 +41,11 @@ from orchestrator.core.states import EngineState, State
 from orchestrator.core.table import Outcome, Refused, StateTable
 
 S, E = State, EngineState
-ENDED_KEPT = 4096  # ended sync ids remembered (a late message for one is answered with its end)
-
-
-MAX_PLANS = 4  # sharded pushes' plans the daemon checks later syncs against (models it serves)
-MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse (their sources' stores)
+# The core's bounded maps (messages.bounded.LRU, least recently used first):
+ENDED_KEPT = 4096  # ended sync ids: a late message is answered with its end (minutes of syncs)
+MAX_PLANS = 4  # sharded pushes' plans checked against later syncs: one per model served, and spare
+MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse: one per source a push may have
+SPECS_KEPT = 256  # distinct engine specs shared between records: models served at once, with room
 
 
 class Model:
@@ -77,7 +78,7 @@ class Model:
         self.epoch = Epoch()  # bumped by its engine records (records.Epoch)
         # one dict per distinct registered spec, shared by the engines that sent it, so a
         # bucket is checked once per model, not once per engine
-        self.specs: dict[tuple[ParamSpec, ...], dict[str, ParamSpec]] = {}
+        self.specs: LRU[tuple[ParamSpec, ...], dict[str, ParamSpec]] = LRU(SPECS_KEPT)
         self.sync: SyncRecord | None = None
         self.last_sync: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(history, maxlen=self.limits.history)
@@ -90,14 +91,15 @@ class Model:
         self.catchups: dict[str, CatchUp] = {}
         # Outcome (code, reason; None for READY) of ended syncs: a late message for one is
         # answered with it, and its id is never begun again.
-        self.ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        self.ended: LRU[str, tuple[str | None, str]] = LRU(ENDED_KEPT)
         for sync_id, code, reason in ended:
             self.remember_ended(sync_id, code, reason)
         self.group: GroupPlan | None = None  # the collective group syncs reuse
-        self.source_groups: dict[str, GroupPlan] = {}  # sharded pushes' sources' groups, by session
+        # sharded pushes' sources' groups, by session
+        self.source_groups: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
         # A sharded push's plan, as its first READY sync carried it out: plan hash -> tensor
         # -> source. Later syncs with the same plan are checked against it, bucket by bucket.
-        self.plans: dict[int, dict[str, int]] = {}
+        self.plans: LRU[int, dict[str, int]] = LRU(MAX_PLANS)
         self._groups = 0
         self._own_syncs = 0
 
@@ -254,8 +256,6 @@ class Model:
         if code is not None and code not in ErrorCode.__members__:
             code = ErrorCode.INTERNAL.value
         self.ended[sync_id] = (code, reason)
-        while len(self.ended) > ENDED_KEPT:
-            self.ended.popitem(last=False)
 
     def admit(self, trigger: str, tail: str = "", **details: object) -> None:
         """The table's gate for `trigger` in the current state: its refusal (code and
@@ -411,8 +411,6 @@ class Model:
         digest = next(iter(s.finalized.values())).digest
         if s.senders > 1 and s.plan is not None and s.plan not in self.plans:
             self.plans[s.plan] = dict(s.names)  # the plan as carried out: replayed and checked
-            while len(self.plans) > MAX_PLANS:
-                self.plans.pop(next(iter(self.plans)))
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
         self.last_ready_version, self.served_digest = s.version, digest
@@ -550,9 +548,7 @@ class Model:
         if shared:
             self.group = plan
         else:
-            self.source_groups[plan.session] = plan
-            while len(self.source_groups) > MAX_SOURCE_GROUPS:  # sources that went away
-                self.source_groups.pop(next(iter(self.source_groups)))
+            self.source_groups[plan.session] = plan  # past the limit: sources that went away
 
     def source_group(self, msg: Begin) -> GroupPlan | None:
         """The group a sharded push's source used last (reused while its members stay)."""
@@ -561,7 +557,9 @@ class Model:
     def lose(self, engine_id: str, cause: str) -> None:
         """Count the engine lost, and say why (logged by the service)."""
         self.outbox.append(EngineLost(engine_id, cause))
-        self.engines[engine_id].move("lose")
+        x = self.engines[engine_id]
+        x.move("lose")
+        x.lost_at = self.now
         self.leave_group(engine_id)
 
     def leave_group(self, engine_id: str) -> None:

@@ -36,6 +36,7 @@ class EngineRecord:
     finalize_count: int = 0
     last_seen: float = 0.0
     closed: bool = False  # its connection closed since its last heartbeat
+    lost_at: float | None = None  # when it was counted LOST (its record goes lost_expiry later)
     spec: dict[str, ParamSpec] = field(default_factory=dict)
     cast_ok: bool = False
     probes: tuple[tuple[int, ...], ...] = ()
@@ -315,6 +316,7 @@ class Limits:
     fanout_bytes: int | None = None  # the fan-out's per-connection queue budget (None: no fan-out)
     max_delta_chain: int = 16  # delta versions the spool replays on top of a dense one
     recovery_window: int = 2  # spooled buckets a catch-up (or rollback) has in flight
+    lost_expiry: float = 3600.0  # seconds a LOST engine's record is kept before it is forgotten
 
     def pending_per_sender(self, senders: int) -> int:
         """Unanswered bucket requests each of a sync's `senders` connections may have:

@@ -496,6 +496,9 @@ def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[
     sender, through = key
     c = m.catchup_of(eid, sync_id)
     if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
+        # Clamped as a sync's marks are: never past what was sent (the spool's sender is
+        # 0), so a report cannot pull the whole spool at once or finalize early.
+        through = min(through, c.sent - 1) if sender == 0 else -1
         if through > c.through.get(sender, -1):
             c.through[sender] = through
             m.send_spooled(eid, c)

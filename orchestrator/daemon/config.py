@@ -32,6 +32,8 @@ class Settings:
     state_db: str = "weightsync-state.db"
     min_engines: int = 1
     engine_timeout: float = 15.0
+    # seconds a LOST engine's record (status, metrics, routing) is kept; then it is forgotten
+    lost_expiry: float = 3600.0
     heartbeat_interval: float = 1.0
     sync_timeout: float = 300.0
     bucket_timeout: float = 300.0
@@ -82,7 +84,12 @@ def load_settings(**overrides: Any) -> Settings:
                 raise ConfigError(f"unknown setting {k!r}")
             values[k] = v
     settings = replace(base, **values)
-    if settings.min_engines < 0 or settings.engine_timeout <= 0 or settings.tick_interval <= 0:
+    if (
+        settings.min_engines < 0
+        or settings.engine_timeout <= 0
+        or settings.tick_interval <= 0
+        or settings.lost_expiry <= 0
+    ):
         raise ConfigError("min_engines must be >= 0 and timeouts > 0")
     if min(settings.max_header_bytes, settings.max_frame_bytes, settings.max_pending) <= 0:
         raise ConfigError("max_header_bytes, max_frame_bytes and max_pending must be > 0")

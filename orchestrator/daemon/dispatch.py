@@ -24,7 +24,7 @@ from messages.shm import Reader
 from orchestrator import __version__
 from orchestrator.core import Core
 from orchestrator.core import events as ev
-from orchestrator.core.commands import Result
+from orchestrator.core.commands import Result, SyncOpened
 from orchestrator.daemon.config import Settings
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight, Pending
@@ -132,9 +132,6 @@ class Dispatcher:
         msg = decoded.msg
         w = Waiter(ident, getattr(msg, "id", 0))
         sync_id = getattr(msg, "sync_id", None)
-        if sync_id is not None and not isinstance(msg, (schema.Abort, schema.Begin)):
-            # dropped with the sync or the connection (a begin's, once the sync is named)
-            self.inflight.owners[sync_id][ident] = getattr(msg, "sender", 0)
         try:
             if isinstance(msg, schema.Status):
                 self.transport.reply_ok(w, self.status())
@@ -149,16 +146,13 @@ class Dispatcher:
                     },
                 )
             elif isinstance(msg, schema.Begin):
-                res = await self.feed(ev.BeginSync(msg), self._trainer(w))
-                named = str((res.reply or {}).get("sync_id", msg.sync_id))
-                size = (res.reply or {}).get("bucket_bytes")
-                if isinstance(size, int) and named not in self.inflight.bucket_bytes:
-                    self.inflight.bucket_bytes[named] = (size, msg.senders)
-                self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
+                await self.begin(w, ident, msg)
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)
+                self.inflight.own(msg.sync_id, ident, msg.sender)
             elif isinstance(msg, schema.Finish):
                 await self.finish(w, msg)
+                self.inflight.own(msg.sync_id, ident, msg.sender)
             elif isinstance(msg, schema.Abort):
                 await self.feed(ev.AbortSync(msg.sync_id, msg.reason, msg.code, msg.by), self._trainer(w))
         except WeightSyncError as err:
@@ -170,6 +164,19 @@ class Dispatcher:
             log.exception("request_crashed", type=msg.TYPE)
             await self.fail_internal("trainer", exc)
             self.transport.reply_error(w, self.core.error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    async def begin(self, w: Waiter, ident: bytes, msg: schema.Begin) -> None:
+        """A begin; what it leaves here (the sync's bucket size and sources, from the reply
+        of the begin that opened it; its connection as the owner of the source) is recorded
+        only once it opened or joined the running sync: a refused begin leaves nothing."""
+        res = await self.feed(ev.BeginSync(msg), self._trainer(w))
+        reply = res.reply or {}
+        named = str(reply.get("sync_id", msg.sync_id))
+        size = reply.get("bucket_bytes")
+        opened = any(isinstance(c, SyncOpened) and c.sync_id == named for c in res.commands)
+        if opened and isinstance(size, int):  # read at the sync's first bucket (its fan-out queue)
+            self.inflight.bucket_bytes[named] = (size, msg.senders)
+        self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
 
     async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any]) -> None:
         """A bucket, with the facts about its bytes that only this process can find."""

@@ -20,7 +20,9 @@ import msgspec
 import structlog
 
 from messages import codec, replies, schema
+from messages.bounded import LRU
 from messages.errors import ErrorCode, MessageError, make_error
+from messages.schema import MAX_COLLECTIVE_SOURCES
 from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
@@ -40,6 +42,9 @@ log = structlog.get_logger()
 # runs inline instead of queueing behind the batch it is part of.
 IN_EFFECTS: contextvars.ContextVar[bool] = contextvars.ContextVar("in_effects", default=False)
 REPLY = (cmd.AckBucket, cmd.CompleteSync)
+# The effects runner's bounded maps (messages.bounded.LRU, least recently used first):
+FANOUT_PLANS_KEPT = 16  # syncs' fan-out plans: the running one, and syncs that never completed here
+GROUP_REFS_KEPT = MAX_COLLECTIVE_SOURCES + 1  # groups' refs: the shared group and one per source
 
 Feed = Callable[[ev.Event], Awaitable[None]]
 
@@ -72,8 +77,9 @@ class Effects:
         self._tasks: set[asyncio.Task[None]] = set()
         # group id -> each engine's GroupRef in it (the latest groups; a sharded push's
         # sync has one per source)
-        self._refs: dict[str, dict[str, schema.GroupRef]] = {}
-        self._fanout: dict[str, fanout.Plan] = {}  # sync id -> who takes its buckets published
+        self._refs: LRU[str, dict[str, schema.GroupRef]] = LRU(GROUP_REFS_KEPT)
+        # sync id -> who takes its buckets published
+        self._fanout: LRU[str, fanout.Plan] = LRU(FANOUT_PLANS_KEPT)
 
     @property
     def batches(self) -> int:
@@ -265,6 +271,10 @@ class Effects:
                 self.transport.send_engine(eid, [header])
         elif isinstance(c, cmd.EngineLost):
             log.warning("engine_lost", engine_id=c.engine_id, cause=c.cause)
+        elif isinstance(c, cmd.EngineForgotten):
+            self.transport.forget_engine(c.engine_id)
+            self.metrics.forget_engine(c.engine_id)
+            log.info("engine_forgotten", engine_id=c.engine_id)
         elif isinstance(c, cmd.SendSpooled):
             failure = self._recovery_of(c).send_spooled(c)
             if failure is not None and self.feed is not None:
@@ -352,8 +362,6 @@ class Effects:
         else:  # the daemon's own replay (or an old trainer): grown for this frame if need be
             self.transport.fanout_queue(frame_bytes, floor=RECOVERY_WINDOW, shrink=False)
         fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)
-        while len(self._fanout) > 16:  # a sync that never completed here
-            self._fanout.pop(next(iter(self._fanout)))
         if fan.used:
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
@@ -365,8 +373,6 @@ class Effects:
         refs = self._refs.get(g.id)
         if refs is None:  # a new group (a sharded push has one per source)
             refs = self._refs[g.id] = {}
-            while len(self._refs) > 64:
-                self._refs.pop(next(iter(self._refs)))
         ref = refs.get(eid)
         if ref is None:
             ref = refs[eid] = schema.GroupRef(

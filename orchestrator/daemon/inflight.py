@@ -41,6 +41,19 @@ class Inflight:
         # the sync's bucket size and sources, from its begin's reply: its fan-out queue's size
         self.bucket_bytes: dict[str, tuple[int, int]] = {}
 
+    def own(self, sync_id: str, ident: bytes, sender: int) -> None:
+        """The trainer connection `ident` speaks for `sender` of `sync_id`, which accepted
+        its request: noted only while the sync runs here (a refused request, or one for a
+        sync that is gone, leaves nothing)."""
+        if sync_id in self.routes:
+            self.owners[sync_id][ident] = sender
+
+    def tracked(self) -> int:
+        """Syncs this bookkeeping holds anything of (at most the running one, once the
+        effects of the ended ones ran)."""
+        kept = {*self.routes, *self.owners, *self.bucket_bytes, *self.finish_waiters}
+        return len(kept | {sync_id for sync_id, _ in self.bucket_waiters})
+
     def pending_on(self, ident: bytes) -> int:
         """Bucket requests of this trainer connection still unanswered."""
         return sum(1 for ws in self.bucket_waiters.values() for w in ws if w.ident == ident)
@@ -72,4 +85,5 @@ class Inflight:
             "pending_buckets": len(self.held),
             "unacked_bucket_requests": sum(len(w) for w in self.bucket_waiters.values()),
             "effect_batches": effect_batches,
+            "tracked_syncs": self.tracked(),
         }

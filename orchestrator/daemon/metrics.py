@@ -197,6 +197,12 @@ class Metrics:
             )
         return c
 
+    def forget_engine(self, engine_id: str) -> None:
+        """An expired engine's own series go with it."""
+        if self._applied.pop(engine_id, None) is not None:
+            self.apply_seconds.remove(engine_id)
+            self.buckets_applied.remove(engine_id)
+
     def sync_ended(self, summary: dict[str, Any] | None) -> None:
         if not summary:
             return

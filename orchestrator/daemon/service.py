@@ -119,6 +119,7 @@ class Service:
         limits = Limits(
             min_engines=settings.min_engines,
             engine_timeout=settings.engine_timeout,
+            lost_expiry=settings.lost_expiry,
             sync_timeout=settings.sync_timeout,
             bucket_timeout=settings.bucket_timeout,
             finalize_timeout=settings.finalize_timeout,

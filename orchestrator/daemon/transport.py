@@ -277,6 +277,13 @@ class Transport:
         self.engine_ident[engine_id] = ident
         self.ident_engine[ident] = engine_id
 
+    def forget_engine(self, engine_id: str) -> None:
+        """`engine_id`'s record expired: its routing id goes (a live process registering
+        under it again is new)."""
+        ident = self.engine_ident.pop(engine_id, None)
+        if ident is not None and self.ident_engine.get(ident) == engine_id:
+            del self.ident_engine[ident]
+
     # -- sending --------------------------------------------------------------------------
     def _send_now(self, sock: zmq.Socket[Any] | None, frames: list[Any]) -> None:
         """Send without blocking; a send error is raised here, to the caller."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from messages.bounded import LRU
+
 Meta = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype (as sent), bytes
 
 
@@ -70,12 +72,14 @@ def signature(metas: Iterable[Meta], world: int) -> int:
     return h.intdigest()
 
 
+PLANS_KEPT = 4  # layouts a trainer pushes sharded (a model, its LoRA, ...): each planned once
+
+
 class ShardPlans:
     """Plans by layout: computed at a model's first sharded push, replayed after."""
 
-    def __init__(self, keep: int = 4) -> None:
-        self._plans: dict[int, ShardPlan] = {}
-        self.keep = keep
+    def __init__(self, keep: int = PLANS_KEPT) -> None:
+        self._plans: LRU[int, ShardPlan] = LRU(keep)
         self.computed = 0  # how many plans were computed (a replay computes none)
 
     def get(self, metas: list[Meta], world: int) -> ShardPlan:
@@ -84,7 +88,5 @@ class ShardPlans:
         if plan is None:
             plan = plan_shards(metas, world)
             self.computed += 1
-            if len(self._plans) >= self.keep:
-                self._plans.pop(next(iter(self._plans)))
             self._plans[sig] = plan
         return plan

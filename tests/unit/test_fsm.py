@@ -334,6 +334,25 @@ def test_a_lost_engine_is_said_lost_by_its_closed_connection_or_by_its_silence()
     assert f"e1: no heartbeat for {silent:.1f}s (--engine-timeout {o.limits.engine_timeout}s)" in msg, msg
 
 
+def test_a_lost_engines_record_expires_after_lost_expiry_and_it_may_register_anew():
+    """A LOST engine stays in the fleet's record `lost_expiry` seconds, then is forgotten
+    (EngineForgotten: the service drops its routing id and metrics); others stay."""
+    o = Orchestrator(Limits(min_engines=1, engine_timeout=5.0, lost_expiry=60.0))
+    for e in ENGINES:
+        o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch")), 0.0)
+    for t in (4.0, 8.0, 12.0, 70.0, 75.0):
+        o.handle(ev.Heartbeat("e0"), t)
+    o.handle(ev.Tick(), 6.0)  # e1 silent past engine_timeout: LOST at 6.0
+    assert o.engines["e1"].state == "LOST"
+    assert not cmds(o.handle(ev.Tick(), 65.9), fsm.EngineForgotten) and "e1" in o.engines
+    res = o.handle(ev.Tick(), 66.0)
+    assert cmds(res, fsm.EngineForgotten) == [fsm.EngineForgotten("e1")]
+    assert list(o.engines) == ["e0"] and [x["engine_id"] for x in o.snapshot(66.0)["engines"]] == ["e0"]
+    assert not cmds(o.handle(ev.Tick(), 76.0), fsm.EngineForgotten)  # once
+    o.handle(ev.EngineRegistered(Register(engine_id="e1", backend="torch")), 77.0)
+    assert o.engines["e1"].state == "STALE"
+
+
 def test_an_abort_is_filed_under_the_trainers_code_and_who_asked():
     o = new()
     begin(o, 1)

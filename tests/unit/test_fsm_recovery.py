@@ -149,6 +149,24 @@ def test_the_core_paces_a_catch_up_within_its_window_and_finalizes_after_the_las
     ]
 
 
+def test_a_catch_up_report_past_what_was_sent_is_clamped_to_it():
+    """An engine reporting seq 10**6 (or another source's seq) is held to the buckets
+    sent: the window still paces the spool and no finalize goes before the last bucket."""
+    o = to_ready(spooled_new())
+    o.handle(ev.SpoolChanged(Spooled(1, "d", 5)), o.now)  # five spooled buckets
+    res = o.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0)
+    sid = cmds(res, fsm.SendSpooled)[0].sync_id  # seqs 0 and 1 sent
+    out = o.handle(ev.Loaded("e2", sid, (0, 10**6)), 5.1)
+    assert [c.seq for c in cmds(out, fsm.SendSpooled)] == [2, 3] and not cmds(out, fsm.SendFinalize)
+    out = o.handle(ev.Loaded("e2", sid, (7, 10**6)), 5.2)  # no source 7 in a spool
+    assert not cmds(out, fsm.SendSpooled) and not cmds(out, fsm.SendFinalize)
+    assert o.catchups["e2"].applied == 2
+    out = o.handle(ev.Loaded("e2", sid, (0, 3)), 5.3)
+    assert [c.seq for c in cmds(out, fsm.SendSpooled)] == [4] and not cmds(out, fsm.SendFinalize)
+    out = o.handle(ev.Loaded("e2", sid, (0, 4)), 5.4)
+    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", sid, 1, ())]
+
+
 def test_catch_up_with_a_wrong_digest_leaves_the_engine_stale():
     o = ready_v1_spooled()
     (start,) = cmds(

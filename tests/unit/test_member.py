@@ -62,3 +62,38 @@ def test_each_store_keeps_its_own_group_and_a_new_group_of_a_store_replaces_its_
     assert b.closed == [1] and a.closed == [] and list(m.groups) == [("127.0.0.1", 1)]
     m.close()
     assert a.closed == [1] and not m.groups
+
+
+@pytest.fixture
+def three_groups(monkeypatch):
+    """Members that keep 3 groups open, joining fakes (no real rendezvous)."""
+    import messages.collective as collective
+
+    monkeypatch.setattr(collective, "MAX_GROUPS", 3)
+    monkeypatch.setattr(collective, "Group", lambda spec, give_up=None: fake_group(spec.id, broken=False))
+    return [{**REF, "id": f"g{p}", "port": p} for p in range(6)]
+
+
+def test_groups_are_evicted_by_last_use_not_by_join_order(three_groups):
+    """Past MAX_GROUPS the group used least recently closes, not the one joined first."""
+    ref, m = three_groups, Member()
+    g0, g1, g2 = (m.ensure(ref[p]) for p in range(3))
+    assert m.ensure(ref[0]) is g0  # store 0 used again (it joined first)
+    g3 = m.ensure(ref[3])  # one too many: the least recently used (store 1) goes
+    assert g1.closed == [1] and g0.closed == g2.closed == [] and m.group is g3
+    assert list(m.groups) == [("127.0.0.1", 2), ("127.0.0.1", 0), ("127.0.0.1", 3)]
+
+
+def test_a_group_the_running_sync_used_is_never_closed_under_it(three_groups):
+    """A group the running sync used stays open whatever its age; once that sync is over,
+    the excess it held goes, least recently used first."""
+    ref, m = three_groups, Member()
+    g0, g1, g2 = (m.ensure(ref[p], sync="s1") for p in range(3))
+    m.ensure(ref[0], sync="s2")
+    g3 = m.ensure(ref[3], sync="s2")  # store 1 is the oldest and s2 never used it: it goes
+    m.ensure(ref[4], sync="s2")  # so does store 2
+    assert g1.closed == g2.closed == [1] and g0.closed == g3.closed == []
+    m.ensure(ref[5], sync="s2")  # all three open were used by s2: none closes under it
+    assert len(m.groups) == 4 and g0.closed == g3.closed == []
+    m.ensure(ref[5], sync="s3")  # s2 ended: the group it held over the limit goes
+    assert len(m.groups) == 3 and g0.closed == [1] and g3.closed == []
