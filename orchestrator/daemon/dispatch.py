@@ -86,6 +86,9 @@ class Dispatcher:
         res = self.core.handle(event, time.monotonic())
         if answer is None:
             return res, None
+        if res.refusal is not None and answer.fail is not None:  # refused, having ended the sync
+            fail, err = answer.fail, res.refusal
+            return res, lambda: fail(err)
         if res.reply is not None:
             body = res.reply
             if answer.first:
@@ -151,11 +154,12 @@ class Dispatcher:
             elif isinstance(msg, schema.Begin):
                 if msg.bucket_bytes is not None:
                     self.inflight.bucket_bytes.setdefault(msg.sync_id, msg.bucket_bytes)
-                res = await self.feed(ev.BeginSync(msg), self._trainer(w))
+                res = await self.feed(ev.BeginSync(msg, conn=ident), self._trainer(w))
                 named = str((res.reply or {}).get("sync_id", msg.sync_id))
                 if named != msg.sync_id:  # a source joined a sharded push under its own name
                     self.inflight.bucket_bytes.pop(msg.sync_id, None)
-                self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
+                if res.refusal is None:
+                    self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
             elif isinstance(msg, schema.Bucket):
                 await self.bucket(w, msg, decoded.payload)
             elif isinstance(msg, schema.Finish):
@@ -208,6 +212,7 @@ class Dispatcher:
             shm_error=shm_error,
             pending=self.inflight.pending_on(w.ident),
             handle=held,  # the bytes ride with the event and its ForwardBucket, nowhere else
+            conn=w.ident,
         )
         del held
         key = (msg.sync_id, (msg.sender, msg.seq))
@@ -225,7 +230,8 @@ class Dispatcher:
     async def finish(self, w: Waiter, msg: schema.Finish) -> None:
         # answered when its sync completes
         await self.feed(
-            ev.FinishSync(msg), self._trainer(w, lambda: self.inflight.finish_waiters[msg.sync_id].append(w))
+            ev.FinishSync(msg, conn=w.ident),
+            self._trainer(w, lambda: self.inflight.finish_waiters[msg.sync_id].append(w)),
         )
 
     async def local_request(
