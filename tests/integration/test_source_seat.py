@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,3 +138,41 @@ def test_a_second_process_claiming_a_running_syncs_source_is_refused_and_nothing
             t.join(60)
         assert {r.state for r in again.values()} == {"READY"}, again
         assert {r.digest for r in again.values()} == {digest(list(state.items()))}
+
+
+@pytest.mark.parametrize("mistake", ["version", "world"])
+def test_sharded_ranks_that_disagree_both_hear_what_disagreed_at_once(tmp_path, tiny_model_dir, mistake):
+    """Two ranks push with different versions (or world sizes): both fail within seconds
+    naming the mismatch, instead of one waiting for --sync-timeout (300 s here)."""
+    with running_daemon(tmp_path, tiny_model_dir, engines=1) as c:
+        model = load_model(tiny_model_dir)
+        w = list(perturbed(model.state_dict(), 1))
+        if mistake == "version":
+            jobs = [(w[0::2], 1, (0, 2)), (w[1::2], 2, (1, 2))]
+        else:
+            jobs = [(w[0::2], 1, (0, 2)), (w[1::3], 1, (1, 3))]
+        results: dict[int, Any] = {}
+        seconds: dict[int, float] = {}
+
+        def run(k: int) -> None:
+            part, version, source = jobs[k]
+            t0 = time.monotonic()
+            with c.client(timeout=30.0) as client:
+                try:
+                    results[k] = client.push(part, version, source=source, bucket_bytes=BUCKET)
+                except WeightSyncError as err:
+                    results[k] = err
+            seconds[k] = time.monotonic() - t0
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        word = "began version" if mistake == "version" else "sources"
+        for k in range(2):
+            err = results[k]
+            assert isinstance(err, WeightSyncError) and err.code is ErrorCode.SOURCE_CONFLICT, (k, err)
+            assert word in err.message and seconds[k] < 20, (k, seconds[k], err.message)
+        print({k: (round(seconds[k], 2), str(results[k])) for k in range(2)})
+        assert c.status()["last_sync"]["code"] == "SOURCE_CONFLICT"
