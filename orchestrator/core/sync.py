@@ -299,10 +299,15 @@ def _conflict(m: Model, s: SyncRecord, sender: int, what: str, running: str | No
         if running is not None
         else f"source {sender} of {where} {what}"
     )
+    tail = (
+        "the sync failed for every source and nothing of it was committed"
+        if m.state == S.LOADING_BUCKETS
+        else "refused (every source has finished: the sync goes on)"
+    )
     m.conflict(
         m.error(
             ErrorCode.SOURCE_CONFLICT,
-            f"{sentence}; the sync failed for every source and nothing of it was committed",
+            f"{sentence}; {tail}",
             source=sender,
             disagreed=field,
             sync_id_running=s.sync_id,

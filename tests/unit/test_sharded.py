@@ -394,3 +394,19 @@ def test_a_plan_carried_out_as_declared_commits_and_is_kept():
     o = new()
     _ready(o, 1, [["a", "b"], ["c", "d"]], plan=PLAN)
     assert o.state is State.READY and o.plans[PLAN] == {"a": 0, "b": 0, "c": 1, "d": 1}
+
+
+def test_a_second_claim_once_every_source_finished_is_refused_and_the_commit_goes_on():
+    o = new()
+    for k in (0, 1):
+        begin(o, k)
+    for k, names in enumerate([["a", "b"], ["c", "d"]]):
+        bucket(o, k, 0, names)
+        applied(o, k, 0)
+    for k in (0, 1):
+        finish(o, k, 1)
+    assert o.state is State.FINALIZING
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1, seat=99)
+    assert ei.value.code is ErrorCode.SOURCE_CONFLICT and "the sync goes on" in ei.value.message
+    assert o.state is State.FINALIZING and o.sync is not None
