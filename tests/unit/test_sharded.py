@@ -78,17 +78,24 @@ def test_the_second_source_joins_the_sync_the_first_opened_under_its_name():
     assert view["senders"] == 2 and [x["begun"] for x in view["sources"]] == [True, True]
 
 
-@pytest.mark.parametrize("field", ["senders", "plan", "version"])
+@pytest.mark.parametrize("field", ["senders", "plan", "version", "sync_id"])
 def test_a_source_that_disagrees_on_the_count_the_plan_or_the_version_fails_the_sync_for_all(field):
     """Each source hears what disagreed at once (the opener no longer waits for --sync-timeout)."""
     o = new()
     begin(o, 0, senders=2, plan=7)
-    kw = {"senders": 3, "plan": 8, "version": 2}
-    res = begin(o, 1, **{"senders": 2, "plan": 7, field: kw[field]})
-    word = {"senders": "3 sources", "plan": "plan 7", "version": "began version 2"}[field]
+    kw = {"senders": 3, "plan": 8, "version": 2, "sync_id": "own-0"}
+    extra = {"version": 2} if field == "sync_id" else {}  # the opener's sync_id, another version
+    res = begin(o, 1, **{"senders": 2, "plan": 7, field: kw[field], **extra})
+    word = {
+        "senders": "3 sources",
+        "plan": "plan 7",
+        "version": "began version 2",
+        "sync_id": "began version 2 under the same sync_id 'own-0'",
+    }[field]
     err = res.refusal
     assert err is not None and err.code is ErrorCode.SOURCE_CONFLICT and word in err.message
-    assert err.details["disagreed"] == field and err.details["source"] == 1
+    assert err.details["disagreed"] == ("version" if field == "sync_id" else field)
+    assert err.details["source"] == 1
     assert o.sync is None and o.last_sync["code"] == "SOURCE_CONFLICT"
     done = [c for c in res.commands if isinstance(c, cmd.CompleteSync)]
     assert [c.error for c in done] == [err]  # the opener's parked requests hear the same
