@@ -24,6 +24,8 @@ class ErrorCode(str, Enum):
     SHAPE_MISMATCH = "SHAPE_MISMATCH"
     INCOMPLETE_SYNC = "INCOMPLETE_SYNC"
     DUPLICATE_TENSOR = "DUPLICATE_TENSOR"  # a sharded push: two sources sent the same tensor
+    # a sharded push: a source's seat claimed by another, or sources that disagree
+    SOURCE_CONFLICT = "SOURCE_CONFLICT"
     NO_ENGINES = "NO_ENGINES"
     ENGINE_FAILED = "ENGINE_FAILED"
     CANARY_MISMATCH = "CANARY_MISMATCH"
@@ -140,6 +142,7 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.TIMEOUT: SyncTimeout,
     ErrorCode.UNREACHABLE: SyncTimeout,
     ErrorCode.DUPLICATE_ENGINE: PeerError,
+    ErrorCode.SOURCE_CONFLICT: PeerError,
     ErrorCode.INTERNAL: InternalError,
 }
 

@@ -282,6 +282,10 @@ class Begin(Message, frozen=True, tag="begin"):
     # the trainer's bucket size: the daemon sizes its fan-out's queues for the window a
     # trainer keeps with it (messages.fanout.window_cap); None: from the first bucket
     bucket_bytes: Size | None = None
+    # who begins: a random token the trainer chooses once and carries in its buckets and
+    # finish too; a source's seat belongs to the token that began it (None: to the
+    # connection that began it)
+    seat: Checksum | None = None
 
 
 class Bucket(Message, frozen=True, tag="bucket"):
@@ -298,6 +302,7 @@ class Bucket(Message, frozen=True, tag="bucket"):
     size: Size | None = None
     # collective, with keys: BLAKE3 tag of the broadcast bytes (messages/stream.py load_mac)
     mac: Mac | None = None
+    seat: Checksum | None = None  # the token of the begin that took this source's seat
 
 
 class Finish(Message, frozen=True, tag="finish"):
@@ -311,6 +316,7 @@ class Finish(Message, frozen=True, tag="finish"):
     partial: bool = False
     # v3, a collective stream: the chain over the buckets' checksums (messages/stream.py)
     chain: Checksum | None = None
+    seat: Checksum | None = None  # the token of the begin that took this source's seat
 
 
 class Abort(Message, frozen=True, tag="abort"):

@@ -205,10 +205,13 @@ PERSIST = (Journal, SpoolBegin, SpoolCommit, SpoolDiscard)
 
 @dataclass(slots=True)
 class Result:
-    """What an input did. Its answer is one of three, said here and nowhere else: `reply`
+    """What an input did. Its answer is one of four, said here and nowhere else: `reply`
     (answer now with this body), `later` (the answer comes with a later command: an
-    AckBucket or the sync's CompleteSync), or neither (the input gets no answer)."""
+    AckBucket or the sync's CompleteSync), `refusal` (the input is refused with this error
+    once its commands, which ended the sync it disturbed, persisted), or none (the input
+    gets no answer)."""
 
     reply: dict[str, Any] | None
     commands: list[Command] = field(default_factory=list)
     later: bool = False
+    refusal: WeightSyncError | None = None

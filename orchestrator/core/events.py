@@ -37,6 +37,7 @@ class OfMessage(Event):
 class BeginSync(OfMessage):
     TRIGGER: ClassVar[str] = "begin"
     msg: Begin
+    conn: bytes = b""  # the trainer connection it came on (a source's seat without a token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,14 @@ class BucketIn(OfMessage):
     shm_error: str | None = None  # the trainer's shm slot could not be read (why)
     pending: int = 0  # bucket requests of this connection still unanswered
     handle: object = None  # the service's hold on the bytes: opaque here, passed on to ForwardBucket
+    conn: bytes = b""  # the trainer connection it came on
 
 
 @dataclass(frozen=True, slots=True)
 class FinishSync(OfMessage):
     TRIGGER: ClassVar[str] = "finish"
     msg: Finish
+    conn: bytes = b""  # the trainer connection it came on
 
 
 @dataclass(frozen=True, slots=True)

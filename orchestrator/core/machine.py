@@ -3,7 +3,9 @@
 Rules: each event type goes to its trigger function (`sync`, `fleet`, `clock`), which
 refuses with a typed error having changed nothing, or acts: records, commands, a reply.
 State changes go through the table (`core.table`), checked before they happen. A refused
-event leaves the core exactly as it was, outbox included; a bug inside a trigger is
+event leaves the core exactly as it was, outbox included, with one exception: an input
+that fails the running sync for everyone it belongs to (a second claim on a source's seat)
+is refused in `Result.refusal` along with the commands that end the sync. A bug inside a trigger is
 raised to the service, which fails the running sync with INTERNAL (`InternalError`).
 """
 
@@ -47,7 +49,7 @@ class Core(Model):
         """Apply `event` at time `now`; raise a typed WeightSyncError (and change
         nothing) if it is refused."""
         self.now = now
-        self.reply, self.later = None, False
+        self.reply, self.later, self.refusal = None, False, None
         self.outbox = []
         try:
             HANDLERS[type(event)](self, event)
@@ -55,4 +57,4 @@ class Core(Model):
             self.outbox = []
             raise
         out, self.outbox = self.outbox, []
-        return Result(self.reply, out, self.later)
+        return Result(self.reply, out, self.later, self.refusal)

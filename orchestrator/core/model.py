@@ -85,6 +85,7 @@ class Model:
         self.outbox: list[Command] = []
         self.reply: dict[str, Any] | None = None  # this input's answer now (Result.reply)
         self.later = False  # its answer comes with a later command (Result.later)
+        self.refusal: WeightSyncError | None = None  # refused, having ended the sync (Result.refusal)
         self.now = now
         self.spooled: Spooled | None = None
         self.want_rollback = dirty  # a dirty start is repaired from the spool when it can be
@@ -97,8 +98,10 @@ class Model:
         self.group: GroupPlan | None = None  # the collective group syncs reuse
         # sharded pushes' sources' groups, by session
         self.source_groups: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
-        # A sharded push's plan, as its first READY sync carried it out: plan hash -> tensor
-        # -> source. Later syncs with the same plan are checked against it, bucket by bucket.
+        # A sharded push's plan as a READY sync carried it out: plan hash -> tensor -> source.
+        # A sync commits only when what its sources sent hashes to the plan they declared
+        # (messages.shardplan), so this is the declared assignment itself; later syncs with
+        # the same plan are checked against it bucket by bucket (refused before the owner sent).
         self.plans: LRU[int, dict[str, int]] = LRU(MAX_PLANS)
         self._groups = 0
         self._own_syncs = 0
@@ -402,6 +405,16 @@ class Model:
         self.remember_ended(s.sync_id, err.code.value, f"{status}: {err.message}")
         self.sync = None
 
+    def conflict(self, err: WeightSyncError) -> None:
+        """A source's seat claimed by another, or sharded sources that disagree: the running
+        sync fails for every source at once with `err` (each hears it: its parked requests
+        now, its next request with the sync's end), and the input that showed it is refused
+        with `err` too (Result.refusal). During FINALIZING the sources are done: only refused."""
+        if self.state != S.LOADING_BUCKETS:
+            raise err
+        self.close_failed("conflict", err)
+        self.reply, self.later, self.refusal = None, False, err
+
     def close_ready(self, trigger: str) -> None:
         """End the running sync READY: every participant finalized with the same digest."""
         s = self.sync
@@ -410,7 +423,7 @@ class Model:
         self.move(trigger, Outcome.ADVANCE, s)
         digest = next(iter(s.finalized.values())).digest
         if s.senders > 1 and s.plan is not None and s.plan not in self.plans:
-            self.plans[s.plan] = dict(s.names)  # the plan as carried out: replayed and checked
+            self.plans[s.plan] = dict(s.names)  # verified against the plan's hash at the last finish
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
         self.last_ready_version, self.served_digest = s.version, digest

@@ -114,6 +114,7 @@ class GroupPlan:
 class BucketRecord:
     nbytes: int
     forwarded_at: float
+    checksum: int = 0  # as first sent: a resend must carry the same (the same bytes)
     acked_by: set[str] = field(default_factory=set)
     done: bool = False
 
@@ -160,6 +161,9 @@ class SyncRecord:
     seen: dict[int, float] = field(default_factory=dict)
     lost: dict[int, float] = field(default_factory=dict)
     digests: dict[int, str] = field(default_factory=dict)
+    # source -> who holds its seat: ("seat", the begin's token) or ("conn", the connection
+    # that began it without one). Only the holder's begin, buckets and finish are taken.
+    seats: dict[int, tuple[str, object]] = field(default_factory=dict)
     plan: int | None = None  # the sources' assignment (a hash every source's begin carries)
     host: str = ""  # the opening source's host: the one its shared memory was planned for
     # The collective stream (protocol v3): engines receive every bucket from the trainer

@@ -22,6 +22,7 @@ from messages.fanout import max_bucket
 from messages.replies import BeginReply, BucketAck
 from messages.replies import body as reply_body
 from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
+from messages.shardplan import plan_key
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     AckBucket,
@@ -55,16 +56,30 @@ S, E = State, EngineState
 # -- begin ----------------------------------------------------------------------------------
 def begin(m: Model, event: BeginSync) -> None:
     msg, s = event.msg, m.sync
+    claim = _claim(msg.seat, event.conn)
     if msg.sender >= msg.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={msg.senders})")
     if msg.senders > 1 and msg.sync_id in m.ended and (s is None or s.sync_id != msg.sync_id):
         # a source that comes to its sharded sync after it ended hears how it ended, at once
         # (not a new sync it would wait in alone until --sync-timeout)
         m.require_sync(msg.sync_id, f"source {msg.sender}'s begin")
-    if s is not None and s.kind == "sync" and s.version == msg.version and msg.senders > 1 and s.senders > 1:
-        _join(m, s, msg)  # another source of a sharded push: the sync is named for it
+    if s is not None and s.kind == "sync" and msg.senders > 1 and s.senders > 1:
+        if s.version != msg.version:  # the sources of one push disagree on what they push
+            _conflict(
+                m,
+                s,
+                msg.sender,
+                f"began version {msg.version}"
+                + (f" under the same sync_id {s.sync_id!r}" if msg.sync_id == s.sync_id else ""),
+                f"version {s.version}",
+                "version",
+            )
+            return
+        _join(m, s, msg, claim)  # another source of a sharded push: the sync is named for it
         return
     if s is not None and s.sync_id == msg.sync_id and s.version == msg.version and s.kind == "sync":
+        if not _seat_holder(m, s, msg.sender, claim, "begin"):
+            return
         _reply_running(m, s, msg.sender)  # a repeated begin (its reply was lost): answered again
         return
     # the facts the gate's refusal carries when a sync runs (begin is taken only without one)
@@ -118,6 +133,7 @@ def begin(m: Model, event: BeginSync) -> None:
         msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
     )
     s.begun[msg.sender], s.plan, s.host = m.now, msg.plan, msg.host
+    s.seats[msg.sender] = claim
     s.heard(msg.sender, m.now)
     # A sharded push's sources each broadcast from a group of their own (rank 0 the source,
     # the engines after it): a group's broadcast needs every rank in every call, so one group
@@ -218,25 +234,29 @@ def _reply_running(m: Model, s: SyncRecord, sender: int) -> None:
     m.reply = _begin_reply(m, s, repeated=True, sender=sender)
 
 
-def _join(m: Model, s: SyncRecord, msg: Begin) -> None:
+def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> None:
     """A source of a sharded push begins the version another source opened: it takes part
-    in that sync (its reply names the sync_id), once its count and plan agree."""
+    in that sync (its reply names the sync_id), once its count and plan agree and its seat
+    is free or its own. Any disagreement fails the sync for every source (`_conflict`)."""
     if msg.senders != s.senders:
-        raise m.error(
-            ErrorCode.BAD_MESSAGE,
-            f"source {msg.sender} begins version {msg.version} with {msg.senders} sources; sync "
-            f"{s.sync_id!r} was opened with {s.senders}",
-            sync_id_running=s.sync_id,
-        )
+        _conflict(m, s, msg.sender, f"began with {msg.senders} sources", f"{s.senders} sources", "senders")
+        return
     if msg.plan != s.plan:
-        raise m.error(
-            ErrorCode.BAD_MESSAGE,
-            f"source {msg.sender} planned the assignment {msg.plan}, sync {s.sync_id!r} was "
-            f"opened with plan {s.plan}: every source must assign the tensors the same way",
-            sync_id_running=s.sync_id,
+        _conflict(
+            m,
+            s,
+            msg.sender,
+            f"planned the assignment {msg.plan} (every source must assign the tensors the same way)",
+            f"plan {s.plan}",
+            "plan",
         )
-    if msg.sender in s.begun or m.state != S.LOADING_BUCKETS:
-        _reply_running(m, s, msg.sender)  # this source's repeated begin (its reply was lost)
+        return
+    if msg.sender in s.seats:
+        if _seat_holder(m, s, msg.sender, claim, "begin"):
+            _reply_running(m, s, msg.sender)  # this source's repeated begin (its reply was lost)
+        return
+    if m.state != S.LOADING_BUCKETS:
+        _reply_running(m, s, msg.sender)
         return
     group = None
     if s.transport == "collective":  # this source broadcasts from a group of its own
@@ -253,8 +273,68 @@ def _join(m: Model, s: SyncRecord, msg: Begin) -> None:
         m.group_planned(group, shared=False)
         s.groups[msg.sender] = group
     s.begun[msg.sender] = m.now
+    s.seats[msg.sender] = claim
     s.heard(msg.sender, m.now)
     m.reply = _begin_reply(m, s, host=msg.host, sender=msg.sender)
+
+
+# -- a source's seat ------------------------------------------------------------------------
+# Theory of operation: a source's seat (its index in a sync, 0 for a plain push) belongs to
+# whoever began it: the begin's `seat` token (a random number the trainer chooses once and
+# carries in its buckets and finish), or without one the trainer connection it came on. A
+# token survives a reconnect (ZeroMQ gives a reconnected DEALER a new routing identity) and
+# a begin resent after a lost reply; a second process does not know it. A begin, bucket or
+# finish for a held seat from anyone else is a second claim: it could not be told apart
+# from the holder's resend (same seq, same size) and would mix two trainers' bytes, so the
+# sync fails for every source at once (nothing of it is committed), and the claimant is
+# refused with the same error. A sharded begin that disagrees with the running sharded sync
+# (version, sources, plan, or a sync_id begun with another version) ends it the same way:
+# its sources could only ever time out waiting for each other.
+def _claim(seat: int | None, conn: bytes) -> tuple[str, object]:
+    return ("seat", seat) if seat is not None else ("conn", conn)
+
+
+def _seat_holder(m: Model, s: SyncRecord, sender: int, claim: tuple[str, object], what: str) -> bool:
+    """Whether `claim` holds `sender`'s seat of `s` (or nobody does: a rollback's own
+    requests); otherwise the sync fails for every source (False)."""
+    held = s.seats.get(sender)
+    if held is None or held == claim:
+        return True
+    by = "a token" if claim[0] == "seat" else "a connection"
+    _conflict(
+        m,
+        s,
+        sender,
+        f"was claimed by a second {what} from {by} other than the one that began it (two "
+        f"processes push as source {sender}: check each rank's source index)",
+        None,
+        "seat",
+    )
+    return False
+
+
+def _conflict(m: Model, s: SyncRecord, sender: int, what: str, running: str | None, field: str) -> None:
+    """The sync fails for every source, each told what disagreed; the input is refused."""
+    where = f"sync {s.sync_id!r} (version {s.version}, {s.senders} source(s))"
+    sentence = (
+        f"source {sender} {what}, but {where} runs with {running}"
+        if running is not None
+        else f"source {sender} of {where} {what}"
+    )
+    tail = (
+        "the sync failed for every source and nothing of it was committed"
+        if m.state == S.LOADING_BUCKETS
+        else "refused (every source has finished: the sync goes on)"
+    )
+    m.conflict(
+        m.error(
+            ErrorCode.SOURCE_CONFLICT,
+            f"{sentence}; {tail}",
+            source=sender,
+            disagreed=field,
+            sync_id_running=s.sync_id,
+        )
+    )
 
 
 def _begin_reply(
@@ -321,13 +401,21 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"this connection (max_pending {limit}); lower the window",
         )
     m.admit("bucket")
-    _check_route(m, s, event)
     _check_sender(m, s, msg.sender)
+    if not _seat_holder(m, s, msg.sender, _claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"):
+        return
+    _check_route(m, s, event)
     key = (msg.sender, msg.seq)
     rec = s.buckets.get(key)
-    if rec is not None and rec.nbytes != event.nbytes:
+    if rec is not None and (rec.checksum != msg.checksum or rec.nbytes != event.nbytes):
         raise m.error(
-            ErrorCode.BAD_MESSAGE, f"seq {msg.seq} resent with {event.nbytes} bytes, first had {rec.nbytes}"
+            ErrorCode.BAD_MESSAGE,
+            f"source {msg.sender} resent bucket seq {msg.seq} with other bytes (checksum "
+            f"{msg.checksum:#018x}, {event.nbytes} bytes) than it first sent (checksum "
+            f"{rec.checksum:#018x}, {rec.nbytes} bytes): a resend must repeat its bucket; the "
+            f"first stands",
+            source=msg.sender,
+            seq=msg.seq,
         )
     if rec is not None:  # a resend: acknowledged now if every engine applied it, else when they have
         s.heard(msg.sender, m.now)
@@ -341,7 +429,7 @@ def bucket(m: Model, event: BucketIn) -> None:
         _check_owner(m, s, msg)
     m.later = True  # acknowledged once every engine applied it (AckBucket)
     s.heard(msg.sender, m.now)
-    s.buckets[key] = BucketRecord(event.nbytes, m.now)
+    s.buckets[key] = BucketRecord(event.nbytes, m.now, msg.checksum)
     k = s.forwarded.get(msg.sender, -1)
     while (msg.sender, k + 1) in s.buckets:
         k += 1
@@ -561,6 +649,8 @@ def finish(m: Model, event: FinishSync) -> None:
         m.admit("finish", m.ended_note(msg.sync_id), **cause)
     s = m.require_sync(msg.sync_id, "finish")
     _check_sender(m, s, msg.sender)
+    if not _seat_holder(m, s, msg.sender, _claim(msg.seat, event.conn), "finish"):
+        return
     m.later = True  # answered when the sync completes (CompleteSync), unless refused below
     finished = {**s.finished, msg.sender: msg.buckets}
     if len(finished) < s.senders:  # another sender still streams: wait for its finish
@@ -588,8 +678,35 @@ def finish(m: Model, event: FinishSync) -> None:
             missing_count=len(names),
             **({"sources": owed[:64]} if owed else {}),
         )
+    if s.senders > 1 and s.plan is not None and plan_key(s.senders, s.names) != s.plan:
+        _plan_not_carried_out(m, s, msg.sender)
+        return
     _record_finish(m, s, event)
     _commit(m, s, "finish")
+
+
+def _plan_not_carried_out(m: Model, s: SyncRecord, last: int) -> None:
+    """The sources declared `s.plan` (a hash of which source sends which tensor:
+    messages.shardplan) and sent something else: a tensor from a source the plan does not
+    give it, or a planned tensor nobody sent. Fails the sync for every source, before any
+    finalize, naming the tensors where the daemon knows the plan (a READY sync carried it
+    out before)."""
+    planned = m.plans.get(s.plan) if s.plan is not None else None
+    wrong: list[str] = []
+    if planned is not None:
+        wrong = sorted(n for n in {*planned, *s.names} if planned.get(n) != s.names.get(n))
+    sent = {k: sum(1 for v in s.names.values() if v == k) for k in range(s.senders)}
+    _conflict(
+        m,
+        s,
+        last,
+        f"finished last, and the tensors the sources sent (per source: {sent}) are not the "
+        f"assignment their plan {s.plan} declares"
+        + (f": {', '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''} differ" if wrong else "")
+        + " (every source must send exactly the tensors the plan gives it)",
+        None,
+        "plan",
+    )
 
 
 def _commit(m: Model, s: SyncRecord, trigger: str) -> None:

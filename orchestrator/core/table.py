@@ -143,6 +143,22 @@ ROWS: tuple[Row, ...] = (
         "the trainer or an operator aborted a sync that touched an engine: dirty",
     ),
     Row(
+        "conflict",
+        (S.LOADING_BUCKETS,),
+        Outcome.CLEAN,
+        S.READY,
+        "a source's seat was claimed by another token or connection, or a sharded begin "
+        "disagreed with the running sync (version, sources, plan, sync_id), before any engine "
+        "was touched: the sync fails for every source",
+    ),
+    Row(
+        "conflict",
+        (S.LOADING_BUCKETS,),
+        Outcome.DIRTY,
+        S.IDLE,
+        "the same, after an engine was touched: the sync fails for every source, dirty",
+    ),
+    Row(
         "failed",
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,

@@ -86,6 +86,9 @@ class Dispatcher:
         res = self.core.handle(event, time.monotonic())
         if answer is None:
             return res, None
+        if res.refusal is not None and answer.fail is not None:  # refused, having ended the sync
+            fail, err = answer.fail, res.refusal
+            return res, lambda: fail(err)
         if res.reply is not None:
             body = res.reply
             if answer.first:
@@ -169,7 +172,9 @@ class Dispatcher:
         """A begin; what it leaves here (the sync's bucket size and sources, from the reply
         of the begin that opened it; its connection as the owner of the source) is recorded
         only once it opened or joined the running sync: a refused begin leaves nothing."""
-        res = await self.feed(ev.BeginSync(msg), self._trainer(w))
+        res = await self.feed(ev.BeginSync(msg, conn=ident), self._trainer(w))
+        if res.refusal is not None:  # refused, and the running sync failed with it
+            return
         reply = res.reply or {}
         named = str(reply.get("sync_id", msg.sync_id))
         size = reply.get("bucket_bytes")
@@ -214,6 +219,7 @@ class Dispatcher:
             shm_error=shm_error,
             pending=self.inflight.pending_on(w.ident),
             handle=held,  # the bytes ride with the event and its ForwardBucket, nowhere else
+            conn=w.ident,
         )
         del held
         key = (msg.sync_id, (msg.sender, msg.seq))
@@ -231,7 +237,8 @@ class Dispatcher:
     async def finish(self, w: Waiter, msg: schema.Finish) -> None:
         # answered when its sync completes
         await self.feed(
-            ev.FinishSync(msg), self._trainer(w, lambda: self.inflight.finish_waiters[msg.sync_id].append(w))
+            ev.FinishSync(msg, conn=w.ident),
+            self._trainer(w, lambda: self.inflight.finish_waiters[msg.sync_id].append(w)),
         )
 
     async def local_request(

@@ -12,6 +12,7 @@ subclass of its code, carrying the daemon's state and version.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 import uuid
@@ -94,7 +95,12 @@ class TrainerClient:
             keys=keys,
             connect_timeout=connect_timeout,
         )
-        self.stream = Stream(self.conn, sender)
+        # This client's seat token: a source's seat (its begin, buckets and finish) belongs
+        # to the token that began it. A token, not the connection: a reconnected DEALER gets
+        # a new routing identity at the daemon, and the resends that follow must still be
+        # this source's; a begin resent after a lost reply carries the same token.
+        self.seat = secrets.randbits(64)
+        self.stream = Stream(self.conn, sender, self.seat)
         self.rings = ShmRings()
         self.group: TrainerGroup | None = None
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
@@ -182,6 +188,7 @@ class TrainerClient:
                 collective=collective,
                 base=base,
                 bucket_bytes=bucket_bytes,
+                seat=self.seat,
             )
         )
         return decode_reply({"sync_id": sync_id, **body}, BeginReply)
@@ -214,6 +221,7 @@ class TrainerClient:
                 digest=digest,
                 partial=partial,
                 chain=chain,
+                seat=self.seat,
             ),
             self.finish_timeout if timeout is None else timeout,
         )

@@ -6,8 +6,9 @@ others. It balances bytes: tensors from the largest down (name breaking ties) ea
 the source with the fewest bytes so far (the lowest rank breaking ties), the classic
 longest-processing-time rule, within 4/3 of the best split. It is computed once per model
 layout (`ShardPlans` keeps it by the metadata's signature) and replayed at every sync;
-its hash rides in every source's `begin`, and the daemon refuses a source whose plan
-differs from the one the sync was opened with.
+its hash (`messages.shardplan.plan_key`) rides in every source's `begin`: the daemon refuses
+a source whose plan differs from the one the sync was opened with, and fails a sync whose
+sources did not send exactly the tensors the plan gives each.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import xxhash
 
 from messages.bounded import LRU
+from messages.shardplan import plan_key
 
 Meta = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype (as sent), bytes
 
@@ -56,11 +58,7 @@ def plan_shards(metas: Iterable[Meta], world: int) -> ShardPlan:
         owner[name] = r
         loads[r] = load + nbytes
         heapq.heappush(heap, (loads[r], r))
-    h = xxhash.xxh3_64()
-    h.update(f"{world}\0".encode())
-    for name in sorted(owner):
-        h.update(f"{name}\0{owner[name]}\0".encode())
-    return ShardPlan(world, owner, tuple(loads), h.intdigest())
+    return ShardPlan(world, owner, tuple(loads), plan_key(world, owner))
 
 
 def signature(metas: Iterable[Meta], world: int) -> int:

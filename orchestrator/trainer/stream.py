@@ -117,9 +117,10 @@ class _InFlight:
 class Stream:
     """The bucket pipeline of one client: its connection and its sender index."""
 
-    def __init__(self, conn: Connection, sender: int = 0) -> None:
+    def __init__(self, conn: Connection, sender: int = 0, seat: int | None = None) -> None:
         self.conn = conn
         self.sender = sender
+        self.seat = seat  # the client's token: its buckets are taken only from its seat
 
     def bucket_msg(
         self,
@@ -139,6 +140,7 @@ class Stream:
             sender=self.sender,
             shm=shm,
             mac=mac,
+            seat=self.seat,
         )
 
     def broadcast(self, sync_id: str, coll: TrainerGroup, bucket: PackedBucket | _Frame | None) -> None:

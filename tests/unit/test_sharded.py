@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from messages.checksums import add_digests, combine
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import Begin, Bucket, Finalized, Finish, ParamSpec, Register, TensorMeta
+from messages.shardplan import plan_key
 from orchestrator.core import Core, Limits, State
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
@@ -18,6 +19,7 @@ from orchestrator.trainer.shard import ShardPlans, plan_shards
 ENGINES = ("e0", "e1")
 NAMES = ("a", "b", "c", "d")
 SPEC = tuple(ParamSpec(name=n, dtype="float32", shape=(4,)) for n in NAMES)
+PLAN = plan_key(2, {"a": 0, "b": 0, "c": 1, "d": 1})  # the hash of this assignment
 
 
 def new(**lim) -> Core:
@@ -27,16 +29,29 @@ def new(**lim) -> Core:
     return o
 
 
-def begin(o, sender, senders=2, sync_id=None, version=1, plan=None, at=1.0):
+def begin(o, sender, senders=2, sync_id=None, version=1, plan=None, at=1.0, seat=None):
     msg = Begin(
-        sync_id=sync_id or f"own-{sender}", version=version, senders=senders, sender=sender, plan=plan
+        sync_id=sync_id or f"own-{sender}",
+        version=version,
+        senders=senders,
+        sender=sender,
+        plan=plan,
+        seat=sender if seat is None else seat,
     )
     return o.handle(ev.BeginSync(msg), at)
 
 
-def bucket(o, sender, seq, names, at=1.0, size=None):
+def bucket(o, sender, seq, names, at=1.0, size=None, seat=None, checksum=0):
     metas = tuple(TensorMeta(n, "float32", (4,), 64 * i, 16) for i, n in enumerate(names))
-    msg = Bucket(sync_id=o.sync.sync_id, seq=seq, tensors=metas, checksum=0, sender=sender, size=size)
+    msg = Bucket(
+        sync_id=o.sync.sync_id,
+        seq=seq,
+        tensors=metas,
+        checksum=checksum,
+        sender=sender,
+        size=size,
+        seat=sender if seat is None else seat,
+    )
     return o.handle(ev.BucketIn(msg, 64 * len(names)), at)
 
 
@@ -45,10 +60,11 @@ def applied(o, sender, seq):
         o.handle(ev.Loaded(e, o.sync.sync_id, (sender, seq)), 1.0)
 
 
-def finish(o, sender, n, digest=None):
-    return o.handle(
-        ev.FinishSync(Finish(sync_id=o.sync.sync_id, buckets=n, sender=sender, digest=digest)), 1.0
+def finish(o, sender, n, digest=None, partial=False):
+    msg = Finish(
+        sync_id=o.sync.sync_id, buckets=n, sender=sender, digest=digest, partial=partial, seat=sender
     )
+    return o.handle(ev.FinishSync(msg), 1.0)
 
 
 def test_the_second_source_joins_the_sync_the_first_opened_under_its_name():
@@ -62,16 +78,27 @@ def test_the_second_source_joins_the_sync_the_first_opened_under_its_name():
     assert view["senders"] == 2 and [x["begun"] for x in view["sources"]] == [True, True]
 
 
-@pytest.mark.parametrize("field", ["senders", "plan"])
-def test_a_source_that_disagrees_on_the_count_or_the_plan_is_refused(field):
+@pytest.mark.parametrize("field", ["senders", "plan", "version", "sync_id"])
+def test_a_source_that_disagrees_on_the_count_the_plan_or_the_version_fails_the_sync_for_all(field):
+    """Each source hears what disagreed at once (the opener no longer waits for --sync-timeout)."""
     o = new()
     begin(o, 0, senders=2, plan=7)
-    kw = {"senders": 3} if field == "senders" else {"plan": 8}
-    with pytest.raises(WeightSyncError) as ei:
-        begin(o, 1, **{"senders": 2, "plan": 7, **kw})
-    word = "3 sources" if field == "senders" else "plan 7"
-    assert ei.value.code is ErrorCode.BAD_MESSAGE and word in ei.value.message
-    assert sorted(o.sync.begun) == [0]  # nothing changed
+    kw = {"senders": 3, "plan": 8, "version": 2, "sync_id": "own-0"}
+    extra = {"version": 2} if field == "sync_id" else {}  # the opener's sync_id, another version
+    res = begin(o, 1, **{"senders": 2, "plan": 7, field: kw[field], **extra})
+    word = {
+        "senders": "3 sources",
+        "plan": "plan 7",
+        "version": "began version 2",
+        "sync_id": "began version 2 under the same sync_id 'own-0'",
+    }[field]
+    err = res.refusal
+    assert err is not None and err.code is ErrorCode.SOURCE_CONFLICT and word in err.message
+    assert err.details["disagreed"] == ("version" if field == "sync_id" else field)
+    assert err.details["source"] == 1
+    assert o.sync is None and o.last_sync["code"] == "SOURCE_CONFLICT"
+    done = [c for c in res.commands if isinstance(c, cmd.CompleteSync)]
+    assert [c.error for c in done] == [err]  # the opener's parked requests hear the same
 
 
 def test_a_bucket_of_a_source_that_has_not_begun_is_refused():
@@ -231,6 +258,7 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
                     sender=k,
                     transport="collective",
                     collective=offer(k),
+                    seat=k,
                 )
             ),
             1.0,
@@ -271,13 +299,13 @@ def _ready(o, version, parts, plan):
 
 def test_later_syncs_with_a_plan_are_checked_against_it_as_first_carried_out():
     o = new()
-    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=42)
-    assert o.plans[42] == {"a": 0, "b": 0, "c": 1, "d": 1}
-    begin(o, 0, version=2, plan=42, sync_id="v2")
-    begin(o, 1, version=2, plan=42, sync_id="v2")
+    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=PLAN)
+    assert o.plans[PLAN] == {"a": 0, "b": 0, "c": 1, "d": 1}
+    begin(o, 0, version=2, plan=PLAN, sync_id="v2")
+    begin(o, 1, version=2, plan=PLAN, sync_id="v2")
     with pytest.raises(WeightSyncError) as ei:  # "a" is source 0's: refused before source 0 sent it
         bucket(o, 1, 0, ["c", "a"])
-    assert ei.value.code is ErrorCode.DUPLICATE_TENSOR and "plan 42 gives source 0" in ei.value.message
+    assert ei.value.code is ErrorCode.DUPLICATE_TENSOR and f"plan {PLAN} gives source 0" in ei.value.message
     assert ei.value.details["other_source"] == 0 and (1, 0) not in o.sync.buckets
     bucket(o, 0, 0, ["a", "b"])
     bucket(o, 1, 0, ["c"])  # source 1 leaves "d" out
@@ -292,8 +320,100 @@ def test_later_syncs_with_a_plan_are_checked_against_it_as_first_carried_out():
 
 def test_another_plan_is_not_checked_against_the_first():
     o = new()
-    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=42)
+    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=PLAN)
     begin(o, 0, version=2, plan=7, sync_id="v2")
     begin(o, 1, version=2, plan=7, sync_id="v2")
     bucket(o, 1, 0, ["a", "b"])  # plan 7 gives them to source 1: taken
     assert (1, 0) in o.sync.buckets
+
+
+# -- a source is who began it ----------------------------------------------------------------
+@pytest.mark.parametrize("how", ["begin", "bucket", "finish"])
+def test_a_second_claim_on_a_sources_seat_fails_the_sync_for_every_source(how):
+    """Another token's begin, bucket or finish for a held seat: refused SOURCE_CONFLICT naming
+    the source, the sync failed (nothing forwarded from the claimant), not taken over."""
+    o = new()
+    begin(o, 0)
+    begin(o, 1)
+    bucket(o, 1, 0, ["c"])
+    assert begin(o, 1, seat=1).reply["repeated"]  # the holder's own resend: answered again
+    if how == "begin":
+        res = begin(o, 1, seat=99)
+    elif how == "bucket":
+        res = bucket(o, 1, 0, ["c"], seat=99)  # "resends" seq 0, same size
+    else:
+        msg = Finish(sync_id=o.sync.sync_id, buckets=1, sender=1, seat=99)
+        res = o.handle(ev.FinishSync(msg), 1.0)
+    err = res.refusal
+    assert err is not None and err.code is ErrorCode.SOURCE_CONFLICT, res
+    assert "source 1 of sync 'own-0'" in err.message and "two processes push as source 1" in err.message
+    assert err.details["disagreed"] == "seat" and err.details["source"] == 1
+    assert not any(isinstance(c, cmd.ForwardBucket) for c in res.commands)
+    assert o.sync is None and o.last_sync["code"] == "SOURCE_CONFLICT"
+
+
+def test_without_a_token_a_seat_belongs_to_the_connection_that_began_it():
+    o = new()
+    o.handle(ev.BeginSync(Begin(sync_id="s", version=1, senders=2, sender=0), conn=b"A"), 1.0)
+    o.handle(ev.BeginSync(Begin(sync_id="t", version=1, senders=2, sender=1), conn=b"B"), 1.0)
+    again = o.handle(ev.BeginSync(Begin(sync_id="t", version=1, senders=2, sender=1), conn=b"B"), 1.0)
+    assert again.reply["repeated"]
+    res = o.handle(ev.BeginSync(Begin(sync_id="u", version=1, senders=2, sender=1), conn=b"C"), 1.0)
+    assert res.refusal is not None and res.refusal.code is ErrorCode.SOURCE_CONFLICT
+    assert "from a connection other than" in res.refusal.message and o.sync is None
+
+
+def test_a_resent_bucket_is_compared_by_checksum_not_size():
+    """The same size with other bytes is refused; the first bucket stands, still pending."""
+    o = new()
+    begin(o, 0)
+    begin(o, 1)
+    bucket(o, 0, 0, ["a"], checksum=5)
+    with pytest.raises(WeightSyncError) as ei:
+        bucket(o, 0, 0, ["a"], checksum=6)
+    assert (
+        ei.value.code is ErrorCode.BAD_MESSAGE and "resent bucket seq 0 with other bytes" in ei.value.message
+    )
+    assert o.sync.buckets[(0, 0)].checksum == 5
+    assert bucket(o, 0, 0, ["a"], checksum=5).later  # a true resend: acked when applied
+
+
+def test_sources_that_did_not_send_what_their_plan_declares_fail_even_partial():
+    """Ownership comes from the plan the sources declared (its hash), not from a first READY
+    sync: a partial push whose sources swapped a tensor never commits."""
+    o = new()
+    plan = plan_key(2, {"a": 0, "b": 1})
+    begin(o, 0, plan=plan)
+    begin(o, 1, plan=plan)
+    bucket(o, 0, 0, ["b"])  # the plan gives "b" to source 1 and "a" to source 0
+    bucket(o, 1, 0, ["a"])
+    applied(o, 0, 0)
+    applied(o, 1, 0)
+    finish(o, 0, 1, partial=True)
+    res = finish(o, 1, 1, partial=True)
+    assert res.refusal is not None and res.refusal.code is ErrorCode.SOURCE_CONFLICT
+    assert f"plan {plan}" in res.refusal.message and res.refusal.details["disagreed"] == "plan"
+    assert not any(isinstance(c, cmd.SendFinalize) for c in res.commands)
+    assert o.sync is None and o.plans == {}  # a wrong map is never kept
+
+
+def test_a_plan_carried_out_as_declared_commits_and_is_kept():
+    o = new()
+    _ready(o, 1, [["a", "b"], ["c", "d"]], plan=PLAN)
+    assert o.state is State.READY and o.plans[PLAN] == {"a": 0, "b": 0, "c": 1, "d": 1}
+
+
+def test_a_second_claim_once_every_source_finished_is_refused_and_the_commit_goes_on():
+    o = new()
+    for k in (0, 1):
+        begin(o, k)
+    for k, names in enumerate([["a", "b"], ["c", "d"]]):
+        bucket(o, k, 0, names)
+        applied(o, k, 0)
+    for k in (0, 1):
+        finish(o, k, 1)
+    assert o.state is State.FINALIZING
+    with pytest.raises(WeightSyncError) as ei:
+        begin(o, 1, seat=99)
+    assert ei.value.code is ErrorCode.SOURCE_CONFLICT and "the sync goes on" in ei.value.message
+    assert o.state is State.FINALIZING and o.sync is not None
