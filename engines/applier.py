@@ -406,6 +406,9 @@ class Applier(threading.Thread):
                     done = self.pieces.add(m, buf)
                 except MessageError as exc:
                     raise WeightSyncError(exc.reason, code=exc.code) from None
+                # its second pass: copied into the whole tensor, hashed for its digest part
+                p = self.pieces.passed
+                self._add("assemble", p.copy_s + p.hash_s, p.hashed)
                 if done is not None:
                     meta, data, part = done
                     self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})

@@ -368,6 +368,7 @@ class Assembler:
     yet complete: one at a time from one sender, since a sender's pieces are consecutive."""
 
     def __init__(self) -> None:
+        self.passed = Passed(0.0, 0.0, 0, 0)  # what the last `add` copied and hashed
         self._open: dict[
             str, tuple[TensorMeta, torch.Tensor, Any, int]
         ] = {}  # name -> meta, bytes, hasher, got
@@ -398,7 +399,7 @@ class Assembler:
                 f"of {whole.dtype}{list(whole.shape)} was due",
             )
         src = flat_bytes(buf)[m.offset : m.offset + m.nbytes]
-        copy_hashing(data[got : got + m.nbytes], src, hasher)
+        self.passed = copy_hashing(data[got : got + m.nbytes], src, hasher)
         got += m.nbytes
         if got < full:
             self._open[m.name] = (whole, data, hasher, got)
