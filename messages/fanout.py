@@ -56,26 +56,28 @@ Kind = Literal["inline", "shm"]
 def window_cap(queue_bytes: int | None, bucket_bytes: int, max_pending: int) -> int:
     """The most buckets of `bucket_bytes` a trainer keeps unacknowledged when the daemon's
     fan-out may queue `queue_bytes` per connection (None: no fan-out, `max_pending`):
-    `queue_len` of it must fit the budget."""
+    `queue_len` of it, and the one frame the daemon is receiving or forwarding besides,
+    must fit the budget."""
     if queue_bytes is None:
         return max(1, max_pending)
-    fits = queue_bytes // max(bucket_bytes, 1)
+    fits = queue_bytes // max(bucket_bytes, 1) - 1
     return max(1, min(max_pending, (fits - 2) // 2))
 
 
 def max_bucket(queue_bytes: int, sources: int = 1) -> int:
     """The largest bucket a sync of `sources` may cut when each connection may queue
     `queue_bytes`: with every source's window at its floor of one bucket, the queue its
-    participants need (`queue_len(sources)`) must fit the budget."""
-    return max(1, queue_bytes // queue_len(max(1, sources)))
+    participants need (`queue_len(sources)`), and the frame in flight besides, must fit
+    the budget."""
+    return max(1, queue_bytes // (queue_len(max(1, sources)) + 1))
 
 
 def sync_queue(queue_bytes: int, bucket_bytes: int, sources: int, max_pending: int) -> tuple[int, int]:
     """(each source's window cap, the queue a connection needs in messages) for a sync of
     `sources`, each cutting buckets of at most `bucket_bytes` (<= `max_bucket`) with
     `max_pending` requests of its own: the sources share the budget, and a participant's
-    queue holds the sync's open and every source's window. Then queue x bucket_bytes <=
-    queue_bytes (tests/unit/test_fanout_rule.py checks it over sources and sizes)."""
+    queue holds the sync's open and every source's window. Then (queue + 1) x
+    bucket_bytes <= queue_bytes (tests/unit/test_fanout_rule.py checks it over sources and sizes)."""
     sources = max(1, sources)
     cap = window_cap(queue_bytes // sources, bucket_bytes, max_pending)
     return cap, queue_len(cap * sources)

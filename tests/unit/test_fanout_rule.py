@@ -35,12 +35,12 @@ def test_the_queue_holds_every_sources_window_and_stays_within_the_budget(
     cap, queue = sync_queue(budget, cut, sources, per_source)
     assert 1 <= cap <= per_source
     assert queue >= 2 * (cap * sources + 1)  # a participant: open + every window, twice over
-    assert queue * cut <= budget  # a non-reader: in bytes, whatever the tensors (split)
+    assert (queue + 1) * cut <= budget  # a non-reader + the frame in flight, in bytes (split)
 
 
 def test_eight_sources_at_16_mib_are_cut_to_what_the_default_budget_holds():
     cut = min(16 * MiB, max_bucket(192 * MiB, 8))
-    assert cut == 192 * MiB // queue_len(8) and cut < 11 * MiB
+    assert cut == 192 * MiB // (queue_len(8) + 1) and cut < 11 * MiB
 
 
 def _core(fanout_bytes=192 * MiB):
@@ -50,7 +50,7 @@ def _core(fanout_bytes=192 * MiB):
 
 
 @pytest.mark.parametrize(
-    "asked,senders,cut", [(64 * MiB, 1, 48 * MiB), (16 * MiB, 1, 16 * MiB), (None, 8, 192 * MiB // 18)]
+    "asked,senders,cut", [(64 * MiB, 1, 192 * MiB // 5), (16 * MiB, 1, 16 * MiB), (None, 8, 192 * MiB // 19)]
 )
 def test_the_begin_reply_says_the_bucket_size_the_daemon_takes(asked, senders, cut):
     o = _core()
