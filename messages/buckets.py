@@ -137,14 +137,8 @@ class Piece:
         """Copy the piece's bytes into `dst`, hashed for its own part and the tensor's."""
         if isinstance(self.src, Cast):  # cast this piece's elements straight into dst
             size = self.dtype.itemsize
-            t0 = time.perf_counter()
             flat = self.src.src.detach().reshape(-1)[self.start // size : (self.start + self.nbytes) // size]
-            dst.view(self.dtype).copy_(flat)
-            t1 = time.perf_counter()
-            v = _buffer(dst)
-            hasher.update(v)
-            self.full.update(v)
-            return Passed(t1 - t0, time.perf_counter() - t1, dst.numel(), 2 * v.nbytes)
+            return cast_hashing(dst, flat, self.dtype, hasher, self.full)
         return copy_hashing(dst, self.src[self.start : self.start + self.nbytes], hasher, self.full)
 
 
@@ -235,6 +229,18 @@ def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> Passed:
     return Passed(copying, hashing, copied, hashed)
 
 
+def cast_hashing(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype, *hashers: Any) -> Passed:
+    """dst[:] = src cast to `dtype` (dst: flat uint8 of src's elements at that dtype), in
+    one casting copy, then each hasher fed dst's bytes (a `Cast`, whole or a piece)."""
+    t0 = time.perf_counter()
+    dst.view(dtype).copy_(src)
+    t1 = time.perf_counter()
+    v = _buffer(dst)
+    for h in hashers:
+        h.update(v)
+    return Passed(t1 - t0, time.perf_counter() - t1, dst.numel(), len(hashers) * v.nbytes)
+
+
 def _pack(
     seq: int,
     items: list[tuple[str, Item]],
@@ -267,14 +273,9 @@ def _pack(
             copying, hashing = copying + done.copy_s, hashing + done.hash_s
             copied, hashed = copied + done.copied, hashed + done.hashed
         elif isinstance(t, Cast):  # the casting copy writes the bucket itself
-            t0 = time.perf_counter()
-            dst.view(t.dtype).copy_(t.src.detach().reshape(-1))
-            copied += dst.numel()
-            t1 = time.perf_counter()
-            v = _buffer(dst)
-            h.update(v)
-            hashed += v.nbytes
-            copying, hashing = copying + t1 - t0, hashing + time.perf_counter() - t1
+            done = cast_hashing(dst, t.src.detach().reshape(-1), t.dtype, h)
+            copying, hashing = copying + done.copy_s, hashing + done.hash_s
+            copied, hashed = copied + done.copied, hashed + done.hashed
         else:
             done = copy_hashing(dst, t.data if isinstance(t, Patched) else as_bytes(t), h)
             copying, hashing = copying + done.copy_s, hashing + done.hash_s
