@@ -527,6 +527,8 @@ class Applier(threading.Thread):
             time.sleep(self.failpoints["finalize_sleep"])
         digest = self.engine.finalize(msg.sync_id)
         self.base.commit()  # what this sync loaded is the base of the next delta
+        if self.prefetcher is not None:  # the groups kept open: this sync's, one per source
+            self.prefetcher.keep_used(msg.sync_id)
         t1 = time.perf_counter()
         probes = self.engine.probe(msg.probes) if msg.probes else ()
         seconds = time.perf_counter() - t0

@@ -24,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -141,7 +142,16 @@ def holder_id(name: str = "holding", rank: int | None = None) -> str:
     if rank is None:
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return f"{socket.gethostname()}-{name}-{rank}"[:MAX_ID_LEN]
+    tail = f"-{name}-{rank}"
+    return _id_part(socket.gethostname(), MAX_ID_LEN - len(tail)) + tail
+
+
+def _id_part(text: str, limit: int) -> str:
+    """`text` made a valid start of an engine id (schema.Id): characters outside
+    [A-Za-z0-9._:@+-] become '-', a leading dot or dash goes, at most `limit` long; "host"
+    when nothing is left (a host name may be empty, long, or hold spaces)."""
+    part = re.sub(r"[^A-Za-z0-9._:@+-]", "-", text).lstrip(".-")[: max(limit, 1)]
+    return part or "host"
 
 
 class HoldingReceiver:

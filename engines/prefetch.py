@@ -56,6 +56,10 @@ class Prefetcher(threading.Thread):
     def close_group(self) -> None:
         self._jobs.put(("close", None, None))
 
+    def keep_used(self, sync_id: str) -> None:
+        """Once the receives queued before it ran: close the groups `sync_id` did not use."""
+        self._jobs.put(("keep", sync_id, None))
+
     def stop(self) -> None:
         self._jobs.put(None)
 
@@ -64,6 +68,9 @@ class Prefetcher(threading.Thread):
             kind, msg, fut = job
             if kind == "stream":
                 self._stream(*msg)
+                continue
+            if kind == "keep":
+                self.member.keep_used(msg)
                 continue
             if kind == "close" or fut is None:
                 self.member.close()

@@ -416,6 +416,18 @@ class Member:
         g.wait(started, give_up=give_up)
         return view
 
+    def keep_used(self, sync: str) -> int:
+        """`sync` finished (every source sent all of its buckets): close the groups it did
+        not use, so the groups kept open are this sync's, one per source that is still
+        pushing (a source that went away, or the stores of an earlier layout, keep none).
+        How many closed; none when `sync` is not the one received last."""
+        if sync != self._sync:
+            return 0
+        gone = [store for store in self.groups if store not in self._in_use]
+        for store in gone:
+            self._evicted(store, self.groups.pop(store))
+        return len(gone)
+
     def close(self) -> None:
         for g in self.groups.values():
             self._dead.add(g.spec.id)

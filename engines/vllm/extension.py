@@ -346,6 +346,8 @@ class WeightSyncExtension:
         self._ws_end_reload()
         st.finalized.add(a["sync_id"])
         st.finalize_count += 1
+        if st.member is not None:  # the groups kept open: this sync's, one per source
+            st.member.keep_used(a["sync_id"])
         st.digest = st.digester.hexdigest()
         return {**self.ws_info(), "duplicate": False, "seconds": time.perf_counter() - t0}
 

@@ -21,7 +21,7 @@ import pytest
 from examples.tiny import perturbed
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, WeightSyncError
-from tests.integration.helpers import FAST_DAEMON, STALLING_TRAINER, running_daemon
+from tests.integration.helpers import HANG_DAEMON, STALLING_TRAINER, running_daemon
 
 pytestmark = pytest.mark.slow
 BUCKET = 128 * 1024
@@ -64,7 +64,7 @@ def row(cluster, scenario, *, code, want_digest, t0, spool=True, note=""):
 
 
 def spool_args(tmp_path, *extra):
-    return [*FAST_DAEMON, "--spool", str(tmp_path / "spool"), *extra]
+    return [*HANG_DAEMON, "--spool", str(tmp_path / "spool"), *extra]
 
 
 def push(client, state, v, **kw):
@@ -237,7 +237,7 @@ def test_trainer_sigkill_mid_sync_is_seen_and_rolls_back(tmp_path, tiny_model_di
 
 @pytest.mark.parametrize("spool", [True, False], ids=["spool", "no-spool"])
 def test_daemon_sigkill_mid_sync_then_restart(tmp_path, tiny_model_dir, tiny_state, matrix_row, spool):
-    args = spool_args(tmp_path) if spool else FAST_DAEMON
+    args = spool_args(tmp_path) if spool else HANG_DAEMON
     with running_daemon(tmp_path, tiny_model_dir, daemon_args=args) as c:
         with c.client(timeout=30.0) as client:
             r1, d1 = push(client, tiny_state, 1)

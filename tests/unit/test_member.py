@@ -97,3 +97,20 @@ def test_a_group_the_running_sync_used_is_never_closed_under_it(three_groups):
     assert len(m.groups) == 4 and g0.closed == g3.closed == []
     m.ensure(ref[5], sync="s3")  # s2 ended: the group it held over the limit goes
     assert len(m.groups) == 3 and g0.closed == [1] and g3.closed == []
+
+
+def test_a_finished_sync_keeps_only_its_own_groups_open(three_groups):
+    """Open groups <= live sources: once a sync finished (every source sent everything), the
+    groups it did not use (a source that went away, an earlier layout's stores) close, and
+    its own stay open for the next push; a sync that is not the one received last closes
+    nothing (a late answer must not close the running sync's groups)."""
+    ref, m = three_groups, Member()
+    g0, g1, g2 = (m.ensure(ref[p], sync="s1") for p in range(3))  # three sources
+    m.ensure(ref[0], sync="s2")  # the next version has two: stores 0 and 2
+    m.ensure(ref[2], sync="s2")
+    assert m.keep_used("s1") == 0 and len(m.groups) == 3  # not the sync received last
+    assert m.keep_used("s2") == 1
+    assert g1.closed == [1] and g0.closed == g2.closed == []
+    assert set(m.groups) == {("127.0.0.1", 0), ("127.0.0.1", 2)}
+    with pytest.raises(CollectiveError, match="not joined again"):
+        m.ensure(ref[1], sync="s3")  # a closed group is never joined again
