@@ -229,8 +229,20 @@ class Worker:
                     self._rehash_sent = self._rehash_asked
                     applier.rehash(self._rehash_sent)
                 if self.fanout.sock is not None and self.fanout.sock in events:
+                    dropped = self.fanout.dropped
                     for load, payload in self.fanout.recv_all():
                         self._on_load(load, payload, applier)
+                    if self.fanout.dropped != dropped and self.fanout.last_dropped is not None:
+                        sync_id, sender, seq, why = self.fanout.last_dropped
+                        log.info(
+                            "published_buckets_not_taken",
+                            count=self.fanout.dropped - dropped,
+                            total=self.fanout.dropped,
+                            sync_id=sync_id,
+                            sender=sender,
+                            seq=seq,
+                            reason=why,
+                        )
                 if sock in events:
                     for _ in range(256):
                         try:
@@ -355,6 +367,7 @@ class Worker:
 
     def _on_load(self, msg: schema.Load, payload: list[Any], applier: Applier) -> None:
         """A bucket, sent to this engine or published to all."""
+        log.debug("bucket_received", sync_id=msg.sync_id, sender=msg.sender, seq=msg.seq)
         self._do(self.state.feed(msg, payload[0] if payload else None), applier)
 
     def _on_message(self, frames: list[Any], applier: Applier) -> None:

@@ -153,6 +153,7 @@ class Receiver:
         self.ended: deque[str] = deque(maxlen=ENDED)
         self.refused = 0  # published messages that did not decode
         self.dropped = 0  # published buckets this engine does not take
+        self.last_dropped: tuple[str, int, int, str] | None = None  # (sync, sender, seq, why)
 
     def open(self, announced: str, daemon: str, poller: zmq.Poller) -> zmq.Socket[Any] | None:
         """Subscribe at the announced fan-out, polled by `poller` (the old socket leaves
@@ -204,12 +205,19 @@ class Receiver:
             self.intervals[msg.sync_id] = msg.report_interval
             self.takes[msg.sync_id] = "inline" if me in msg.inline else "shm" if me in msg.shm else None
             return None
-        if (
-            not isinstance(msg, schema.Load)
-            or msg.sync_id in self.ended
-            or self.takes.get(msg.sync_id) != kind_of(msg)
-        ):
+        if not isinstance(msg, schema.Load):
             self.dropped += 1
+            return None
+        why = (
+            "its sync ended here"
+            if msg.sync_id in self.ended
+            else "no open of its sync named this engine for it"
+            if self.takes.get(msg.sync_id) != kind_of(msg)
+            else None
+        )
+        if why is not None:
+            self.dropped += 1
+            self.last_dropped = (msg.sync_id, msg.sender, msg.seq, why)
             return None
         return msg, decoded.payload
 

@@ -342,6 +342,7 @@ class Effects:
             "bucket_forwarded",
             sync_id=m.sync_id,
             seq=m.seq,
+            sender=m.sender,
             nbytes=m.shm.size if m.shm else len(p.frame),
             engines=len(c.engine_ids),
             shm_engines=len(shm_engines),

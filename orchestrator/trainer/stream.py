@@ -80,7 +80,10 @@ class WindowSizer:
         self._last = now
         if self.gap is not None and self.gap > 0:
             need = math.ceil(self.min_rtt / self.gap) + 1
-            self.size = max(2, min(self.limit, need))
+            # at least two (one acked while the next crosses), never past the limit: the
+            # daemon's cap is what its fan-out queue is sized for (a window of 1 that grew
+            # to 2 made 8 sources overrun it and lose buckets)
+            self.size = min(self.limit, max(2, need))
 
 
 @dataclass(slots=True)

@@ -209,3 +209,56 @@ def test_tensors_larger_than_a_bucket_cost_a_frozen_engines_daemon_the_budget(tm
         print(f"bucket {bucket_bytes >> 20} MiB (cut at {cut >> 20}): the daemon grew {grew >> 20} MiB")
         assert grew <= FANOUT_BUDGET + cut, f"the daemon grew {grew >> 20} MiB over four pushes"
         assert c.status()["state"] == "READY"
+
+
+def test_eight_sources_fill_their_windows_on_a_stopped_engine_and_still_commit(tmp_path):
+    """8 sources of one sharded inline push with 16 MiB buckets: the daemon cuts the sync's
+    buckets so that open + every source's window fits its queue twice over in messages and
+    the budget in bytes (messages.fanout.sync_queue: 192 MiB / 18 messages -> 10.7 MiB
+    buckets). One engine is SIGSTOPped until every source's window waits on it, then
+    SIGCONTed: READY on both engines with the trainer's digest, three times in a row.
+
+    It failed 6 runs of 36 before the trainer's automatic window kept to the
+    daemon's cap: its floor of 2 overrode a cap of 1, so 8 sources kept 16 buckets in
+    flight where the queue was sized for 8, and the XPUB dropped the last ones published
+    for whichever engine read slowest (a missing piece, or a bucket never acknowledged)."""
+    import threading
+
+    spec = synthetic_spec(256 << 20, tensor_bytes=16 << 20)
+    model = write_spec(tmp_path / "sink", spec)
+    c = Cluster(tmp_path / "d", model, engines=2, backend="sink", daemon_args=["--log-level", "info"])
+    sources = 8
+    with c:
+        slow = next(p for p in c.procs if p.name == "engine-1")
+        for version in (1, 2, 3):
+            weights = list(random_weights(spec, seed=version))
+            out: dict[int, object] = {}
+
+            def run(k: int, v: int = version, w: list = weights) -> None:
+                try:
+                    with c.client(timeout=60.0, retries=0) as client:
+                        out[k] = client.push(w[k::sources], v, transport="inline", source=(k, sources))
+                except Exception as exc:  # reported below
+                    out[k] = exc
+
+            os.kill(slow.popen.pid, signal.SIGSTOP)
+            threads = [threading.Thread(target=run, args=(k,)) for k in range(sources)]
+            try:
+                for t in threads:
+                    t.start()
+                wait_for(
+                    lambda: c.status()["queues"]["unacked_bucket_requests"] >= sources,
+                    60,
+                    "every source's window waits on the stopped engine",
+                )
+            finally:
+                os.kill(slow.popen.pid, signal.SIGCONT)
+            for t in threads:
+                t.join(120)
+            errors = [r for r in out.values() if isinstance(r, Exception)]
+            assert not errors and len(out) == sources, errors
+            results = list(out.values())
+            assert {r.state for r in results} == {"READY"}  # type: ignore[attr-defined]
+            r0 = results[0]
+            assert len(r0.engines) == 2 and {e["digest"] for e in r0.engines} == {r0.digest}  # type: ignore[attr-defined]
+            assert r0.detail["bucket_bytes"] <= (192 << 20) // 19  # type: ignore[attr-defined]

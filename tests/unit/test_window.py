@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from orchestrator.trainer.stream import MAX_WINDOW, WindowSizer, window_limit
 
 
@@ -41,3 +44,19 @@ def test_the_ceiling_keeps_window_times_bucket_bounded():
     assert window_limit(None, 64 << 20) == 2
     assert window_limit(None, 1 << 30) == 2
     assert window_limit(3, 1 << 30) == 3
+
+
+@given(
+    limit=st.integers(1, 64),
+    rtt=st.floats(1e-6, 10.0),
+    gap=st.floats(1e-6, 10.0),
+    n=st.integers(1, 30),
+)
+def test_the_automatic_window_never_passes_the_daemons_cap(limit, rtt, gap, n):
+    """The cap the daemon's begin reply allows (messages.fanout.window_cap, which its fan-out
+    queue is sized for) holds whatever the acks measure, a cap of 1 included: the window's
+    floor of 2 once used to override it, and 8 sources at a cap of 1 each kept 2 buckets
+    in flight, overran the queue and lost buckets (tests/integration/test_fanout_bound.py)."""
+    s = WindowSizer(None, limit)
+    assert s.size <= limit
+    assert feed(s, rtt, gap, n) <= limit
