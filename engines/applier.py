@@ -403,14 +403,14 @@ class Applier(threading.Thread):
                 if m.start is None:
                     continue
                 try:
-                    done = self.pieces.add(m, buf)
+                    added = self.pieces.add(m, buf)
                 except MessageError as exc:
                     raise WeightSyncError(exc.reason, code=exc.code) from None
                 # its second pass: copied into the whole tensor, hashed for its digest part
-                p = self.pieces.passed
+                p = added.passed
                 self._add("assemble", p.copy_s + p.hash_s, p.hashed)
-                if done is not None:
-                    meta, data, part = done
+                if added.whole is not None:
+                    meta, data, part = added.whole
                     self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
                     del data
             return

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from messages.checksums import bucket_hash, checksum_of, combine, part_hasher
-from messages.dtypes import DTYPES, dtype_name
+from messages.dtypes import DTYPES, dtype_name, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
@@ -363,24 +363,31 @@ def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.T
         yield m.name, t.view(m.shape) if m.shape else t.reshape(())
 
 
+class Added(NamedTuple):
+    """One piece taken in: what copying and hashing it cost (its second pass over the
+    bytes), and the whole tensor once this was its last piece (its meta, its bytes, its
+    digest part), else None."""
+
+    passed: Passed
+    whole: tuple[TensorMeta, torch.Tensor, bytes] | None
+
+
 class Assembler:
     """A receiver's tensors larger than a bucket, assembled from their pieces (in order,
     one bucket each) before anything loads them. Holds at most the tensors begun and not
     yet complete: one at a time from one sender, since a sender's pieces are consecutive."""
 
     def __init__(self) -> None:
-        self.passed = Passed(0.0, 0.0, 0, 0)  # what the last `add` copied and hashed
         self._open: dict[
             str, tuple[TensorMeta, torch.Tensor, Any, int]
         ] = {}  # name -> meta, bytes, hasher, got
 
-    def add(self, m: TensorMeta, buf: Any) -> tuple[TensorMeta, torch.Tensor, bytes] | None:
-        """A piece (`m.start` set; its bytes at m.offset of `buf`): copied in; the whole
-        tensor (a bucket of it alone: its meta, its bytes, its digest part) once its last
-        piece is in, else None. A piece out of order, or not matching the tensor begun, is
-        a BAD_MESSAGE (the codec has bounded it already)."""
+    def add(self, m: TensorMeta, buf: Any) -> Added:
+        """A piece (`m.start` set; its bytes at m.offset of `buf`) copied in (`Added`). A
+        piece out of order, or not matching the tensor begun, is a BAD_MESSAGE (the codec
+        has bounded it already)."""
         start = m.start or 0
-        full = _nbytes(m)
+        full = tensor_nbytes(m.dtype, m.shape)
         held = self._open.get(m.name)
         if held is None:
             if start:
@@ -400,13 +407,13 @@ class Assembler:
                 f"of {whole.dtype}{list(whole.shape)} was due",
             )
         src = flat_bytes(buf)[m.offset : m.offset + m.nbytes]
-        self.passed = copy_hashing(data[got : got + m.nbytes], src, hasher)
+        passed = copy_hashing(data[got : got + m.nbytes], src, hasher)
         got += m.nbytes
         if got < full:
             self._open[m.name] = (whole, data, hasher, got)
-            return None
+            return Added(passed, None)
         self._open.pop(m.name, None)
-        return whole, data, hasher.digest()
+        return Added(passed, (whole, data, hasher.digest()))
 
     def incomplete(self) -> list[str]:
         """Tensors begun and not complete, as 'name (got/total bytes)'."""
@@ -414,13 +421,6 @@ class Assembler:
 
     def clear(self) -> None:
         self._open.clear()
-
-
-def _nbytes(m: TensorMeta) -> int:
-    n = 1
-    for d in m.shape:
-        n *= d
-    return n * int(DTYPES[m.dtype].itemsize)
 
 
 def has_pieces(metas: Sequence[TensorMeta]) -> bool:

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from messages import schema
-from messages.dtypes import ITEMSIZE
+from messages.dtypes import ITEMSIZE, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import INDEX32_MAX, MAX_TENSORS_PER_BUCKET, MESSAGE_TYPES, PROTOCOL_VERSION, Message, Ok
 
@@ -106,12 +106,11 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
         if t.name in seen:
             raise _bad(f"{where}: duplicate tensor name in bucket")
         seen.add(t.name)
-        numel = 1
-        for d in t.shape:
-            numel *= d
         itemsize = ITEMSIZE[t.dtype]
+        full = tensor_nbytes(t.dtype, t.shape)
+        numel = full // itemsize
         if t.start is not None:
-            _check_piece(where, t, numel * itemsize, itemsize)
+            _check_piece(where, t, full, itemsize)
         elif t.patch is not None:
             _check_patch(where, t.patch, t.nbytes, numel, itemsize)
         elif t.nbytes != numel * itemsize:

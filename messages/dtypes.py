@@ -41,6 +41,14 @@ ITEMSIZE: dict[Dtype, int] = {
 _TORCH: dict[str, Any] = {}
 
 
+def tensor_nbytes(dtype: Dtype, shape: tuple[int, ...] | list[int]) -> int:
+    """The bytes of a whole tensor of `dtype` and `shape` (a scalar's shape is ())."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * ITEMSIZE[dtype]
+
+
 def _torch_tables() -> dict[str, Any]:
     if not _TORCH:
         import torch  # noqa: PLC0415 (the daemon validates dtypes without torch)

@@ -168,7 +168,7 @@ def _assemble(buckets):
             if m.start is None:
                 out[m.name] = next(t for n, t in unpack([m], frame) if n == m.name).clone()
                 continue
-            done = asm.add(m, frame)
+            done = asm.add(m, frame).whole
             if done is not None:
                 meta, data, part = done
                 ((_, t),) = unpack([meta], data.numpy())
@@ -213,7 +213,7 @@ def test_a_piece_out_of_order_or_of_another_shape_is_refused_and_a_partial_tenso
     asm = Assembler()
     with pytest.raises(MessageError, match="before its first"):
         asm.add(b1.tensors[0], bytes(b1.frame()))
-    assert asm.add(b0.tensors[0], bytes(b0.frame())) is None
+    assert asm.add(b0.tensors[0], bytes(b0.frame())).whole is None
     with pytest.raises(MessageError, match="was due"):
         asm.add(b2.tensors[0], bytes(b2.frame()))
     assert asm.incomplete() == ["w (1024/4000 bytes)"]
