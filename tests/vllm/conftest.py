@@ -127,3 +127,32 @@ def server_cluster(workdir, model_dir, url):
         raise
     finally:
         c.stop()
+
+
+@contextlib.contextmanager
+def vllm_fleet(workdir, model_dir, engines: dict[str, list[str]], daemon_args=(), engine_args=()):
+    """A daemon and one `--backend vllm` engine per entry of `engines` (name -> its extra
+    arguments), all registered before it yields; every log shown on failure."""
+    from examples.launch import Cluster
+
+    c = Cluster(
+        workdir,
+        model_dir,
+        engines=0,
+        min_engines=len(engines),
+        backend="vllm",
+        daemon_args=["--engine-timeout", "30", *daemon_args],
+        engine_args=list(engine_args),
+    )
+    try:
+        c.start_daemon()
+        for name, args in engines.items():
+            c.start_engine(name, args)
+        c.wait_engines(len(engines), timeout=300)
+        yield c
+    except BaseException:
+        for p in c.procs:
+            print(f"----- {p.name} -----\n{p.log_tail(80)}")
+        raise
+    finally:
+        c.stop()

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from engines.torch_engine import load_model
-from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.canary import make_probes
 from messages.errors import EngineError, ErrorCode
+from tests.vllm.conftest import vllm_fleet
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -25,27 +25,12 @@ def probes_for(model_dir, weights, n=6):
 
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory, tiny_model_dir):
-    workdir = Path(tmp_path_factory.mktemp("vllm-cluster"))
-    cluster = Cluster(
-        workdir,
+    with vllm_fleet(
+        Path(tmp_path_factory.mktemp("vllm-cluster")),
         tiny_model_dir,
-        engines=0,
-        min_engines=2,
-        backend="vllm",
-        daemon_args=["--engine-timeout", "30"],
-    )
-    try:
-        cluster.start_daemon()
-        cluster.start_engine("vllm-mp", ["--vllm-mp"])
-        cluster.start_engine("vllm-inproc", ["--no-vllm-mp"])
-        cluster.wait_engines(2, timeout=300)
+        {"vllm-mp": ["--vllm-mp"], "vllm-inproc": ["--no-vllm-mp"]},
+    ) as cluster:
         yield cluster
-    except BaseException:
-        for p in cluster.procs:
-            print(f"----- {p.name} -----\n{p.log_tail(80)}")
-        raise
-    finally:
-        cluster.stop()
 
 
 def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_model_dir, tiny_state):

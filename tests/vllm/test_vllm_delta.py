@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from engines.torch_engine import load_model
-from examples.launch import Cluster
 from examples.tiny import perturbed
 from messages.buckets import digest
 from messages.canary import make_probes
 from messages.errors import ErrorCode, WeightSyncError
 from tests.integration.helpers import finalized_syncs, push_lying_delta, small_step
+from tests.vllm.conftest import vllm_fleet
 
 PROMPTS = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
 
@@ -28,26 +28,14 @@ def probes_for(model_dir, weights, n=6):
 @pytest.fixture(scope="module")
 def vllm_delta(tmp_path_factory, tiny_model_dir):
     workdir = Path(tmp_path_factory.mktemp("vllm-delta"))
-    cluster = Cluster(
+    with vllm_fleet(
         workdir,
         tiny_model_dir,
-        engines=0,
-        min_engines=1,
-        backend="vllm",
-        daemon_args=["--engine-timeout", "30", "--spool", str(workdir / "spool")],
+        {"vllm-0": ["--no-vllm-mp"]},
+        daemon_args=["--spool", str(workdir / "spool")],
         engine_args=["--delta-base"],
-    )
-    try:
-        cluster.start_daemon()
-        cluster.start_engine("vllm-0", ["--no-vllm-mp"])
-        cluster.wait_engines(1, timeout=300)
+    ) as cluster:
         yield cluster
-    except BaseException:
-        for p in cluster.procs:
-            print(f"----- {p.name} -----\n{p.log_tail(80)}")
-        raise
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.parametrize("transport", ["inline", "auto"])

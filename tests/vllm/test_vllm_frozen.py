@@ -10,35 +10,19 @@ import pytest
 import torch
 
 from engines.torch_engine import load_model
-from examples.launch import Cluster
 from examples.tiny import perturbed
 from orchestrator.trainer.trl import WeightSyncTransfer, canary
+from tests.vllm.conftest import vllm_fleet
 
 FROZEN = "model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")
 def vllm_one(tmp_path_factory, tiny_model_dir):
-    workdir = Path(tmp_path_factory.mktemp("vllm-frozen"))
-    cluster = Cluster(
-        workdir,
-        tiny_model_dir,
-        engines=0,
-        min_engines=1,
-        backend="vllm",
-        daemon_args=["--engine-timeout", "30"],
-    )
-    try:
-        cluster.start_daemon()
-        cluster.start_engine("vllm-0", ["--no-vllm-mp"])
-        cluster.wait_engines(1, timeout=300)
+    with vllm_fleet(
+        Path(tmp_path_factory.mktemp("vllm-frozen")), tiny_model_dir, {"vllm-0": ["--no-vllm-mp"]}
+    ) as cluster:
         yield cluster
-    except BaseException:
-        for p in cluster.procs:
-            print(f"----- {p.name} -----\n{p.log_tail(80)}")
-        raise
-    finally:
-        cluster.stop()
 
 
 def test_a_frozen_embedding_survives_partial_syncs_into_vllm(vllm_one, tiny_model_dir, tiny_state):
