@@ -45,6 +45,53 @@ def tick(m: Model, event: Tick) -> None:
         _expire_catchups(m)
 
 
+def next_wake(m: Model) -> float | None:
+    """The earliest time at which a tick could change something (None: no deadline runs),
+    read from the same facts `tick` judges: a tick before it finds nothing due, so the
+    daemon may sleep until it or the next input. `m.now` when something is due already (a
+    rollback to open, a lost engine's catch-up to end). Each deadline is the boundary of
+    its rule (strict rules act just past it)."""
+    lim, s = m.limits, m.sync
+    due: list[float] = []
+    for x in m.engines.values():
+        if x.state != E.LOST:
+            due.append(x.last_seen + lim.engine_timeout)
+        elif x.lost_at is not None:
+            due.append(x.lost_at + lim.lost_expiry)
+    if s is not None:
+        due.extend(_sync_deadlines(m, s))
+    elif m.state == S.IDLE and _rollback_due(m, []):
+        return m.now
+    else:
+        for eid, c in m.catchups.items():
+            if m.engines[eid].state == E.LOST:
+                return m.now
+            due.append(c.last_progress + (lim.finalize_timeout if c.finalize_sent else lim.bucket_timeout))
+    return min(due) if due else None
+
+
+def _sync_deadlines(m: Model, s: SyncRecord) -> list[float]:
+    """The deadlines `_overdue` judges the running sync by, in its state."""
+    lim = m.limits
+    if m.state == S.FINALIZING:
+        return [s.finalize_started + lim.finalize_timeout] if s.finalize_started is not None else []
+    if m.state != S.LOADING_BUCKETS:
+        return []
+    due = [b.forwarded_at + lim.bucket_timeout for b in s.buckets.values() if not b.done]
+    gone_at = s.trainer_lost_at
+    if gone_at is not None:
+        due.append(gone_at + lim.trainer_grace)
+    if s.senders > 1:
+        if any(k not in s.begun for k in range(s.senders)):
+            due.append(s.started_at + lim.sync_timeout)
+        due.extend(t + lim.sync_timeout for k, t in s.seen.items() if k not in s.finished)
+    if s.stream and s.finished_at is not None:
+        due.append(s.finished_at + lim.bucket_timeout)
+    if s.senders == 1 and not (s.stream and s.finished_at is None):
+        due.append(s.last_activity + lim.sync_timeout)
+    return due
+
+
 def _forget_lost(m: Model) -> None:
     """LOST records older than `lost_expiry` go (engines that never came back: the fleet's
     record does not grow with every id that ever registered), but never one the running

@@ -45,6 +45,11 @@ class Core(Model):
     """The records (`Model`) and the one entry point. Public queries: `state`,
     `served_version`, `snapshot(now)`, `error(code, message)`."""
 
+    def next_wake(self) -> float | None:
+        """When the next tick is due (`clock.next_wake`): until then, and without an input,
+        a tick would change nothing. None: no deadline runs."""
+        return clock.next_wake(self)
+
     def handle(self, event: ev.Event, now: float) -> Result:
         """Apply `event` at time `now`; raise a typed WeightSyncError (and change
         nothing) if it is refused."""

@@ -499,9 +499,13 @@ class Model:
 class RandomOrders(RuleBasedStateMachine):
     """Random message orders never break the invariants."""
 
+    LIMITS: dict = {}  # the core's Limits beyond min_engines
+
     def __init__(self):
         super().__init__()
-        self.o = new()
+        self.o = Orchestrator(Limits(min_engines=len(ENGINES), **self.LIMITS))
+        for e in ENGINES:
+            self.o.handle(ev.EngineRegistered(Register(engine_id=e, backend="torch")), 0.0)
         self.finalize_sent: dict[str, list[str]] = {}
         self.model = Model()
         self.version = 0
@@ -607,6 +611,29 @@ class RandomOrders(RuleBasedStateMachine):
         for e in ENGINES:
             self.o.handle(ev.Heartbeat(e), self.now)
 
+    @rule(past=st.booleans(), heartbeat=st.booleans())
+    def do_tick_at_the_next_wake(self, past, heartbeat):
+        """Time driven through the core's own next wake: a tick just before it changes
+        nothing (the daemon may sleep until then), a tick just past it acts."""
+        if heartbeat:  # without them the engines' deadline comes first every time
+            for e in ENGINES:
+                self.o.handle(ev.Heartbeat(e), self.now)
+        wake = self.o.next_wake()
+        if wake is None:  # no deadline runs: a tick, however late, finds nothing due
+            t, acts = self.now + 1e6, False
+        elif not past:
+            if wake <= self.now:
+                return  # due already: there is no "before"
+            t, acts = wake - 1e-6, False
+        else:
+            t, acts = max(self.now, wake) + 1e-6, True
+        before = copy.deepcopy(self.o.snapshot())
+        out: list = []
+        self._run(lambda: out.append(self.o.handle(ev.Tick(), t)) or out[-1])
+        changed = self.o.snapshot() != before or bool(out and out[-1].commands)
+        assert changed == acts, (wake, t, self.now, before, self.o.snapshot())
+        self.now = t
+
     @invariant()
     def finalize_at_most_once_per_engine_per_sync(self):
         for sid, engines in self.finalize_sent.items():
@@ -628,9 +655,33 @@ class RandomOrders(RuleBasedStateMachine):
         if self.o.state == S.READY:
             assert not self.o.dirty and self.o.served_version is not None
 
+    @precondition(lambda self: self.o.sync is not None)
+    @rule()
+    def do_trainer_gone(self):
+        self._run(lambda: self.o.handle(ev.TrainerGone(self.o.sync.sync_id, 0), self.now))
+
 
 RandomOrders.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_random_message_orders = RandomOrders.TestCase
+
+
+class RandomOrdersShortDeadlines(RandomOrders):
+    """The same, with the sync's deadlines shorter than the engines' (which heartbeats keep
+    far off): a tick at the core's next wake meets each of them in turn."""
+
+    LIMITS = {
+        "engine_timeout": 1e5,
+        "bucket_timeout": 3.0,
+        "sync_timeout": 5.0,
+        "finalize_timeout": 4.0,
+        "trainer_grace": 2.0,
+    }
+
+
+RandomOrdersShortDeadlines.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
+test_random_orders_meet_every_deadline_at_the_next_wake = RandomOrdersShortDeadlines.TestCase
 
 
 def test_a_move_outside_the_table_is_internal_and_changes_nothing():
