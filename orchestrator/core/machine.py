@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from messages.errors import WeightSyncError
-from orchestrator.core import clock, fleet, sync
+from orchestrator.core import clock, completion, fleet, sync
 from orchestrator.core import events as ev
 from orchestrator.core.commands import Result
 from orchestrator.core.model import Model
@@ -23,13 +23,13 @@ from orchestrator.core.model import Model
 HANDLERS: dict[type[ev.Event], Callable[[Model, Any], None]] = {
     ev.BeginSync: sync.begin,
     ev.BucketIn: sync.bucket,
-    ev.FinishSync: sync.finish,
-    ev.AbortSync: sync.abort,
-    ev.Loaded: sync.loaded,
-    ev.EnginePrepared: sync.prepared,
-    ev.EngineFinalized: sync.finalized,
-    ev.EngineCommitted: sync.committed,
-    ev.EngineFailed: sync.failed,
+    ev.FinishSync: completion.finish,
+    ev.AbortSync: completion.abort,
+    ev.Loaded: completion.loaded,
+    ev.EnginePrepared: completion.prepared,
+    ev.EngineFinalized: completion.finalized,
+    ev.EngineCommitted: completion.committed,
+    ev.EngineFailed: completion.failed,
     ev.EngineRegistered: fleet.register,
     ev.Heartbeat: fleet.heartbeat,
     ev.EngineGone: fleet.engine_gone,
