@@ -36,7 +36,9 @@ def test_a_refused_label_read_names_the_status_and_the_servers_reason():
 
     class Refuse(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            body = b'{"detail": "scale-out routes are disabled"}'
+            body = (
+                b'{"message": "Scale-out endpoints are disabled. Restart vllm serve with ...", "code": 403}'
+            )
             self.send_response(403)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -62,4 +64,4 @@ def test_a_refused_label_read_names_the_status_and_the_servers_reason():
         t.join(5)
     assert type(err).__name__ == "ServerError", repr(err)
     text = str(err)
-    assert "HTTP 403" in text and "scale-out routes are disabled" in text and "--enable-scale-out" in text
+    assert "HTTP 403" in text and "Scale-out endpoints are disabled" in text and "--enable-scale-out" in text
