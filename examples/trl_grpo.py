@@ -9,7 +9,10 @@ its rollout worker generates from the vLLM server at `--server`, scores with a r
 function, and trains; every weight sync (one cold sync at train start, then one per
 optimizer step) is `WeightSyncTransfer.send_weights`, a weightsync push that returns once
 every engine behind the daemon is READY at the next version. The vLLM server is fed by a
-`weightsync engine --backend vllm-server --url ...` attached to the daemon.
+`weightsync engine --backend vllm-server --url URL --model DIR` attached to the daemon,
+and is started with `--enable-scale-out` (the label read below); docs/INTEGRATIONS.md
+(TRL) has the four commands of a run. A tokenizer without a chat template is given
+Qwen3's in memory (`chat_tokenizer`).
 
 Flags:
 - `--model`, `--addr`, `--server`: the checkpoint directory TRL loads, the daemon's
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -48,15 +52,18 @@ PROMPTS = [f"w{i} w{i + 7} w{i + 3}" for i in range(10, 42)]
 CANARY_PROMPTS = [[5, 9, 17], [40, 41]]  # token ids
 
 
-def add_chat_template(model_dir: str | Path) -> None:
-    """Give the tiny model's tokenizer Qwen3's chat template, one TRL knows how to parse
-    responses of (its rollout worker refuses a template it does not know)."""
+def chat_tokenizer(model_dir: str | Path) -> Any:
+    """The model's tokenizer for TRL's rollout worker. A tokenizer without a chat template
+    (the tiny test Llama's) gets Qwen3's, in memory only (the model directory is not
+    written): TRL's worker formats the prompts with it and refuses a tokenizer whose
+    template it cannot parse responses of. A model's own template is kept as it is."""
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen3_chat_template
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = qwen3_chat_template
-    tok.save_pretrained(model_dir)
+    if not tok.chat_template:
+        tok.chat_template = qwen3_chat_template
+    return tok
 
 
 def distinct_words(completions: list[Any], **_: Any) -> list[float]:
@@ -119,12 +126,23 @@ def use_cpu(attention: bool = True) -> None:
         packing._flash_attn = lambda: SimpleNamespace(flash_attn_varlen_func=sdpa_varlen)
 
 
+class ServerError(RuntimeError):
+    """The vLLM server refused a request; the message carries the status and its body."""
+
+
 def _post(url: str, body: dict[str, Any]) -> Any:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # urllib's message has the status only, not the server's reason
+        detail = e.read().decode(errors="replace")[:2000]
+        hint = ""
+        if e.code in (403, 404) and "/inference/" in url:
+            hint = " (vLLM serves the token-in-token-out route only when started with --enable-scale-out)"
+        raise ServerError(f"POST {url}: HTTP {e.code} {e.reason}: {detail}{hint}") from None
 
 
 def generation_label(server: str) -> list[str]:
@@ -211,11 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         vllm_server_timeout=120,
         weight_sync_steps=1,
         max_inflight_tasks=8,
+        # a step takes 4 samples; TRL's default (1024) lets its rollout process generate
+        # ahead without bound, competing with training for the CPU, and at exit the samples
+        # nobody took keep that process from ending (TRL then waits 15 s and terminates it)
+        queue_maxsize=16,
         use_cpu=True,
     )
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in PROMPTS])
     trainer = AsyncGRPOTrainer(
         model=a.model,
+        processing_class=chat_tokenizer(a.model),
         reward_funcs=distinct_words,
         args=cfg,
         train_dataset=ds,

@@ -213,8 +213,9 @@ def vllm_server(
 ) -> None:
     """Run vLLM's OpenAI server ready for weightsync: its weight-transfer routes on, our
     worker extension and `weightsync` transfer backend loaded. Attach it with `weightsync
-    engine --backend vllm-server --url http://HOST:PORT`. Further arguments go to vLLM
-    (e.g. --dtype float32 --enforce-eager --max-model-len 2048)."""
+    engine --backend vllm-server --url http://HOST:PORT --model MODEL`. Further arguments go
+    to vLLM (e.g. --dtype float32 --enforce-eager --max-model-len 2048; --enable-scale-out
+    for the token-in-token-out route, whose responses carry the weight version)."""
     import os
     import shlex
 

@@ -33,11 +33,8 @@ FROZEN_BYTES = 512 * 128 * 4  # the tiny Llama's embedding table, float32
 
 @pytest.fixture(scope="module")
 def grpo_model(tmp_path_factory):
-    from examples.trl_grpo import add_chat_template
-
-    path = build_tiny_llama(tmp_path_factory.mktemp("grpo-llama"), size="tiny", seed=0)
-    add_chat_template(path)
-    return path
+    # no chat template: the example gives the tokenizer one (examples.trl_grpo.chat_tokenizer)
+    return build_tiny_llama(tmp_path_factory.mktemp("grpo-llama"), size="tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
