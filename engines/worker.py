@@ -40,7 +40,7 @@ from engines.base import Engine, HandsToReaders, LabelsOutputs, ReceivesCollecti
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema
 from messages.collective import Backend, available_backends
-from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.errors import ErrorCode, MessageError, WeightSyncError, wrong_socket_line
 from messages.link import Link
 from messages.shm import shm_available
 
@@ -392,9 +392,14 @@ class Worker:
             except WeightSyncError as err:  # a body that does not match its type
                 log.warning("message_refused", code=err.code.value, reason=err.message, src="orchestrator")
         elif isinstance(msg, schema.Error):
-            if msg.code == ErrorCode.DUPLICATE_ENGINE.value:
-                log.error("engine_refused", engine_id=self.engine_id, code=msg.code, reason=msg.message)
-                self.refused = msg.message
+            if msg.code in (ErrorCode.DUPLICATE_ENGINE.value, ErrorCode.WRONG_SOCKET.value):
+                # refused for good (exit 3): another engine holds the id, or --connect names
+                # the daemon's trainer socket (the line names the engine socket to use)
+                why = msg.message
+                if msg.code == ErrorCode.WRONG_SOCKET.value:
+                    why = wrong_socket_line(self.connect, msg.details or {})
+                log.error("engine_refused", engine_id=self.engine_id, code=msg.code, reason=why)
+                self.refused = why
                 self._stop.set()
                 return
             log.warning("orchestrator_refused", code=msg.code, reason=msg.message)

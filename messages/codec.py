@@ -223,6 +223,19 @@ def decode(
     return Decoded(msg, payload)
 
 
+def peek_type(raw: Frame) -> str | None:
+    """Best-effort message type of a header that failed to decode (None when unreadable),
+    so a receiver can tell a type meant for its other socket from garbage."""
+    try:
+        buf = _raw_bytes(raw)
+        if memoryview(buf).nbytes > MAX_HEADER_BYTES:
+            return None
+        mtype = _ENVELOPE.decode(buf).type
+        return mtype if type(mtype) is str and mtype in MESSAGE_TYPES else None
+    except (msgspec.ValidationError, msgspec.DecodeError):  # the caller has the real error
+        return None
+
+
 def peek_id(raw: Frame) -> int:
     """Best-effort request id of a header that failed to decode, so the error correlates."""
     try:

@@ -36,6 +36,9 @@ class ErrorCode(str, Enum):
     # the served digest (journal, spool) was made by another digest scheme: push a new version
     DIGEST_SCHEME_MISMATCH = "DIGEST_SCHEME_MISMATCH"
     UNAUTHORIZED = "UNAUTHORIZED"
+    # a message type of the daemon's other socket: an engine at the trainer socket, or a
+    # trainer (push, status) at the engine socket; `details` say which socket and both addresses
+    WRONG_SOCKET = "WRONG_SOCKET"
     INTERNAL = "INTERNAL"
 
 
@@ -143,8 +146,48 @@ _CLASS_BY_CODE: dict[ErrorCode, type[WeightSyncError]] = {
     ErrorCode.UNREACHABLE: SyncTimeout,
     ErrorCode.DUPLICATE_ENGINE: PeerError,
     ErrorCode.SOURCE_CONFLICT: PeerError,
+    ErrorCode.WRONG_SOCKET: PeerError,
     ErrorCode.INTERNAL: InternalError,
 }
+
+
+# The daemon's two sockets, as named in a WRONG_SOCKET refusal's `details.socket`: who
+# connects to each, and the option that names that address on the command line.
+SOCKETS = {
+    "trainer": ("trainers (`weightsync push`, `status`, TrainerClient)", "--addr"),
+    "engine": ("engines (`weightsync engine`)", "--connect"),
+}
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def _reachable(bound: str, reached: str) -> str:
+    """`bound` (an address the daemon bound, as ZeroMQ reports it) as a peer that reached
+    `reached` would connect to it: a wildcard host (0.0.0.0, *, ::) becomes the host of
+    `reached`; anything else is kept as bound."""
+    scheme, sep, rest = bound.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or host not in _WILDCARD_HOSTS:
+        return bound
+    r_scheme, r_sep, r_rest = reached.partition("://")
+    r_host = r_rest.rpartition(":")[0]
+    if r_scheme != "tcp" or not r_sep or not r_host:
+        return bound
+    return f"tcp://{r_host}:{port}"
+
+
+def wrong_socket_line(reached: str, details: dict[str, Any]) -> str:
+    """The one line a client says for a WRONG_SOCKET refusal: which of the daemon's sockets
+    `reached` is, who connects there, and the address of the socket this client needs (from
+    `details`: `socket` is the one reached, `trainer_addr` / `engine_addr` what the daemon
+    bound). Pure string work: no I/O."""
+    here = str(details.get("socket", ""))
+    want = "engine" if here == "trainer" else "trainer"
+    if here not in SOCKETS:
+        return f"{reached} is not the daemon socket this client needs (the {want} socket)"
+    who, flag = SOCKETS[want]
+    bound = details.get(f"{want}_addr")
+    addr = f" ({flag} {_reachable(bound, reached)})" if isinstance(bound, str) and bound else ""
+    return f"{reached} is the daemon's {here} socket; {who} connect to its {want} socket{addr}"
 
 
 def error_class(code: ErrorCode) -> type[WeightSyncError]:

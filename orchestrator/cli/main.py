@@ -1,7 +1,9 @@
 """The `weightsync` command (see docs/ and README: serve, engine, push, status, abort, keys, demo).
 
-Exit codes: 0 ok, 2 usage or configuration error, 3 startup failure, 4 sync failed (or a
-request refused: the message carries the error code), 130 interrupted.
+Exit codes: 0 ok, 2 usage or configuration error (a wrong address included: the daemon's
+engine socket given as --addr), 3 startup failure (an engine the daemon refused, or one
+pointed at the trainer socket, too), 4 sync failed (or a request refused: the message
+carries the error code), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from messages.errors import WeightSyncError
+from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.cli import config as cliconfig
 from orchestrator.cli.tables import history_table, push_progress, status_table
@@ -552,8 +554,9 @@ def push(
                 probes=canaries,
             )
         except WeightSyncError as err:
-            _settle(c, err, timeout)
-            _fail(err, "push", as_json)
+            if c.began is not None or err.code is ErrorCode.TIMEOUT:  # a sync may have begun
+                _settle(c, err, timeout)
+            _fail(err, "push", as_json)  # a refused begin left nothing to settle: said at once
             return
         except KeyboardInterrupt:  # the client aborted the sync it began on the way out
             err_console.print(
@@ -722,7 +725,9 @@ def _settle(c: Any, err: WeightSyncError, wait: float) -> None:
     rolls the engines back right after the failure, so the state in the error (IDLE,
     version None) is not what the fleet serves a moment later. Waits up to `wait` seconds
     for no sync and no rollback pending, then puts that state and version on `err`
-    (`details.settled`: whether it did settle)."""
+    (`details.settled`: whether it did settle). Only for a push whose sync began (or whose
+    begin went unanswered): a refused begin changed nothing, and its refusal (another
+    sync's age, say) is said at once, not after that sync ends."""
     if err.state in (None, "READY"):
         return
     deadline = time.monotonic() + wait

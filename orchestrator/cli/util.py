@@ -1,8 +1,9 @@
 """Helpers shared by the `weightsync` subcommands: one-line errors with documented exit
 codes, settings, clients, addresses and keys.
 
-Exit codes: 0 ok, 2 usage or configuration error, 3 startup failure, 4 sync failed (or a
-request refused: the message carries the error code), 130 interrupted.
+Exit codes: 0 ok, 2 usage or configuration error (a wrong address included: the daemon's
+engine socket given as --addr), 3 startup failure, 4 sync failed (or a request refused: the
+message carries the error code), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from messages.errors import WeightSyncError
+from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
@@ -31,12 +32,14 @@ def _settings(**kw: Any) -> Settings:
 
 
 def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
+    """One line (and the JSON object with --json), exit 4; a wrong --addr (the daemon's
+    engine socket: WRONG_SOCKET) is a usage error, exit 2."""
     if as_json:  # scripts read stdout: the failure is a JSON object there too
         print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
     where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
     text = " ".join(err.message.split())
     err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")
-    raise typer.Exit(EXIT_SYNC)
+    raise typer.Exit(EXIT_USAGE if err.code is ErrorCode.WRONG_SOCKET else EXIT_SYNC)
 
 
 def _usage(message: str) -> None:

@@ -19,7 +19,7 @@ import structlog
 
 from messages import codec, schema
 from messages.checksums import bucket_checksum
-from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
+from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error, wrong_socket_line
 from messages.shm import Reader
 from orchestrator import __version__
 from orchestrator.core import Core
@@ -116,9 +116,23 @@ class Dispatcher:
             first,
         )
 
-    def _error(self, err: MessageError) -> WeightSyncError:
-        """A decode refusal, saying where the daemon is."""
-        return self.core.error(err.code, err.reason)
+    def _error(self, err: MessageError, socket: str, header: Any) -> WeightSyncError:
+        """A decode refusal, saying where the daemon is; a message type of the other socket
+        (`register` here, `begin` at the engine socket) is WRONG_SOCKET, saying which socket
+        this is and both addresses, so the peer can name the one it needs."""
+        other = schema.FROM_ENGINE if socket == "trainer" else schema.FROM_TRAINER
+        mtype = codec.peek_type(header) if err.code is ErrorCode.BAD_MESSAGE else None
+        if mtype is None or mtype not in other:
+            return self.core.error(err.code, err.reason)
+        bound = self.transport.bound
+        details = {
+            "socket": socket,
+            "type": mtype,
+            "trainer_addr": bound.get("trainer", ""),
+            "engine_addr": bound.get("engine", ""),
+        }
+        line = wrong_socket_line(bound.get(socket, f"this {socket} socket"), details)
+        return self.core.error(ErrorCode.WRONG_SOCKET, f"type {mtype!r}: {line}", **details)
 
     # -- the trainer socket ---------------------------------------------------------------
     async def on_trainer(self, ident: bytes, frames: list[Any]) -> None:
@@ -129,8 +143,9 @@ class Dispatcher:
                 frames, allowed=schema.FROM_TRAINER, max_header_bytes=self.settings.max_header_bytes
             )
         except MessageError as err:
-            log.warning("message_refused", code=err.code.value, reason=err.reason, src="trainer")
-            self.transport.reply_error(Waiter(ident, codec.peek_id(frames[0])), self._error(err))
+            refusal = self._error(err, "trainer", frames[0])
+            log.warning("message_refused", code=refusal.code.value, reason=refusal.message, src="trainer")
+            self.transport.reply_error(Waiter(ident, codec.peek_id(frames[0])), refusal)
             return
         msg = decoded.msg
         w = Waiter(ident, getattr(msg, "id", 0))
@@ -269,14 +284,19 @@ class Dispatcher:
                 frames, allowed=schema.FROM_ENGINE, max_header_bytes=self.settings.max_header_bytes
             )
         except MessageError as err:
-            log.warning("message_refused", code=err.code.value, reason=err.reason, src="engine")
+            refusal = self._error(err, "engine", frames[0])
+            log.warning("message_refused", code=refusal.code.value, reason=refusal.message, src="engine")
+            f = refusal.to_fields()  # the served version too, as on the trainer socket
             self.transport.reply_engine(
                 ident,
                 schema.Error(
                     id=codec.peek_id(frames[0]),
-                    code=err.code.value,
-                    message=err.reason,
-                    state=self.core.state.value,
+                    code=f["code"],
+                    message=f["message"],
+                    state=f["state"],
+                    version=f["version"],
+                    sync_id=f["sync_id"],
+                    details=f.get("details"),
                 ),
             )
             return

@@ -106,6 +106,10 @@ class TrainerClient:
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
         self.delta_chooser = DeltaChooser()  # whether a delta pays on a transport, as measured
         self.plans = ShardPlans()  # sharded pushes' assignments, by model layout (push_module)
+        # The sync the last push began or joined; None while it has not (its begin was
+        # refused or unanswered): a failed push with None here left nothing on the daemon
+        # to wait for, unless its begin went unanswered (TIMEOUT).
+        self.began: str | None = None
 
     @property
     def timeout(self) -> float:
@@ -398,6 +402,7 @@ class TrainerClient:
             transport = "inline"
         rank, world = source or (0, 1)
         self.sender = self.stream.sender = rank
+        self.began = None
         try:
             try:
                 started = self._begin_after_rollback(
@@ -420,7 +425,7 @@ class TrainerClient:
                 if abort_on_error:
                     self._abort_quietly(sync_id, exc)
                 raise
-            sync_id = started.sync_id  # a sharded push's source may have joined another's sync
+            sync_id = self.began = started.sync_id  # a sharded push's source may have joined another's sync
             if started.transport not in ("shm", "mixed"):
                 ring = None  # kept for a later push; this one goes inline or by collective
             coll = self._collective_for(started, transport)

@@ -5,7 +5,9 @@ Rules: the socket is used only by the thread that created the client. A send nev
 blocks for good (no connection: it waits while the monitor can say why, then TIMEOUT).
 A request that gets no reply in `timeout` is resent with a new id (requests are
 idempotent on the daemon: the same sync_id and seq). Every error reply raises the
-`WeightSyncError` subclass of its code, carrying the daemon's state and version. Replies
+`WeightSyncError` subclass of its code, carrying the daemon's state and version; one that
+says this address is the daemon's engine socket (WRONG_SOCKET) raises at once, naming the
+trainer socket to use, without the daemon's state (it says nothing of a sync). Replies
 read while a broadcast runs are kept, in order, for whoever reads next.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import zmq
 
 from messages import codec, schema
-from messages.errors import ErrorCode, WeightSyncError, make_error
+from messages.errors import ErrorCode, WeightSyncError, make_error, wrong_socket_line
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.link import RECONNECTED, Link, Reconnected
@@ -172,6 +174,12 @@ class Connection:
                         self._pushed.append(reply)  # unasked: kept for `pushed_error`
                     continue  # a late reply to an earlier request
                 if isinstance(reply, schema.Error):
+                    if reply.code == ErrorCode.WRONG_SOCKET.value:  # this address is the engine socket
+                        raise make_error(
+                            ErrorCode.WRONG_SOCKET,
+                            wrong_socket_line(self.addr, reply.details or {}),
+                            details=reply.details,
+                        )
                     raise error_from_reply(reply)
                 return reply.body if isinstance(reply, schema.Ok) else {}
             if attempt < retries:
