@@ -31,7 +31,7 @@ def _served_line(st: dict[str, Any]) -> str:
         return ""
     live = [e for e in st.get("engines", []) if e.get("state") != "LOST"]
     line = f"  served by {served_by} of {len(live)} live engines"
-    if served_by == 0:
+    if served_by == 0 and not st.get("sync"):  # during a sync its participants are not READY
         line += (
             f"\n[bold red]version {version} is not served by any engine[/bold red]"
             " (none is READY at it with its server answering; the next push brings them to a version)"
