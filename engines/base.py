@@ -163,6 +163,18 @@ class HandsToReaders(Protocol):
 
 
 @runtime_checkable
+class ChecksHealth(Protocol):
+    """Serves through a process of its own (a vLLM server it attached to): `health()`
+    asks that process whether it answers, and the worker's heartbeats carry the answer, so
+    the daemon sees a dead server between syncs. Called on a thread of its own (it may
+    block up to its own bound), never on the worker's loop or the applier."""
+
+    def health(self) -> str | None:
+        """None when the server answers; else why not, in one line."""
+        ...
+
+
+@runtime_checkable
 class DigestsBeforeFinalize(Protocol):
     """Can tell the digest of the weights it holds before its post-load step (the same
     digest `finalize` returns), so the daemon compares digests in phase one of the

@@ -13,6 +13,10 @@ Rules:
   that sender up to seq k is applied, sent at most once per report interval (a failure
   goes at once), so the daemon reads a few reports per window, not one per bucket.
 - Every received frame is verified against its checksum again (end to end) before use.
+- An engine that serves through a server of its own (`ChecksHealth`: vllm-server) has
+  that server probed on a thread of its own every heartbeat interval (each probe bounded
+  by the engine, e.g. 5 s); each heartbeat carries the latest answer (`server_error`), so
+  the daemon shows a dead server between syncs. The loop never waits on a probe.
 - A rehash request (`request_digest`, SIGUSR1 in `weightsync engine`) queues a job on the
   applier, after every job before it; its answer (the digest of the weights held, read
   again) is logged and, with `digest_file`, written there whole (replaced atomically).
@@ -36,7 +40,7 @@ import structlog
 import zmq
 
 from engines.applier import Applier, Rehashed
-from engines.base import Engine, HandsToReaders, LabelsOutputs, ReceivesCollective
+from engines.base import ChecksHealth, Engine, HandsToReaders, LabelsOutputs, ReceivesCollective
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema
 from messages.collective import Backend, available_backends
@@ -47,6 +51,32 @@ from messages.shm import shm_available
 log = structlog.get_logger()
 
 REFUSED_GRACE = 2.0  # seconds of refused CURVE handshakes before an engine gives up
+
+
+class HealthProbe(threading.Thread):
+    """Asks a `ChecksHealth` engine's server how it is, every `interval` seconds, off the
+    worker's loop; `error` is the latest answer (None: it answers). A change is logged."""
+
+    def __init__(self, engine: ChecksHealth, interval: float, engine_id: str) -> None:
+        super().__init__(name="weightsync-health", daemon=True)
+        self.engine, self.interval, self.engine_id = engine, interval, engine_id
+        self.error: str | None = None  # read by the loop: one reference, swapped whole
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                got = self.engine.health()
+            except Exception as exc:  # a probe's own bug must not end the probing
+                got = f"health probe failed: {type(exc).__name__}: {exc}"
+            got = got[:4096] if got is not None else None  # the heartbeat's field holds 4096
+            if got != self.error:
+                if got is None:
+                    log.info("server_healthy_again", engine_id=self.engine_id, was=self.error)
+                else:
+                    log.warning("server_unhealthy", engine_id=self.engine_id, reason=got)
+            self.error = got
+            self.stopped.wait(self.interval)
 
 
 class Worker:
@@ -159,6 +189,10 @@ class Worker:
         self._wake_fd = wfd
         applier = Applier(self.engine, wfd, self.failpoints, self.collective_bind, delta_base=self.delta_base)
         applier.start()
+        health: HealthProbe | None = None
+        if isinstance(self.engine, ChecksHealth):
+            health = HealthProbe(self.engine, self.heartbeat_interval, self.engine_id)
+            health.start()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -253,9 +287,17 @@ class Worker:
                 self._report()
                 if time.monotonic() >= next_hb:
                     if not self._outq:  # a heartbeat queued behind others would say nothing
-                        self._send(schema.Heartbeat(engine_id=self.engine_id, id=self._id()))
+                        self._send(
+                            schema.Heartbeat(
+                                engine_id=self.engine_id,
+                                id=self._id(),
+                                server_error=health.error if health is not None else None,
+                            )
+                        )
                     next_hb = time.monotonic() + self.heartbeat_interval
         finally:
+            if health is not None:
+                health.stopped.set()  # a daemon thread: a probe in flight ends with the process
             applier.stop()
             applier.join(timeout=30)
             applier.shutdown_collective()

@@ -130,6 +130,7 @@ class EngineView(msgspec.Struct, frozen=True, kw_only=True):
     finalize_count: int = 0
     labels: bool = False  # it labels its outputs (vLLM): serving a version once `label` says it
     label: str | None = None  # the label it set last (None: none yet)
+    server_error: str | None = None  # its server (vllm-server) does not answer: why
 
 
 class StatusReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +141,7 @@ class StatusReply(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     version: int | None = None  # the served version (None: none, or not READY)
     last_ready_version: int | None = None  # the last version the fleet committed
+    served_by: int | None = None  # engines serving `version` now (None: an older daemon)
     digest: str | None = None
     dirty: bool = False
     engines: tuple[EngineView, ...] = ()

@@ -392,6 +392,9 @@ class Register(Message, frozen=True, tag="register"):
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
     engine_id: Id
     id: RequestId = 0
+    # an engine serving through a server of its own (vllm-server): None while that server
+    # answers its health probe, else why it does not (status shows the engine unhealthy)
+    server_error: Text | None = None
 
 
 class Loaded(Message, frozen=True, tag="loaded"):

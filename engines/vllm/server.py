@@ -36,6 +36,7 @@ from messages.schema import Probe
 log = structlog.get_logger()
 
 PAUSE_MODES = ("keep", "wait", "abort")
+HEALTH_TIMEOUT = 5.0  # seconds a health probe waits for the server (vLLM's GET /health)
 
 
 class VllmServerEngine(VllmBase):
@@ -96,6 +97,20 @@ class VllmServerEngine(VllmBase):
         except urllib.error.URLError as exc:
             raise make_error(ErrorCode.ENGINE_FAILED, f"{self.url} unreachable: {exc.reason}") from None
         return json.loads(raw) if raw else None
+
+    def health(self) -> str | None:
+        """vLLM's `GET /health` within HEALTH_TIMEOUT: None when it answers 200, else why
+        not (refused, timed out, an HTTP error). Runs on the worker's health thread."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT) as resp:
+                resp.read()
+        except urllib.error.HTTPError as exc:
+            return f"{self.url}/health: HTTP {exc.code}"
+        except urllib.error.URLError as exc:
+            return f"{self.url} unreachable: {exc.reason}"
+        except (OSError, ValueError) as exc:  # a timeout reading, a reset connection
+            return f"{self.url}/health: {type(exc).__name__}: {exc}"
+        return None
 
     def _extra(self) -> dict[str, Any]:
         return {

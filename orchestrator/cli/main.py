@@ -401,13 +401,36 @@ def status(
     keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
-    """Show the daemon's state, engines and recent transitions."""
+    """Show the daemon's state, engines and recent transitions.
+
+    With --watch it keeps watching across a daemon restart: a daemon that stops answering
+    is said once (a line, or with --json an object with "waiting": "daemon"), and the
+    status resumes when it answers again. Ctrl-C or SIGTERM ends it (exit 130)."""
+    import signal
+
+    from orchestrator.trainer.watch import no_answer
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM is a Ctrl-C (exit 130)
     # a terminal wraps to its width; a pipe or file gets whole rows (grep, logs)
     console = Console() if sys.stdout.isatty() else Console(width=200)
+    down_since: float | None = None  # when the watched daemon stopped answering
     with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
         try:
             while True:
-                st = c.status()
+                try:
+                    st = c.status()
+                except WeightSyncError as err:
+                    if not watch or not no_answer(err):
+                        raise
+                    if down_since is None:  # said once per outage; the watch goes on
+                        down_since = time.monotonic()
+                        _say_down(err, addr, as_json)
+                    time.sleep(watch)
+                    continue
+                back = ""
+                if down_since is not None:
+                    back = f"the daemon at {addr} answers again after {time.monotonic() - down_since:.1f}s"
+                    down_since = None
                 if as_json:
                     print(json.dumps(st, sort_keys=True), flush=True)
                 else:
@@ -415,6 +438,8 @@ def status(
                         console.clear()
                     console.print(status_table(st))
                     console.print(history_table(st))
+                    if back:
+                        console.print(back)
                 if not watch:
                     return
                 time.sleep(watch)
@@ -422,6 +447,22 @@ def status(
             _fail(err, "status", as_json)
         except KeyboardInterrupt:
             raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _say_down(err: WeightSyncError, addr: str, as_json: bool) -> None:
+    """`status --watch`: the daemon stopped answering (stopped, restarting); still watching."""
+    text = " ".join(err.message.split())
+    if as_json:
+        print(
+            json.dumps(
+                {"ok": False, "waiting": "daemon", "addr": addr, **err.to_fields()},
+                sort_keys=True,
+                default=str,
+            ),
+            flush=True,
+        )
+        return
+    print(f"the daemon at {addr} does not answer ({err.code.value}: {text}); still watching", flush=True)
 
 
 @app.command()

@@ -9,14 +9,72 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 
 SUMMARY_AFTER = 16  # a larger fleet is shown grouped by state, version and digest
 
 
-def status_table(st: dict[str, Any]) -> Table:
+def status_table(st: dict[str, Any]) -> RenderableType:
+    """The daemon's line, what serves its version, the engines, and a sharded push's
+    sources (one row each; a larger push: the sources not begun or not finished)."""
+    engines_table = _engines_table(st)
+    sources = _sources_table(st.get("sync"))
+    return Group(engines_table, sources) if sources is not None else engines_table
+
+
+def _served_line(st: dict[str, Any]) -> str:
+    """How many engines serve the daemon's version now, and a plain sentence when none do."""
+    version, served_by = st.get("version"), st.get("served_by")
+    if version is None or served_by is None:  # nothing served, or an older daemon
+        return ""
+    live = [e for e in st.get("engines", []) if e.get("state") != "LOST"]
+    line = f"  served by {served_by} of {len(live)} live engines"
+    if served_by == 0 and not st.get("sync"):  # during a sync its participants are not READY
+        line += (
+            f"\n[bold red]version {version} is not served by any engine[/bold red]"
+            " (none is READY at it with its server answering; the next push brings them to a version)"
+        )
+    return line
+
+
+def _sources_table(sync: dict[str, Any] | None) -> Table | None:
+    sources = (sync or {}).get("sources")
+    if not sources:
+        return None
+    rows = sources
+    title = f"sources of sync {sync['sync_id'][:8] if sync else ''} ({len(sources)})"
+    if len(sources) > SUMMARY_AFTER:  # a large push: only the sources still owed something
+        rows = [s for s in sources if not s.get("begun") or not s.get("finished") or not s.get("connected")]
+        title += f", {len(sources) - len(rows)} finished and connected not shown"
+        rows = rows[:SUMMARY_AFTER]
+    t = Table(title=title, title_justify="left")
+    for col in ("source", "begun", "buckets", "bytes", "acked", "finished", "connected"):
+        t.add_column(col)
+    for s in rows:
+        t.add_row(
+            str(s.get("source")),
+            "yes" if s.get("begun") else "[bold red]never began[/bold red]",
+            str(s.get("buckets")),
+            str(s.get("bytes")),
+            str(s.get("acked")),
+            "yes" if s.get("finished") else "no",
+            "yes" if s.get("connected") else "[bold red]lost[/bold red]",
+        )
+    return t
+
+
+def _state_cell(e: dict[str, Any]) -> str:
+    if e.get("server_error"):
+        return f"{e.get('state')}, server down"
+    return str(e.get("state"))
+
+
+def _engines_table(st: dict[str, Any]) -> Table:
     sync = st.get("sync")
     title = f"weightsync: [bold]{st['state']}[/bold]  version={st.get('version')}  dirty={st.get('dirty')}"
+    title += _served_line(st)
     if sync:
         title += (
             f"  sync={sync['sync_id'][:8]} v{sync['version']} {sync['buckets']} buckets "
@@ -32,6 +90,11 @@ def status_table(st: dict[str, Any]) -> Table:
             f"{group['world_size']}, store {group['store']}"
         )
     engines = st.get("engines", [])
+    unhealthy = [e for e in engines if e.get("server_error") and e.get("state") != "LOST"]
+    for e in unhealthy[:4]:  # a dead server between syncs: one line each, a few at most
+        title += f"\n[bold red]engine {e['engine_id']} is unhealthy[/bold red]: {escape(e['server_error'])}"
+    if len(unhealthy) > 4:
+        title += f"\n... and {len(unhealthy) - 4} more engines whose server does not answer (status --json)"
     if len(engines) > SUMMARY_AFTER:
         return _fleet_table(title, engines)
     cols = ["engine_id", "backend", "state", "version", "finalize_count", "digest", "host", "pid"]
@@ -45,7 +108,12 @@ def status_table(st: dict[str, Any]) -> Table:
     for col in cols:
         t.add_column(col)
     for e in engines:
-        row = {**e, "digest": (e.get("digest") or "")[:12] or None, "ranks": ranks.get(e["engine_id"], "-")}
+        row = {
+            **e,
+            "state": _state_cell(e),
+            "digest": (e.get("digest") or "")[:12] or None,
+            "ranks": ranks.get(e["engine_id"], "-"),
+        }
         t.add_row(*[str(row.get(c)) for c in cols])
     return t
 
@@ -55,7 +123,7 @@ def _fleet_table(title: str, engines: list[dict[str, Any]]) -> Table:
     groups: dict[tuple[str, str, str, str], list[str]] = {}
     for e in engines:
         key = (
-            str(e.get("state")),
+            _state_cell(e),
             str(e.get("version")),
             (e.get("digest") or "")[:12],
             str(e.get("backend")),

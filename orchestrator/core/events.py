@@ -83,6 +83,7 @@ class Heartbeat(Event):
     TRIGGER: ClassVar[str] = "heartbeat"
     engine_id: str
     registered_here: bool = True  # from the connection that registered this id
+    server_error: str | None = None  # its server does not answer (vllm-server): why
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,6 +111,7 @@ def heartbeat(m: Model, event: Heartbeat) -> None:
         m.reply = reply_body(HeartbeatReply(known=False))  # the engine registers again
         return
     x.last_seen, x.closed = m.now, False  # known: no answer (silence means known)
+    x.server_error = event.server_error  # status shows it; it no longer counts as serving
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:

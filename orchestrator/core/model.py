@@ -240,6 +240,9 @@ class Model:
         return {
             "state": self.state.value,
             "version": self.served_version,
+            # how many engines serve that version now (READY at it, their server answering):
+            # 0 after a restart whose engines came back without it and no spool to bring them
+            "served_by": sum(1 for x in self.engines.values() if x.serves(self.served_version)),
             "last_ready_version": self.last_ready_version,
             "digest": self.served_digest,
             "digest_scheme": self.served_scheme if self.served_digest is not None else None,

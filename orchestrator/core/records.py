@@ -47,6 +47,10 @@ class EngineRecord:
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
     served_notice: bool = False  # hands versions to readers: told `served` once one is durable
+    # its last heartbeat said its server (vllm-server) does not answer, and why; None: it
+    # answers, or the engine has no server of its own. Not a lifecycle state: the engine
+    # process is live and keeps its record; `serves` leaves it out.
+    server_error: str | None = None
     epoch: Epoch = field(default_factory=Epoch, repr=False, compare=False)  # its core's
 
     def __post_init__(self) -> None:
@@ -73,7 +77,17 @@ class EngineRecord:
             "labels": self.labels,  # it labels outputs: served once `label` says the version
             **({"label": self.label} if self.labels else {}),
             "delta": self.delta,
+            "server_error": self.server_error,
         }
+
+    def serves(self, version: int | None) -> bool:
+        """Whether it serves `version` now: READY at it, and its server (if any) answers."""
+        return (
+            version is not None
+            and self.state is EngineState.READY
+            and self.version == version
+            and self.server_error is None
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,7 +308,9 @@ class Dispatcher:
         if isinstance(msg, schema.Heartbeat):
             self.transport.stats.heartbeats += 1
             # only an unknown engine is answered (it registers again)
-            hb = ev.Heartbeat(msg.engine_id, registered_here=engine_id == msg.engine_id)
+            hb = ev.Heartbeat(
+                msg.engine_id, registered_here=engine_id == msg.engine_id, server_error=msg.server_error
+            )
             await self.feed(hb, self._engine(ident, msg.id))
             return
         if engine_id is None:

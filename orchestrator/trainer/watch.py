@@ -201,7 +201,7 @@ class Watcher:
         try:
             fleet = self.client.fleet(timeout=self.probe_timeout, retries=0)
         except WeightSyncError as err:
-            if not _no_answer(err):
+            if not no_answer(err):
                 raise
             self._wait("daemon", err, now, step)
             return WAITING
@@ -259,14 +259,14 @@ class Watcher:
         INVALID_STATE or INTERNAL "shutting down"), or None (a refusal: it counts)."""
         if err.code is ErrorCode.NO_ENGINES:
             return "engines"
-        if _no_answer(err):
+        if no_answer(err):
             return "daemon"
         # Ask once: a reply can only come after the monitor showed any drop, so the count
         # read after it covers the whole push; no reply at all is a daemon gone too.
         try:
             self.client.fleet(timeout=self.probe_timeout, retries=0)
         except WeightSyncError as probe:
-            if not _no_answer(probe):
+            if not no_answer(probe):
                 raise
         else:
             if self.client.lost_connections == lost:
@@ -349,7 +349,7 @@ WAITING = _Waiting()
 _FOR = {"daemon": "the daemon", "engines": "engines to register"}
 
 
-def _no_answer(err: WeightSyncError) -> bool:
+def no_answer(err: WeightSyncError) -> bool:
     """No daemon answered: UNREACHABLE, or this client's own TIMEOUT (a daemon's TIMEOUT
     reply, a sync that timed out, carries the daemon's state)."""
     return err.code is ErrorCode.UNREACHABLE or (err.code is ErrorCode.TIMEOUT and err.state is None)

@@ -59,6 +59,13 @@ def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
 def vllm_server(model_dir, log_path, extra=()):
     """A vLLM OpenAI server for `model_dir` on a free local port, started with the
     documented command (`weightsync vllm-server`, docs/MULTINODE.md); yields its base URL."""
+    with vllm_server_process(model_dir, log_path, extra) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_server_process(model_dir, log_path, extra=()):
+    """`vllm_server`, yielding (base URL, its Popen) for a test that kills the server."""
     import socket
     import subprocess
     import sys
@@ -93,7 +100,7 @@ def vllm_server(model_dir, log_path, extra=()):
                 time.sleep(1)
         else:
             raise RuntimeError(f"vLLM server not up in 300s:\n{log_path.read_text()[-4000:]}")
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
