@@ -100,6 +100,13 @@ def config_show(
         _usage(str(exc))
 
 
+def _default(setting: str) -> str:
+    """The daemon's own default for a `serve` option, for its help: the option itself
+    defaults to None, so that a WEIGHTSYNC_* variable or the config file still applies."""
+    value = cliconfig.SETTINGS_DEFAULTS[setting]
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @app.command()
 def serve(
     bind: Optional[str] = typer.Option(None, help=f"trainer socket (default {DEFAULT_ADDR})"),
@@ -118,32 +125,49 @@ def serve(
     state_db: Optional[str] = typer.Option(
         None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
     ),
-    min_engines: Optional[int] = typer.Option(None, help="engines required to begin a sync"),
+    min_engines: Optional[int] = typer.Option(
+        None, help=f"engines required to begin a sync (default {_default('min_engines')})"
+    ),
     engine_timeout: Optional[float] = typer.Option(
-        None, help="seconds without heartbeat before an engine is lost"
+        None,
+        help=f"seconds without heartbeat before an engine is lost (default {_default('engine_timeout')})",
     ),
     lost_expiry: Optional[float] = typer.Option(
-        None, help="seconds a LOST engine stays in status before it is forgotten (default 3600)"
+        None,
+        help=f"seconds a LOST engine stays in status before it is forgotten (default {_default('lost_expiry')})",
     ),
     sync_timeout: Optional[float] = typer.Option(
-        None, help="seconds without trainer activity before a sync fails"
+        None,
+        help=f"seconds without trainer activity before a sync fails (default {_default('sync_timeout')})",
     ),
-    bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
-    finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
+    bucket_timeout: Optional[float] = typer.Option(
+        None, help=f"seconds for every engine to apply a bucket (default {_default('bucket_timeout')})"
+    ),
+    finalize_timeout: Optional[float] = typer.Option(
+        None, help=f"seconds for every engine to finalize (default {_default('finalize_timeout')})"
+    ),
     spool: Optional[str] = typer.Option(None, help="keep the last READY version here: rollback and rejoin"),
-    max_frame_bytes: Optional[int] = typer.Option(None, help="largest bucket frame accepted"),
-    max_pending: Optional[int] = typer.Option(None, help="unanswered bucket requests per trainer"),
+    max_frame_bytes: Optional[int] = typer.Option(
+        None, help=f"largest bucket frame accepted, in bytes (default {_default('max_frame_bytes')})"
+    ),
+    max_pending: Optional[int] = typer.Option(
+        None, help=f"unanswered bucket requests per trainer (default {_default('max_pending')})"
+    ),
     keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
     trainer_grace: Optional[float] = typer.Option(
-        None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"
+        None,
+        min=0.0,
+        help=f"seconds a sync outlives its trainer's closed connection (default {_default('trainer_grace')})",
     ),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     metrics_bind: Optional[str] = typer.Option(
         None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
     ),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
-    log_level: Optional[LogLevel] = typer.Option(None),
-    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
+    log_level: Optional[LogLevel] = typer.Option(None, help=f"(default {_default('log_level')})"),
+    log_json: Optional[bool] = typer.Option(
+        None, "--log-json/--log-console", help="(default: JSON when stderr is not a terminal)"
+    ),
 ) -> None:
     """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
     import sqlite3
