@@ -35,3 +35,30 @@ def test_serve_help_shows_the_daemons_defaults():
         shown = re.search(r"\(default ([^)]*)\)", _help_of(option, r.stdout))
         assert shown is not None, (option, _help_of(option, r.stdout))
         assert float(shown.group(1)) == value, (option, shown.group(0))
+
+
+def test_a_start_refused_by_a_busy_spool_leaves_no_journal_lock_behind(tmp_path):
+    """The spool is another daemon's: exit 3 naming its holder, and the `STATE_DB.lock` this
+    start made a moment before (its journal was new) is gone again."""
+    from orchestrator.daemon.locks import StateLock
+
+    spool = tmp_path / "spool"
+    held = StateLock(spool / ".lock", f"spool {spool}").acquire()  # the lock a running daemon holds
+    try:
+        r = ws(
+            "serve",
+            "--bind",
+            f"ipc://{tmp_path}/t.sock",
+            "--engine-bind",
+            f"ipc://{tmp_path}/e.sock",
+            "--state-db",
+            str(tmp_path / "new.db"),
+            "--spool",
+            str(spool),
+            timeout=60,
+        )
+    finally:
+        held.release()
+    assert r.returncode == 3 and "in use by another daemon" in r.stderr, (r.stdout, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spool"]
+    assert sorted(p.name for p in spool.iterdir()) == [".lock"]
