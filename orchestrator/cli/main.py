@@ -29,6 +29,7 @@ from orchestrator.cli.util import (
     EXIT_STARTUP,
     EXIT_SYNC,
     EXIT_USAGE,
+    _check_bind,
     _check_endpoint,
     _client,
     _client_keys,
@@ -200,6 +201,9 @@ def serve(
         log_level=log_level,
         log_json=log_json,
     )
+    _check_bind(s.bind, "--bind")
+    _check_bind(s.engine_bind, "--engine-bind")
+    _check_bind(s.fanout_bind, "--fanout-bind")
     configure_logging(s.log_level, s.log_json)
     from messages import shm
     from messages.keys import KeysError

@@ -62,13 +62,25 @@ def _check_endpoint(addr: str, flag: str) -> None:
     """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
     import zmq
 
+    from messages.link import address_hint
+
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(addr)
     except zmq.ZMQError as exc:
-        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); e.g. tcp://HOST:PORT or ipc:///PATH")
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); {address_hint(addr)}")
     finally:
         sock.close(linger=0)
+
+
+def _check_bind(addr: str, flag: str) -> None:
+    """A bind address without a scheme (`127.0.0.1:5555`) is a usage error naming the one
+    meant, before the daemon takes any state (`tcp://*:5555` binds but cannot be connected
+    to, so ZeroMQ's connect is no judge here)."""
+    from messages.link import address_hint
+
+    if addr and addr != "off" and "://" not in addr:
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address (no scheme); {address_hint(addr, bind=True)}")
 
 
 def _client_keys(directory: Optional[Path], name: str) -> Any:

@@ -62,3 +62,29 @@ def test_a_start_refused_by_a_busy_spool_leaves_no_journal_lock_behind(tmp_path)
     assert r.returncode == 3 and "in use by another daemon" in r.stderr, (r.stdout, r.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spool"]
     assert sorted(p.name for p in spool.iterdir()) == [".lock"]
+
+
+def test_an_address_without_its_scheme_is_one_line_naming_the_address_meant(tmp_path):
+    """`--addr 127.0.0.1:25555` and friends: exit 2 at once with the `tcp://` (or `ipc://`)
+    address the user most likely meant; a daemon given one takes no state first."""
+    model = tmp_path / "model"
+    model.mkdir()
+    runs = {
+        "status": ws("status", "--addr", "127.0.0.1:25555", timeout=30),
+        "abort": ws("abort", "--addr", "localhost:25555", timeout=30),
+        "engine": ws("engine", "--model", str(model), "--connect", "127.0.0.1:25556", timeout=30),
+        "serve": ws("serve", "--bind", "*:25555", "--state-db", str(tmp_path / "s.db"), timeout=30),
+        "serve ipc": ws("serve", "--engine-bind", f"{tmp_path}/e.sock", "--state-db", str(tmp_path / "s.db")),
+    }
+    meant = {
+        "status": "'tcp://127.0.0.1:25555'",
+        "abort": "'tcp://localhost:25555'",
+        "engine": "'tcp://127.0.0.1:25556'",
+        "serve": "'tcp://*:25555'",
+        "serve ipc": f"'ipc://{tmp_path}/e.sock'",
+    }
+    for what, r in runs.items():
+        assert r.returncode == 2, (what, r.stdout, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (what, r.stderr)
+        assert f"did you mean {meant[what]}?" in r.stderr, (what, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no journal, no lock
