@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from messages.errors import WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.cli import config as cliconfig
-from orchestrator.cli.tables import history_table, push_progress, status_table
+from orchestrator.cli.tables import history_table, out_console, push_progress, status_table
 from orchestrator.cli.util import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -427,8 +426,7 @@ def status(
     key_name: str = typer.Option("trainer", help="identity in the keys directory"),
 ) -> None:
     """Show the daemon's state, engines and recent transitions."""
-    # a terminal wraps to its width; a pipe or file gets whole rows (grep, logs)
-    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console = out_console()
     with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
         try:
             while True:
@@ -789,7 +787,7 @@ def demo(
         return
 
     def show(st: dict[str, Any]) -> None:
-        console = Console(width=120)
+        console = out_console()
         console.print(status_table(st))
         console.print(history_table(st))
 

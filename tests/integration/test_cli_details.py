@@ -88,3 +88,28 @@ def test_an_address_without_its_scheme_is_one_line_naming_the_address_meant(tmp_
         assert len(r.stderr.strip().splitlines()) == 1, (what, r.stderr)
         assert f"did you mean {meant[what]}?" in r.stderr, (what, r.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no journal, no lock
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+
+
+def test_tables_through_a_pipe_keep_whole_rows_and_follow_columns(tmp_path):
+    """Through a pipe (what scripts, `| grep` and logs see) no cell is cut at rich's 80
+    columns; with COLUMNS set, `config show` and `status` draw to that width."""
+    from .helpers import running_daemon
+
+    piped = ws("config", "show", "serve", env=child_env({"COLUMNS": ""}))
+    assert piped.returncode == 0, piped.stderr
+    assert "…" not in piped.stdout and "WEIGHTSYNC_FANOUT_QUEUE_BYTES" in piped.stdout
+    assert max(len(ln) for ln in _lines(piped.stdout)) > 80
+    narrow = ws("config", "show", "serve", env=child_env({"COLUMNS": "70"}))
+    assert narrow.returncode == 0 and max(len(ln) for ln in _lines(narrow.stdout)) <= 70, narrow.stdout
+
+    with running_daemon(tmp_path, None, engines=0, min_engines=0) as c:
+        wide = ws("status", "--addr", c.addr, env=child_env({"COLUMNS": ""}))
+        assert wide.returncode == 0, wide.stderr
+        assert "…" not in wide.stdout and "finalize_count" in wide.stdout
+        st = ws("status", "--addr", c.addr, env=child_env({"COLUMNS": "60"}))
+    assert st.returncode == 0, st.stderr
+    assert max(len(ln) for ln in _lines(st.stdout)) <= 60, st.stdout
