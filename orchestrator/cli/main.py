@@ -578,7 +578,7 @@ def push(
             )
         except WeightSyncError as err:
             _settle(c, err, timeout)
-            _fail(err, "push", as_json)
+            _fail(err, "push", as_json, version=version)
             return
         except KeyboardInterrupt:  # the client aborted the sync it began on the way out
             err_console.print(

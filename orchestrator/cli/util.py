@@ -30,9 +30,15 @@ def _settings(**kw: Any) -> Settings:
         raise typer.Exit(EXIT_USAGE) from None
 
 
-def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
+def _fail(err: WeightSyncError, what: str, as_json: bool = False, version: int | None = None) -> None:
+    """One line on stderr (and with --json a JSON object on stdout), exit 4. `version`: the
+    version the command was about (push's --version): the object's `version`, while the
+    daemon's own, which the error carries, is `daemon_version` beside `state`."""
     if as_json:  # scripts read stdout: the failure is a JSON object there too
-        print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
+        fields = {**err.to_fields(), "daemon_version": err.version}
+        if version is not None:
+            fields["version"] = version
+        print(json.dumps({"ok": False, **fields}, sort_keys=True, default=str))
     where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
     text = " ".join(err.message.split())
     err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")

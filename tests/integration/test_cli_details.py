@@ -113,3 +113,24 @@ def test_tables_through_a_pipe_keep_whole_rows_and_follow_columns(tmp_path):
         st = ws("status", "--addr", c.addr, env=child_env({"COLUMNS": "60"}))
     assert st.returncode == 0, st.stderr
     assert max(len(ln) for ln in _lines(st.stdout)) <= 60, st.stdout
+
+
+def test_a_push_json_failure_names_the_version_pushed_and_the_daemons_apart(tmp_path):
+    """`push --json` refused (no engines): `version` is the version pushed, not the
+    daemon's (None here), which is `daemon_version` beside `state`."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .helpers import running_daemon
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.zeros(4)}, str(ckpt / "model.safetensors"))
+    with running_daemon(tmp_path / "d", None, engines=0, min_engines=1) as c:
+        r = ws("push", str(ckpt), "--version", "7", "--addr", c.addr, "--json", timeout=60)
+    assert r.returncode == 4, (r.stdout, r.stderr)
+    out = json.loads(r.stdout)
+    assert out["ok"] is False and out["code"] == "NO_ENGINES", out
+    assert (out["version"], out["daemon_version"], out["state"]) == (7, None, "IDLE"), out
