@@ -37,6 +37,7 @@ from orchestrator.cli.util import (
     _settings,
     _usage,
     err_console,
+    quiet_log_events,
 )
 from orchestrator.daemon.config import (
     DEFAULT_ADDR,
@@ -559,11 +560,14 @@ def push(
         _client(addr, keys, key_name, timeout=timeout, collective_host=collective_host) as c,
         push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress,
     ):
+        served: int | None = None
         try:
             if delta_from is not None:
+                quiet_log_events("delta_refused")  # a refusal is this command's own line, below
                 st = c.status()
                 if st.get("state") == "READY" and st.get("version") is not None:
-                    c.delta_base.adopt(iter_safetensors(delta_from), int(st["version"]))
+                    served = int(st["version"])
+                    c.delta_base.adopt(iter_safetensors(delta_from), served)
             r = c.push(
                 named,
                 version,
@@ -612,9 +616,12 @@ def push(
             f"digest {r.digest}"
         )
         d = r.detail.get("delta")
-        if d is not None:
-            against = f"against version {d['base']}" if d["base"] is not None else "dense (no delta base)"
-            print(f"delta {against}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}")
+        if d is not None and d["base"] is not None:
+            print(
+                f"delta against version {d['base']}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}"
+            )
+        elif d is not None:
+            print(f"pushed dense, not as a delta: {_why_dense(d, delta_from, served)}")
 
 
 @app.command()
@@ -740,6 +747,25 @@ def watch(
         except WeightSyncError as err:
             _fail(err, "watch", as_json)
     raise typer.Exit(EXIT_SYNC if bad else EXIT_OK)
+
+
+def _why_dense(d: dict[str, Any], delta_from: Path | None, served: int | None) -> str:
+    """Why `push --delta-from` sent the whole checkpoint, in the user's terms: a base the
+    engines do not hold is named (the directory, the version it was taken for, which engine
+    holds another copy of which tensor), not reported as an engine failure."""
+    refused = d.get("refused")
+    if refused is not None:
+        other = re.search(r"failed: (\S+): the patch applies to .*\(a different base\)", refused["message"])
+        if other is not None:
+            return (
+                f"--delta-from {delta_from} is not the checkpoint the fleet serves as version "
+                f"{refused['base']} ({refused.get('engine_id') or 'an engine'} holds another "
+                f"{other.group(1)}); give the directory version {refused['base']} was pushed from"
+            )
+        return f"the engines refused a delta against version {refused['base']}: {refused['message']}"
+    if served is None:
+        return "the daemon serves no version to patch against yet"
+    return str(d.get("why"))
 
 
 def _settle(c: Any, err: WeightSyncError, wait: float) -> None:

@@ -64,6 +64,21 @@ def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
         _usage(f"--addr: {exc}")
 
 
+def quiet_log_events(*events: str) -> None:
+    """Drop the library's log lines of these events (after `_client` configured them):
+    for what a command reports in its own words instead of twice."""
+    import logging
+
+    from messages import liblog
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(text.startswith(e + " ") or f'"event": "{e}"' in text for e in events)
+
+    for handler in logging.getLogger(liblog.ROOT).handlers:
+        handler.addFilter(keep)
+
+
 def _check_endpoint(addr: str, flag: str) -> None:
     """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
     import zmq

@@ -134,3 +134,36 @@ def test_a_push_json_failure_names_the_version_pushed_and_the_daemons_apart(tmp_
     out = json.loads(r.stdout)
     assert out["ok"] is False and out["code"] == "NO_ENGINES", out
     assert (out["version"], out["daemon_version"], out["state"]) == (7, None, "IDLE"), out
+
+
+def test_push_delta_from_a_checkpoint_the_fleet_does_not_serve_is_one_line_naming_it(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """`push --delta-from WRONG`: the engines refuse the patches and the push goes dense, as
+    documented; the user reads one line naming the directory, the version it was taken
+    for and the tensor an engine holds otherwise, not an engine failure."""
+    from safetensors.torch import save_file
+
+    from examples.tiny import perturbed
+
+    from .helpers import running_daemon, small_step
+
+    served = dict(perturbed(tiny_state, 1))
+    for name, weights in (("served", served), ("other", small_step(served, 40))):
+        (tmp_path / name).mkdir()
+        save_file({k: t.contiguous() for k, t in weights.items()}, str(tmp_path / name / "model.safetensors"))
+    with running_daemon(tmp_path / "d", tiny_model_dir, engines=1, engine_args=["--delta-base"]) as c:
+        r = ws("push", str(tmp_path / "served"), "--version", "1", "--addr", c.addr)
+        assert r.returncode == 0, r.stderr
+        r = ws(
+            "push", str(tmp_path / "served"), "--version", "2", "--addr", c.addr,
+            "--delta-from", str(tmp_path / "other"),
+        )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "", r.stderr
+    (_, line) = r.stdout.strip().splitlines()
+    assert line.startswith(
+        f"pushed dense, not as a delta: --delta-from {tmp_path / 'other'} is not the checkpoint "
+        "the fleet serves as version 1 (engine-0 holds another "
+    ), line
+    assert "failed" not in line and "no delta base" not in line
