@@ -443,7 +443,8 @@ class Model:
                     syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now)
                 ),
                 digest=digest,
-                rolled_back_from=s.rollback_of,
+                # the failed sync's record as it was, its rollback now done (it said pending)
+                rolled_back_from={**s.rollback_of, "rollback": "done"} if s.rollback_of else None,
                 engines=[
                     EngineFinal(
                         engine_id=eid,
