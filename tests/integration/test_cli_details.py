@@ -167,3 +167,40 @@ def test_push_delta_from_a_checkpoint_the_fleet_does_not_serve_is_one_line_namin
         "the fleet serves as version 1 (engine-0 holds another "
     ), line
     assert "failed" not in line and "no delta base" not in line
+
+
+def test_status_shows_a_collective_group_only_while_its_trainer_is_connected(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """The group's store lives in the trainer: status shows the group (store, ranks) while
+    that trainer is connected, and no store once its connection closed (it kept showing
+    the address of a push that had exited)."""
+    import json
+
+    from examples.tiny import perturbed
+
+    from .helpers import running_daemon, wait_for
+
+    def status() -> dict:
+        r = ws("status", "--addr", c.addr, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    with running_daemon(tmp_path, tiny_model_dir) as c:
+        with c.client(timeout=30.0, collective_host="127.0.0.1") as client:
+            r = client.push(perturbed(tiny_state, 1), 1, transport="collective")
+            assert r.state == "READY" and r.detail["transport"] == "collective"
+            st = status()
+            assert st["collective"]["world_size"] == 3 and st["collective"]["store"].startswith("127.0.0.1:")
+            text = ws("status", "--addr", c.addr).stdout
+            assert "collective group" in text and "ranks" in text, text
+            rows = {line.split()[1]: line.split()[-2] for line in text.splitlines() if "engine-" in line}
+            ranks = {eid: str(m["rank"]) for eid, m in st["collective"]["members"].items()}
+            assert rows == ranks and sorted(ranks.values()) == ["1", "2"], (rows, ranks, text)
+        wait_for(lambda: status()["collective"] is None, 15, "the group gone with its trainer")
+        text = ws("status", "--addr", c.addr).stdout
+        assert "collective group" not in text and "store" not in text, text
+        # the next collective push plans a group of its own and succeeds
+        with c.client(timeout=30.0, collective_host="127.0.0.1") as client:
+            r = client.push(perturbed(tiny_state, 2), 2, transport="collective")
+            assert r.state == "READY" and r.detail["transport"] == "collective"
