@@ -11,6 +11,7 @@ used by the thread that owns the client's socket, like the socket itself.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -32,6 +33,24 @@ _FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
+
+
+class AddressError(ValueError):
+    """An address ZeroMQ cannot use (a usage error: the CLI exits 2), naming it and, when
+    the scheme is missing, the address that was most likely meant."""
+
+
+def address_hint(addr: str, bind: bool = False) -> str:
+    """What to write instead of `addr`, which ZeroMQ refused: `tcp://HOST:PORT` for a bare
+    HOST:PORT (`*:PORT` only where it binds), `ipc://PATH` for a bare path, else the two
+    usual forms."""
+    host = r"(\*|[\w.-]+|\[[0-9A-Fa-f:.]+\])" if bind else r"([\w.-]+|\[[0-9A-Fa-f:.]+\])"
+    if "://" not in addr:
+        if re.fullmatch(host + r":\d{1,5}", addr):
+            return f"did you mean 'tcp://{addr}'?"
+        if addr.startswith(("/", "./", "../")):
+            return f"did you mean 'ipc://{addr}'?"
+    return "e.g. tcp://HOST:PORT or ipc:///PATH"
 
 
 class Reconnected:

@@ -213,8 +213,9 @@ def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         print(json.dumps(rows, default=str))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from orchestrator.cli.tables import out_console
 
     t = Table(
         title="effective settings (flag > WEIGHTSYNC_* env > config file > default)", title_justify="left"
@@ -225,4 +226,4 @@ def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
         t.add_row(
             r["command"], r["option"], "" if r["value"] is None else str(r["value"]), r["source"], r["env"]
         )
-    Console().print(t)
+    out_console().print(t)

@@ -18,19 +18,19 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.cli import config as cliconfig
-from orchestrator.cli.tables import history_table, push_progress, status_table
+from orchestrator.cli.tables import history_table, out_console, push_progress, status_table
 from orchestrator.cli.util import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STARTUP,
     EXIT_SYNC,
     EXIT_USAGE,
+    _check_bind,
     _check_endpoint,
     _client,
     _client_keys,
@@ -39,6 +39,7 @@ from orchestrator.cli.util import (
     _settings,
     _usage,
     err_console,
+    quiet_log_events,
 )
 from orchestrator.daemon.config import (
     DEFAULT_ADDR,
@@ -102,6 +103,13 @@ def config_show(
         _usage(str(exc))
 
 
+def _default(setting: str) -> str:
+    """The daemon's own default for a `serve` option, for its help: the option itself
+    defaults to None, so that a WEIGHTSYNC_* variable or the config file still applies."""
+    value = cliconfig.SETTINGS_DEFAULTS[setting]
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @app.command()
 def serve(
     bind: Optional[str] = typer.Option(None, help=f"trainer socket (default {DEFAULT_ADDR})"),
@@ -120,32 +128,49 @@ def serve(
     state_db: Optional[str] = typer.Option(
         None, help="SQLite journal path (default weightsync-state.db); one daemon per journal"
     ),
-    min_engines: Optional[int] = typer.Option(None, help="engines required to begin a sync"),
+    min_engines: Optional[int] = typer.Option(
+        None, help=f"engines required to begin a sync (default {_default('min_engines')})"
+    ),
     engine_timeout: Optional[float] = typer.Option(
-        None, help="seconds without heartbeat before an engine is lost"
+        None,
+        help=f"seconds without heartbeat before an engine is lost (default {_default('engine_timeout')})",
     ),
     lost_expiry: Optional[float] = typer.Option(
-        None, help="seconds a LOST engine stays in status before it is forgotten (default 3600)"
+        None,
+        help=f"seconds a LOST engine stays in status before it is forgotten (default {_default('lost_expiry')})",
     ),
     sync_timeout: Optional[float] = typer.Option(
-        None, help="seconds without trainer activity before a sync fails"
+        None,
+        help=f"seconds without trainer activity before a sync fails (default {_default('sync_timeout')})",
     ),
-    bucket_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to apply a bucket"),
-    finalize_timeout: Optional[float] = typer.Option(None, help="seconds for every engine to finalize"),
+    bucket_timeout: Optional[float] = typer.Option(
+        None, help=f"seconds for every engine to apply a bucket (default {_default('bucket_timeout')})"
+    ),
+    finalize_timeout: Optional[float] = typer.Option(
+        None, help=f"seconds for every engine to finalize (default {_default('finalize_timeout')})"
+    ),
     spool: Optional[str] = typer.Option(None, help="keep the last READY version here: rollback and rejoin"),
-    max_frame_bytes: Optional[int] = typer.Option(None, help="largest bucket frame accepted"),
-    max_pending: Optional[int] = typer.Option(None, help="unanswered bucket requests per trainer"),
+    max_frame_bytes: Optional[int] = typer.Option(
+        None, help=f"largest bucket frame accepted, in bytes (default {_default('max_frame_bytes')})"
+    ),
+    max_pending: Optional[int] = typer.Option(
+        None, help=f"unanswered bucket requests per trainer (default {_default('max_pending')})"
+    ),
     keys: Optional[str] = typer.Option(None, help="CURVE keys directory: only listed peers get in"),
     trainer_grace: Optional[float] = typer.Option(
-        None, min=0.0, help="seconds a sync outlives its trainer's closed connection (default 2)"
+        None,
+        min=0.0,
+        help=f"seconds a sync outlives its trainer's closed connection (default {_default('trainer_grace')})",
     ),
     shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
     metrics_bind: Optional[str] = typer.Option(
         None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
     ),
     failpoint: Optional[str] = typer.Option(None, hidden=True, help="fault injection (tests)"),
-    log_level: Optional[LogLevel] = typer.Option(None),
-    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console"),
+    log_level: Optional[LogLevel] = typer.Option(None, help=f"(default {_default('log_level')})"),
+    log_json: Optional[bool] = typer.Option(
+        None, "--log-json/--log-console", help="(default: JSON when stderr is not a terminal)"
+    ),
 ) -> None:
     """Run the orchestrator daemon in the foreground (SIGTERM stops it gracefully)."""
     import sqlite3
@@ -178,6 +203,9 @@ def serve(
         log_level=log_level,
         log_json=log_json,
     )
+    _check_bind(s.bind, "--bind")
+    _check_bind(s.engine_bind, "--engine-bind")
+    _check_bind(s.fanout_bind, "--fanout-bind")
     configure_logging(s.log_level, s.log_json)
     from messages import shm
     from messages.keys import KeysError
@@ -411,8 +439,7 @@ def status(
     from orchestrator.trainer.watch import no_answer
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM is a Ctrl-C (exit 130)
-    # a terminal wraps to its width; a pipe or file gets whole rows (grep, logs)
-    console = Console() if sys.stdout.isatty() else Console(width=200)
+    console = out_console()
     down_since: float | None = None  # when the watched daemon stopped answering
     with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:
         try:
@@ -577,11 +604,14 @@ def push(
         _client(addr, keys, key_name, timeout=timeout, collective_host=collective_host) as c,
         push_progress(checkpoint, version, enabled=not as_json and sys.stdout.isatty()) as progress,
     ):
+        served: int | None = None
         try:
             if delta_from is not None:
+                quiet_log_events("delta_refused")  # a refusal is this command's own line, below
                 st = c.status()
                 if st.get("state") == "READY" and st.get("version") is not None:
-                    c.delta_base.adopt(iter_safetensors(delta_from), int(st["version"]))
+                    served = int(st["version"])
+                    c.delta_base.adopt(iter_safetensors(delta_from), served)
             r = c.push(
                 named,
                 version,
@@ -597,7 +627,7 @@ def push(
         except WeightSyncError as err:
             if c.began is not None or err.code is ErrorCode.TIMEOUT:  # a sync may have begun
                 _settle(c, err, timeout)
-            _fail(err, "push", as_json)  # a refused begin left nothing to settle: said at once
+            _fail(err, "push", as_json, version=version)  # a refused begin: said at once
             return
         except KeyboardInterrupt:  # the client aborted the sync it began on the way out
             err_console.print(
@@ -631,9 +661,12 @@ def push(
             f"digest {r.digest}"
         )
         d = r.detail.get("delta")
-        if d is not None:
-            against = f"against version {d['base']}" if d["base"] is not None else "dense (no delta base)"
-            print(f"delta {against}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}")
+        if d is not None and d["base"] is not None:
+            print(
+                f"delta against version {d['base']}: {d['bytes']} of {d['dense_bytes']} bytes, {d['tensors']}"
+            )
+        elif d is not None:
+            print(f"pushed dense, not as a delta: {_why_dense(d, delta_from, served)}")
 
 
 @app.command()
@@ -761,6 +794,25 @@ def watch(
     raise typer.Exit(EXIT_SYNC if bad else EXIT_OK)
 
 
+def _why_dense(d: dict[str, Any], delta_from: Path | None, served: int | None) -> str:
+    """Why `push --delta-from` sent the whole checkpoint, in the user's terms: a base the
+    engines do not hold is named (the directory, the version it was taken for, which engine
+    holds another copy of which tensor), not reported as an engine failure."""
+    refused = d.get("refused")
+    if refused is not None:
+        other = re.search(r"failed: (\S+): the patch applies to .*\(a different base\)", refused["message"])
+        if other is not None:
+            return (
+                f"--delta-from {delta_from} is not the checkpoint the fleet serves as version "
+                f"{refused['base']} ({refused.get('engine_id') or 'an engine'} holds another "
+                f"{other.group(1)}); give the directory version {refused['base']} was pushed from"
+            )
+        return f"the engines refused a delta against version {refused['base']}: {refused['message']}"
+    if served is None:
+        return "the daemon serves no version to patch against yet"
+    return str(d.get("why"))
+
+
 def _settle(c: Any, err: WeightSyncError, wait: float) -> None:
     """A failed push reports the state the daemon settles in: a dirty daemon with a spool
     rolls the engines back right after the failure, so the state in the error (IDLE,
@@ -808,7 +860,7 @@ def demo(
         return
 
     def show(st: dict[str, Any]) -> None:
-        console = Console(width=120)
+        console = out_console()
         console.print(status_table(st))
         console.print(history_table(st))
 

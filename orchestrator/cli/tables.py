@@ -4,16 +4,30 @@ the progress of a push on a terminal."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
+from orchestrator.daemon.config import columns_set
+
 SUMMARY_AFTER = 16  # a larger fleet is shown grouped by state, version and digest
+# Where no width is known (a pipe, a file, no COLUMNS), rows are never cut: a table is only
+# as wide as its content, so this is a bound on a line, not a padding.
+PIPE_WIDTH = 1000
+
+
+def out_console() -> Console:
+    """stdout for tables: COLUMNS wide when set, a terminal's width on a terminal, and
+    whole rows otherwise (grep, logs): rich alone would cut them at 80 columns."""
+    if columns_set() or sys.stdout.isatty():
+        return Console()  # rich reads COLUMNS, then the terminal's size
+    return Console(width=PIPE_WIDTH)
 
 
 def status_table(st: dict[str, Any]) -> RenderableType:

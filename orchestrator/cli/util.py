@@ -31,11 +31,16 @@ def _settings(**kw: Any) -> Settings:
         raise typer.Exit(EXIT_USAGE) from None
 
 
-def _fail(err: WeightSyncError, what: str, as_json: bool = False) -> None:
-    """One line (and the JSON object with --json), exit 4; a wrong --addr (the daemon's
-    engine socket: WRONG_SOCKET) is a usage error, exit 2."""
+def _fail(err: WeightSyncError, what: str, as_json: bool = False, version: int | None = None) -> None:
+    """One line on stderr (and with --json a JSON object on stdout), exit 4; a wrong --addr
+    (the daemon's engine socket: WRONG_SOCKET) is a usage error, exit 2. `version`: the
+    version the command was about (push's --version): the object's `version`, while the
+    daemon's own, which the error carries, is `daemon_version` beside `state`."""
     if as_json:  # scripts read stdout: the failure is a JSON object there too
-        print(json.dumps({"ok": False, **err.to_fields()}, sort_keys=True, default=str))
+        fields = {**err.to_fields(), "daemon_version": err.version}
+        if version is not None:
+            fields["version"] = version
+        print(json.dumps({"ok": False, **fields}, sort_keys=True, default=str))
     where = f" (daemon state {err.state}, version {err.version})" if err.state else ""
     text = " ".join(err.message.split())
     err_console.print(f"[red]{what} failed: {err.code.value}[/red]: {escape(text)}{where}")
@@ -61,17 +66,44 @@ def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
         _usage(f"--addr: {exc}")
 
 
+def quiet_log_events(*events: str) -> None:
+    """Drop the library's log lines of these events (after `_client` configured them):
+    for what a command reports in its own words instead of twice."""
+    import logging
+
+    from messages import liblog
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(text.startswith(e + " ") or f'"event": "{e}"' in text for e in events)
+
+    for handler in logging.getLogger(liblog.ROOT).handlers:
+        handler.addFilter(keep)
+
+
 def _check_endpoint(addr: str, flag: str) -> None:
     """ZeroMQ's own parser decides: an address it cannot connect to is a usage error."""
     import zmq
+
+    from messages.link import address_hint
 
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(addr)
     except zmq.ZMQError as exc:
-        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); e.g. tcp://HOST:PORT or ipc:///PATH")
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address ({exc}); {address_hint(addr)}")
     finally:
         sock.close(linger=0)
+
+
+def _check_bind(addr: str, flag: str) -> None:
+    """A bind address without a scheme (`127.0.0.1:5555`) is a usage error naming the one
+    meant, before the daemon takes any state (`tcp://*:5555` binds but cannot be connected
+    to, so ZeroMQ's connect is no judge here)."""
+    from messages.link import address_hint
+
+    if addr and addr != "off" and "://" not in addr:
+        _usage(f"{flag} {addr!r} is not a ZeroMQ address (no scheme); {address_hint(addr, bind=True)}")
 
 
 def _client_keys(directory: Optional[Path], name: str) -> Any:

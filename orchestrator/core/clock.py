@@ -269,11 +269,14 @@ def _expire_catchups(m: Model) -> None:
 
 
 def trainer_gone(m: Model, event: TrainerGone) -> None:
-    """The trainer's connection closed mid-sync: the sync fails after `trainer_grace`
-    unless the trainer comes back (any message of it clears this)."""
+    """A trainer's connection closed. Mid-sync: the sync fails after `trainer_grace`
+    unless the trainer comes back (any message of it clears this). Any time: the group
+    whose store that trainer hosted is forgotten (the next collective push plans one)."""
     s = m.sync
     if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
         s.lost.setdefault(event.sender, m.now)
+    if event.conn:
+        m.trainer_closed(event.conn)
 
 
 def internal(m: Model, event: InternalError) -> None:

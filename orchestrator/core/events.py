@@ -134,8 +134,9 @@ class Tick(Event):
 @dataclass(frozen=True, slots=True)
 class TrainerGone(Event):
     TRIGGER: ClassVar[str] = "trainer_gone"
-    sync_id: str
+    sync_id: str  # "" when the connection began no running sync
     sender: int = 0  # the source whose last connection closed (a sharded push has several)
+    conn: bytes = b""  # the connection that closed
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ S, E = State, EngineState
 ENDED_KEPT = 4096  # ended sync ids: a late message is answered with its end (minutes of syncs)
 MAX_PLANS = 4  # sharded pushes' plans checked against later syncs: one per model served, and spare
 MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse: one per source a push may have
+GROUP_CONNS_KEPT = MAX_SOURCE_GROUPS + 1  # the trainer connection of each group kept (shared + sources)
 SPECS_KEPT = 256  # distinct engine specs shared between records: models served at once, with room
 
 
@@ -98,6 +99,9 @@ class Model:
         self.group: GroupPlan | None = None  # the collective group syncs reuse
         # sharded pushes' sources' groups, by session
         self.source_groups: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
+        # the trainer connection that began a group's last sync, by session: its store lives in
+        # that trainer, so the group goes when the connection closes (trainer_gone)
+        self.group_conns: LRU[str, bytes] = LRU(GROUP_CONNS_KEPT)
         # A sharded push's plan as a READY sync carried it out: plan hash -> tensor -> source.
         # A sync commits only when what its sources sent hashes to the plan they declared
         # (messages.shardplan), so this is the declared assignment itself; later syncs with
@@ -446,7 +450,8 @@ class Model:
                     syncs.summary(s, "READY" if s.kind == "sync" else "ROLLED_BACK", self.now)
                 ),
                 digest=digest,
-                rolled_back_from=s.rollback_of,
+                # the failed sync's record as it was, its rollback now done (it said pending)
+                rolled_back_from={**s.rollback_of, "rollback": "done"} if s.rollback_of else None,
                 engines=[
                     EngineFinal(
                         engine_id=eid,
@@ -554,10 +559,13 @@ class Model:
     def new_group_id(self) -> str:
         return f"g{self._groups + 1}.{self.run_id}"[:128]
 
-    def group_planned(self, plan: GroupPlan, shared: bool = True) -> None:
+    def group_planned(self, plan: GroupPlan, shared: bool = True, conn: bytes = b"") -> None:
         """`plan` carries this sync's bytes: the one sender's group (`shared`), which the
-        next sync reuses while its members stay, or one source's of a sharded push, which
-        that source's next sharded push reuses (by its store's session)."""
+        next sync reuses while its members stay and its trainer (`conn`, which hosts the
+        store) stays connected, or one source's of a sharded push, which that source's next
+        sharded push reuses (by its store's session)."""
+        if conn:
+            self.group_conns[plan.session] = conn
         known = self.group if shared else self.source_groups.get(plan.session)
         if plan is not known:
             self._groups += 1
@@ -569,6 +577,19 @@ class Model:
     def source_group(self, msg: Begin) -> GroupPlan | None:
         """The group a sharded push's source used last (reused while its members stay)."""
         return self.source_groups.get(msg.collective.session) if msg.collective is not None else None
+
+    def trainer_closed(self, conn: bytes) -> None:
+        """A trainer connection closed: the groups whose store it hosted are gone with it
+        (status stops showing their store), except the running sync's own, which that
+        sync's end drops (a trainer may come back within --trainer-grace)."""
+        running = set(self.sync.groups.values()) if self.sync is not None else set()
+        for session in [k for k in list(self.group_conns) if self.group_conns[k] == conn]:
+            del self.group_conns[session]
+            if self.group is not None and self.group.session == session and self.group not in running:
+                self.group = None
+            sg = self.source_groups.get(session)
+            if sg is not None and sg not in running:
+                del self.source_groups[session]
 
     def lose(self, engine_id: str, cause: str) -> None:
         """Count the engine lost, and say why (logged by the service)."""

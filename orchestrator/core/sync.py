@@ -133,7 +133,7 @@ def begin(m: Model, event: BeginSync) -> None:
         else None
     )
     if group is not None:
-        m.group_planned(group, shared=msg.senders == 1)
+        m.group_planned(group, shared=msg.senders == 1, conn=event.conn)
         s.group, s.transport = group, "collective"
         s.groups[msg.sender] = group
         s.stream = syncs.can_stream(msg, s.participants, m.engines)

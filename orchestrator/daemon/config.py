@@ -141,6 +141,11 @@ def env_value(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name.upper(), default)
 
 
+def columns_set() -> bool:
+    """COLUMNS names a width (what rich, like most tools, then draws tables to)."""
+    return os.environ.get("COLUMNS", "").strip().isdigit()
+
+
 def set_process_env(values: dict[str, str]) -> None:
     """Set variables that a library reads at import (vLLM, HF) before importing it."""
     for k, v in values.items():

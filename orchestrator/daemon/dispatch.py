@@ -276,6 +276,7 @@ class Dispatcher:
         for sync_id, sender in self.inflight.connection_closed(ident):
             log.warning("trainer_disconnected", sync_id=sync_id, source=sender)
             await self.feed(ev.TrainerGone(sync_id, sender))
+        await self.feed(ev.TrainerGone("", conn=ident))  # the groups whose store it hosted go
 
     # -- the engine socket ----------------------------------------------------------------
     async def on_engine(self, ident: bytes, frames: list[Any]) -> None:

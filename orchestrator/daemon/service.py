@@ -109,11 +109,14 @@ class Service:
         self.ctx = ctx or zmq.Context.instance()
         # What this daemon is about to create: removed again if it never starts (a port in use).
         self.new_paths = [p for p in _state_paths(settings) if not p.exists()]
-        self.locks: list[StateLock] = lock_state(settings.state_db, settings.spool)  # one daemon per state
+        self.locks: list[StateLock] = []
         try:
+            self.locks = lock_state(settings.state_db, settings.spool)  # one daemon per state
             self.journal = Journal(settings.state_db)
         except BaseException:
+            # e.g. the spool is another daemon's: the journal's lock file made a moment ago goes too
             self._release_locks()
+            self._remove_new_paths()
             raise
         rec = self.journal.recover()
         limits = Limits(
@@ -385,6 +388,9 @@ class Service:
         """Startup failed: stop, and remove the state files this daemon created (an empty
         journal and its locks), leaving whatever was there before untouched."""
         self.shutdown()
+        self._remove_new_paths()
+
+    def _remove_new_paths(self) -> None:
         for p in self.new_paths:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)

@@ -289,7 +289,8 @@ class TrainerClient:
         otherwise): this client keeps a host copy of what it pushed last (one model's
         bytes). The first delta push, or one the daemon refuses (STALE_BASE: the fleet no
         longer serves our copy's version, an engine keeps no base), goes dense; the result's
-        `detail["delta"]` says what was sent. Over a transport where delta pushes measured
+        `detail["delta"]` says what was sent (after a refusal, `refused`: the base tried,
+        the refusal's message and details). Over a transport where delta pushes measured
         slower than dense ones (the link outruns the encoding: shared memory on one host),
         it sends dense and says so (`chose`, `why`), trying delta again every 8 pushes.
         delta_mode "sparse"/"xor" force an encoding where it beats dense (benchmarks).
@@ -332,6 +333,7 @@ class TrainerClient:
         reiterable = not isinstance(named_tensors, Iterator)
         against = base.version
         go, why = pace.choose(transport) if delta_mode == "auto" else (True, f"delta_mode {delta_mode}")
+        refused: dict[str, Any] = {}
         if against is not None and go:
             base.stats = DeltaStats()
             try:
@@ -347,6 +349,7 @@ class TrainerClient:
                     raise
                 log.warning("delta_refused", version=version, reason=err.message)
                 why = f"the daemon refused a delta: {err.message}"
+                refused = {"refused": {"base": against, "message": err.message, **err.details}}
                 sync_id = None  # the dense push is a new sync
             except BaseException:
                 base.rollback()
@@ -367,7 +370,7 @@ class TrainerClient:
             raise
         base.commit(version)
         pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
-        result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **base.stats.view()}
+        result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **refused, **base.stats.view()}
         return result
 
     def _push(

@@ -24,7 +24,7 @@ from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError, make_error, wrong_socket_line
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
-from messages.link import RECONNECTED, Link, Reconnected
+from messages.link import RECONNECTED, AddressError, Link, Reconnected, address_hint
 
 log = get_logger("trainer")
 
@@ -66,7 +66,7 @@ class Connection:
             self.sock.connect(addr)
         except zmq.ZMQError as exc:
             self.close()
-            raise ValueError(f"invalid address {addr!r}: {exc}") from None
+            raise AddressError(f"invalid address {addr!r} ({exc}); {address_hint(addr)}") from None
         self._next_id = 0
         self._early: deque[schema.Message] = deque()  # replies read while a broadcast ran
         self._pushed: deque[schema.Error] = deque(maxlen=16)  # errors sent unasked (id 0)

@@ -29,7 +29,13 @@ HANG_DAEMON = ["--engine-timeout", "3", "--log-level", "debug"]
 
 
 def ws(*args: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
-    """`weightsync ARGS` as a user runs it (no stdin); its exit code and output."""
+    """`weightsync ARGS` as a user runs it (no stdin); its exit code and output. Its
+    environment is this process's `os.environ` (unless `env=`): a library in the test
+    process may have set COLUMNS=80 underneath it, which tables would then follow."""
+    if "env" not in kw:
+        from orchestrator.daemon.config import child_env
+
+        kw["env"] = child_env()
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args],
         capture_output=True,

@@ -134,10 +134,5 @@ def test_push_over_the_collective_from_the_command_line(cluster, tmp_path, tiny_
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["transport"] == "collective" and out["digest"] == digest(weights.items())
-    st = json.loads(ws("status", "--addr", cluster.addr, "--json").stdout)
-    assert st["collective"]["world_size"] == 3
-    text = ws("status", "--addr", cluster.addr).stdout
-    assert "collective group" in text and "ranks" in text, text
-    rows = {line.split()[1]: line.split()[-2] for line in text.splitlines() if "engine-" in line}
-    ranks = {eid: str(m["rank"]) for eid, m in st["collective"]["members"].items()}
-    assert rows == ranks and sorted(ranks.values()) == ["1", "2"], (rows, ranks, text)
+    # the group's store was this push's: status shows the group while a trainer holds it
+    # (test_cli_details.py::test_status_shows_a_collective_group_only_while_its_trainer_is_connected)

@@ -119,7 +119,8 @@ def test_a_failed_push_reports_the_state_its_rollback_settles_in(tmp_path, tiny_
         assert r.returncode == 4, r.stderr
         out = json.loads(r.stdout)
         assert out["code"] == "INCOMPLETE_SYNC", out
-        assert (out["state"], out["version"], out["details"]["settled"]) == ("READY", 1, True), out
+        assert (out["state"], out["daemon_version"], out["details"]["settled"]) == ("READY", 1, True), out
+        assert out["version"] == 2, out  # the version pushed
         assert "(daemon state READY, version 1)" in r.stderr, r.stderr
         st = c.status()
         assert st["state"] == "READY" and {e["version"] for e in st["engines"]} == {1}
