@@ -29,7 +29,7 @@ from orchestrator.daemon.config import Settings
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight, Pending
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.transport import Stats, Transport, Waiter
+from orchestrator.daemon.transport import Stats, Transport, Waiter, error_message
 
 log = structlog.get_logger()
 
@@ -287,19 +287,8 @@ class Dispatcher:
         except MessageError as err:
             refusal = self._error(err, "engine", frames[0])
             log.warning("message_refused", code=refusal.code.value, reason=refusal.message, src="engine")
-            f = refusal.to_fields()  # the served version too, as on the trainer socket
-            self.transport.reply_engine(
-                ident,
-                schema.Error(
-                    id=codec.peek_id(frames[0]),
-                    code=f["code"],
-                    message=f["message"],
-                    state=f["state"],
-                    version=f["version"],
-                    sync_id=f["sync_id"],
-                    details=f.get("details"),
-                ),
-            )
+            # the served version too, as on the trainer socket
+            self.transport.reply_engine(ident, error_message(refusal, codec.peek_id(frames[0])))
             return
         msg = decoded.msg
         if isinstance(msg, schema.Register):

@@ -324,19 +324,7 @@ class Transport:
             w.on_reply(None, err)
             return
         self.stats.errors[err.code.value] += 1
-        f = err.to_fields()
-        self.send_trainer(
-            w.ident,
-            schema.Error(
-                id=w.req_id,
-                code=f["code"],
-                message=f["message"],
-                state=f["state"],
-                version=f["version"],
-                sync_id=f["sync_id"],
-                details=f.get("details"),
-            ),
-        )
+        self.send_trainer(w.ident, error_message(err, w.req_id))
 
     def send_engine(self, engine_id: str, frames: list[Any]) -> bool:
         ident = self.engine_ident.get(engine_id)
@@ -348,3 +336,18 @@ class Transport:
         except zmq.ZMQError as exc:
             log.warning("engine_unreachable", engine_id=engine_id, error=str(exc))
             return False
+
+
+def error_message(err: WeightSyncError, req_id: int) -> schema.Error:
+    """The `error` message that answers request `req_id` with `err` (its code, message,
+    the daemon's state and served version, the sync and details), on either socket."""
+    f = err.to_fields()
+    return schema.Error(
+        id=req_id,
+        code=f["code"],
+        message=f["message"],
+        state=f["state"],
+        version=f["version"],
+        sync_id=f["sync_id"],
+        details=f.get("details"),
+    )

@@ -174,7 +174,7 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
                     {"v": PROTOCOL_VERSION, "type": "register", "id": 7, "engine_id": "x", "backend": "y"}
                 )
             ],
-        ]  # an engine message on the trainer socket
+        ]  # an engine message on the trainer socket: WRONG_SOCKET, naming the engine socket
         codes = []
         for frames in cases:
             raw.send_multipart(frames)
@@ -182,12 +182,14 @@ def test_garbage_bytes_get_bad_message_and_daemon_keeps_serving(cluster, client)
             reply = codec.decode(raw.recv_multipart()).msg
             assert isinstance(reply, schema.Error)
             codes.append(reply.code)
-        assert codes == ["BAD_MESSAGE", "BAD_MESSAGE", "BAD_MESSAGE", "UNSUPPORTED_PROTOCOL", "BAD_MESSAGE"]
+        assert codes == ["BAD_MESSAGE", "BAD_MESSAGE", "BAD_MESSAGE", "UNSUPPORTED_PROTOCOL", "WRONG_SOCKET"]
     finally:
         raw.close(0)
     after = client.status()
     assert (after["state"], after["version"]) == (before["state"], before["version"])
-    assert after["daemon"]["errors"]["BAD_MESSAGE"] >= 4
+    errors = after["daemon"]["errors"]
+    assert errors["BAD_MESSAGE"] - before["daemon"]["errors"].get("BAD_MESSAGE", 0) == 3
+    assert errors["WRONG_SOCKET"] - before["daemon"]["errors"].get("WRONG_SOCKET", 0) == 1
 
 
 def test_unknown_tensor_is_refused_before_fan_out(client, tiny_state):
