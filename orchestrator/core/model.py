@@ -583,11 +583,11 @@ class Model:
         (status stops showing their store), except the running sync's own, which that
         sync's end drops (a trainer may come back within --trainer-grace)."""
         running = set(self.sync.groups.values()) if self.sync is not None else set()
-        for session in [k for k in list(self.group_conns) if self.group_conns[k] == conn]:
+        for session in [k for k, c in self.group_conns.items() if c == conn]:  # no use counted
             del self.group_conns[session]
             if self.group is not None and self.group.session == session and self.group not in running:
                 self.group = None
-            sg = self.source_groups.get(session)
+            sg = self.source_groups.peek(session)
             if sg is not None and sg not in running:
                 del self.source_groups[session]
 
