@@ -356,19 +356,20 @@ class Applier(threading.Thread):
         names.update(t.name for t in metas)
 
     def _load_verified(self, msg: schema.Load, fut: Any) -> None:
-        """An inline or shm bucket, once the verifier has matched its checksum."""
+        """A bucket by frame or reference, once the verifier has matched its checksum."""
         t0 = time.perf_counter()
-        v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the shm refusal
+        v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the reference's refusal
         self._add("checksum_wait", time.perf_counter() - t0)
         self._add("checksum", v.seconds, v.hashed)
         if (
-            msg.shm is not None
+            msg.ref is not None
+            and not msg.ref.via  # workers map shared memory themselves; another transport's is read here
             and isinstance(self.engine, LoadsShm)
             and not _patched(msg.tensors)
             and not has_pieces(msg.tensors)
         ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
-            self.engine.load_shm(msg.tensors, msg.shm, msg.checksum, parts=v.parts)
+            self.engine.load_shm(msg.tensors, msg.ref, msg.checksum, parts=v.parts)
             if self.base.keeping:
                 self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return

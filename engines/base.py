@@ -25,7 +25,7 @@ import torch
 
 from messages.dtypes import dtype_name
 from messages.errors import make_error
-from messages.schema import ParamSpec, Probe, ShmRef, TensorMeta, spec_refusal
+from messages.schema import ParamSpec, Probe, Ref, TensorMeta, spec_refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class EngineInfo:
     backend: str
     model: str
     spec: tuple[ParamSpec, ...]
-    transports: tuple[str, ...] = ("inline", "shm", "collective")
+    transports: tuple[str, ...] | None = None  # None: every transport registered (messages.transports)
     cast_ok: bool = False
     collective_ranks: int = 1  # group members it brings (a vLLM engine: one per TP/PP worker)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +85,7 @@ class LoadsBuckets(Protocol):
 @runtime_checkable
 class LoadsShm(Protocol):
     def load_shm(
-        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+        self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None: ...
 
 

@@ -16,10 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from messages import schema
+from messages import schema, transports
 from messages.buckets import hash_bucket
-from messages.errors import ErrorCode, MessageError, WeightSyncError
-from messages.shm import Reader
+from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 
 
 @dataclass(slots=True)
@@ -39,26 +38,32 @@ class Verifier:
     def __init__(self, parts: bool = False) -> None:
         self.parts = parts
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-verify")
-        self._reader = Reader()  # the trainer's shm slots, mapped by this thread only
+        self._readers: dict[str, transports.Reader] = {}  # per "ref" transport, this thread's only
 
     def submit(self, msg: schema.Load, frame: Any) -> Future[Verified] | tuple[schema.Load, Any]:
-        """Hash `msg`'s bucket (inline `frame`, or the shm slot `msg.shm` names) on the
-        verifier thread; a small inline bucket is left to `result` (the applier)."""
-        if msg.shm is None and frame is not None and len(frame) < THREAD_MIN_BYTES:
+        """Hash `msg`'s bucket (its `frame`, or the bytes its reference names) on the
+        verifier thread; a small frame is left to `result` (the applier)."""
+        if msg.ref is None and frame is not None and len(frame) < THREAD_MIN_BYTES:
             return (msg, frame)
         return self._pool.submit(self._verify, msg, frame)
 
     def result(self, pending: Future[Verified] | tuple[schema.Load, Any]) -> Verified:
-        """The verified bucket (raises CHECKSUM_MISMATCH, or the shm refusal)."""
+        """The verified bucket (raises CHECKSUM_MISMATCH, or the reference's refusal)."""
         if isinstance(pending, tuple):
             return self._verify(*pending)
         return pending.result()
 
     def _verify(self, msg: schema.Load, frame: Any) -> Verified:
         t0 = time.perf_counter()
-        if msg.shm is not None:
+        ref = msg.ref
+        if ref is not None:
             try:
-                buf = self._reader.view(msg.shm.name, msg.shm.offset, msg.shm.size)
+                reader = transports.reader_of(ref.via, self._readers)
+                if reader is None:
+                    raise make_error(
+                        ErrorCode.BAD_MESSAGE, f"no transport {transports.ref_name(ref.via)!r} here"
+                    )
+                buf = reader.view(ref.name, ref.offset, ref.size)
             except MessageError as exc:
                 raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
         else:
@@ -71,8 +76,12 @@ class Verifier:
     def close_maps(self) -> None:
         """Once the jobs queued before this have run, unmap the trainer's slots that are
         gone (kept ones stay mapped for its next push)."""
-        self._pool.submit(self._reader.prune)
+        self._pool.submit(self._prune)
+
+    def _prune(self) -> None:
+        for r in self._readers.values():
+            r.prune()
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._reader.close()
+        transports.close_readers(self._readers)

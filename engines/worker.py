@@ -40,13 +40,12 @@ import structlog
 import zmq
 
 from engines.applier import Applier, Rehashed
-from engines.base import ChecksHealth, Engine, HandsToReaders, LabelsOutputs, ReceivesCollective
+from engines.base import ChecksHealth, Engine, EngineInfo, HandsToReaders, LabelsOutputs, ReceivesCollective
 from engines.session import Action, Send, Submit, Syncs
-from messages import codec, fanout, replies, schema
+from messages import codec, fanout, replies, schema, transports
 from messages.collective import Backend, available_backends
 from messages.errors import ErrorCode, MessageError, WeightSyncError, wrong_socket_line
 from messages.link import Link
-from messages.shm import shm_available
 
 log = structlog.get_logger()
 
@@ -89,7 +88,7 @@ class Worker:
         heartbeat_interval: float = 1.0,
         ctx: zmq.Context[Any] | None = None,
         close_engine: bool = True,
-        allow_shm: bool = True,
+        allow_shm: bool = True,  # offer the transports that carry references
         keys: Any = None,
         failpoints: dict[str, float] | None = None,
         collective: bool = True,
@@ -100,7 +99,7 @@ class Worker:
     ) -> None:
         self.engine = engine
         self.delta_base = delta_base  # keep a base copy for delta syncs (engines/delta.py)
-        self.collective = collective and "collective" in engine.describe().transports
+        self.collective = collective and any(t.needs_group for t in self._kinds(engine.describe()))
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
         self.keys = keys  # messages.keys.ClientKeys for a CURVE daemon
@@ -142,6 +141,12 @@ class Worker:
             except OSError:
                 pass  # the pipe is full: the loop wakes anyway
 
+    @staticmethod
+    def _kinds(info: EngineInfo) -> tuple[transports.Transport, ...]:
+        """The transports the engine can take: those it names, or every registered one."""
+        names = info.transports if info.transports is not None else transports.names()
+        return tuple(t for n in names if (t := transports.get(n)) is not None)
+
     def _id(self) -> int:
         self._next_id += 1
         return self._next_id
@@ -155,10 +160,11 @@ class Worker:
             id=rid,
             model=self.info.model,
             transports=tuple(
-                t
-                for t in self.info.transports
-                if (t != "shm" or (self.allow_shm and shm_available()))
-                and (t != "collective" or self.collective)
+                t.name
+                for t in self._kinds(self.info)
+                if t.available()
+                and (t.carries != "ref" or self.allow_shm)
+                and (t.carries != "group" or self.collective)
             ),
             version=self.version,
             digest=self.digest,

@@ -154,27 +154,27 @@ def frame_len(frame: Frame) -> int:
 
 
 def _validate(msg: Message, payload: list[Frame]) -> None:
-    if msg.PAYLOAD == "bucket":
-        shm, size = msg.shm, msg.size  # type: ignore[attr-defined]
-        if shm is not None and size is not None:
-            raise _bad(f"{msg.TYPE}: a bucket travels by shm or by the collective, not both")
-        if getattr(msg, "group", None) is not None and size is None:
-            raise _bad(f"{msg.TYPE}: a collective load needs its size")
-        if size is not None:  # collective: the bytes come by broadcast (a copy may ride along)
+    if isinstance(msg, (schema.Bucket, schema.Load)):
+        ref, size = msg.ref, msg.size
+        if ref is not None and size is not None:
+            raise _bad(f"{msg.TYPE}: a bucket travels by reference or by broadcast, not both")
+        if isinstance(msg, schema.Load) and msg.group is not None and size is None:
+            raise _bad(f"{msg.TYPE}: a broadcast load needs its size")
+        if size is not None:  # a broadcast: the bytes come by the group (a copy may ride along)
             if len(payload) > 1 or (payload and frame_len(payload[0]) != size):
                 raise _bad(
-                    f"{msg.TYPE}: a collective bucket carries at most one payload frame "
+                    f"{msg.TYPE}: a broadcast bucket carries at most one payload frame "
                     f"of exactly its size {size}"
                 )
-            _check_tensors(msg.tensors, size)  # type: ignore[attr-defined]
-        elif shm is None:
+            _check_tensors(msg.tensors, size)
+        elif ref is None:
             if len(payload) != 1:
                 raise _bad(f"{msg.TYPE}: expected exactly 1 payload frame, got {len(payload)}")
-            _check_tensors(msg.tensors, frame_len(payload[0]))  # type: ignore[attr-defined]
+            _check_tensors(msg.tensors, frame_len(payload[0]))
         else:
             if payload:
-                raise _bad(f"{msg.TYPE}: shm bucket must carry no payload frame")
-            _check_tensors(msg.tensors, shm.size)  # type: ignore[attr-defined]
+                raise _bad(f"{msg.TYPE}: a bucket by reference must carry no payload frame")
+            _check_tensors(msg.tensors, ref.size)
     elif payload:
         raise _bad(f"{msg.TYPE}: expected no payload frames, got {len(payload)}")
 

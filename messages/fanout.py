@@ -50,7 +50,7 @@ ENDED = 64  # syncs an engine remembers as ended
 REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, about
 REPORT_INTERVAL_MAX = 0.05
 
-Kind = Literal["inline", "shm"]
+Kind = Literal["frame", "ref"]  # what a published bucket carries (messages.transports)
 
 
 def window_cap(queue_bytes: int | None, bucket_bytes: int, max_pending: int) -> int:
@@ -134,7 +134,7 @@ def subscription(frame: bytes) -> tuple[bool, str] | None:
 
 
 def kind_of(msg: schema.Load) -> Kind:
-    return "shm" if msg.shm is not None else "inline"
+    return "ref" if msg.ref is not None else "frame"
 
 
 class Receiver:
@@ -203,7 +203,7 @@ class Receiver:
         if isinstance(msg, schema.FanoutOpen):
             me = self.engine_id
             self.intervals[msg.sync_id] = msg.report_interval
-            self.takes[msg.sync_id] = "inline" if me in msg.inline else "shm" if me in msg.shm else None
+            self.takes[msg.sync_id] = "frame" if me in msg.frames else "ref" if me in msg.refs else None
             return None
         if not isinstance(msg, schema.Load):
             self.dropped += 1

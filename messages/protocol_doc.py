@@ -56,7 +56,7 @@ SECTIONS = [
             schema.Patch,
             schema.ParamSpec,
             schema.Probe,
-            schema.ShmRef,
+            schema.Ref,
             schema.CollectiveOffer,
             schema.GroupRef,
         ),
@@ -133,7 +133,7 @@ def table(cls: type[msgspec.Struct]) -> str:
             continue
         value = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
         default = "required" if f.required else f"`{value!r}`"
-        rows.append(f"| `{f.name}` | {_type(f.type)} | {_constraints(f.type) or ''} | {default} |")
+        rows.append(f"| `{f.encode_name}` | {_type(f.type)} | {_constraints(f.type) or ''} | {default} |")
     return "\n".join([head, "", *rows])
 
 

@@ -22,6 +22,11 @@ Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 JsonObject = dict[str, Json]
 
 
+# the key of a status view (and a begin reply) that holds the group plan of the transport
+# that needs one (its wire name, kept since protocol v2)
+GROUP_KEY = "collective"
+
+
 class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     """The answer to `begin`: the sync as the daemon opened it, and the limits the
     trainer's window keeps within."""
@@ -30,10 +35,11 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     state: str  # LOADING_BUCKETS (or where a repeated begin found its sync)
     kind: str = "sync"
-    transport: str = "inline"  # what the daemon chose: inline, shm, mixed or collective
+    transport: str = "inline"  # what the daemon chose (a transport's name, or "mixed")
     engines: tuple[str, ...] = ()  # the participants
-    shm_engines: tuple[str, ...] = ()  # those that read the trainer's shared memory
-    collective: dict[str, Any] | None = None  # the group plan (collective transport)
+    ref_engines: tuple[str, ...] = msgspec.field(default=(), name="shm_engines")  # read by reference
+    via: str = ""  # the "ref" transport those engines read (mixed: the others take frames)
+    group: dict[str, Any] | None = msgspec.field(default=None, name="collective")  # the group plan
     stream: bool = False  # collective stream: engines answer once, with `prepared`
     spool_copy: bool = False  # collective: the trainer also sends the daemon each bucket
     repeated: bool = False  # a repeated begin (its first reply was lost), answered again

@@ -95,17 +95,21 @@ Host = Annotated[
 Digest = Annotated[
     str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\Z", description="lowercase hex, 1-128 chars")
 ]
-# Where a bucket lies in shared memory: only names the segment code itself makes are
-# accepted (messages.shm.SEGMENT_PATTERN); never a path, never a dot-name.
+# Where a bucket lies by reference (a "ref" transport, messages.transports): only names the
+# segment code itself makes are accepted; never a path, never a dot-name.
 SegmentName = Annotated[
     str,
     Meta(
         max_length=96,
         pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
-        description="weightsync.KIND.PID.HEX12 (made by messages.shm)",
+        description="weightsync.KIND.PID.HEX12 (made by the transport's trainer side)",
     ),
 ]
-Transport = Literal["inline", "shm", "collective", "auto"]
+# a transport's name (messages.transports; "auto": the daemon picks); one this daemon has
+# not registered is refused at begin
+Transport = Annotated[
+    str, Meta(max_length=32, pattern=r"^[a-z][a-z0-9_-]{0,31}\Z", description="a transport's name, or auto")
+]
 Backend = Literal["gloo", "nccl"]
 Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
 Mac = Annotated[bytes, Meta(min_length=16, max_length=16, description="16 bytes")]
@@ -202,12 +206,15 @@ class Probe(_Wire, frozen=True):
     expected: Tokens | None = None
 
 
-class ShmRef(_Wire, frozen=True):
-    """Where a bucket lies in shared memory (shm transport): segment name and offset."""
+class Ref(_Wire, frozen=True, omit_defaults=True):
+    """Where a bucket lies, for a transport that carries references (messages.transports):
+    the transport (`via`; "" names the first one, for peers that predate it), the
+    segment's name, and the bytes' offset and size in it."""
 
     name: SegmentName
     offset: Size
     size: Size
+    via: Annotated[str, Meta(max_length=32, pattern=r"^([a-z][a-z0-9_-]{0,31})?\Z")] = ""
 
 
 class CollectiveOffer(_Wire, frozen=True):
@@ -247,7 +254,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every message: `v` and `type` (the tag) lead each header."""
 
     TYPE: ClassVar[str] = ""
-    PAYLOAD: ClassVar[str] = "none"  # "none" | "bucket" (one frame unless shm is set)
+    PAYLOAD: ClassVar[str] = "none"  # "none" | "bucket" (one frame unless a ref is set)
     v: int = PROTOCOL_VERSION
 
 
@@ -274,8 +281,9 @@ class Begin(Message, frozen=True, tag="begin"):
     expected_buckets: Count | None = None
     probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
     host: Host = ""  # the trainer's host: engines on it may read buckets from shared memory
-    transport: Transport = "inline"  # "auto": collective if offered and every engine can, else shm
-    collective: CollectiveOffer | None = None
+    transport: Transport = "inline"  # "auto": the daemon picks the best every end offers
+    # the group this trainer hosts, for a transport that needs one
+    offer: CollectiveOffer | None = msgspec.field(default=None, name="collective")
     # a delta sync: its patches apply to this version, which the fleet must serve (else
     # STALE_BASE, and the trainer pushes dense)
     base: Version | None = None
@@ -296,7 +304,7 @@ class Bucket(Message, frozen=True, tag="bucket"):
     checksum: Checksum
     id: RequestId = 0
     sender: Sender = 0
-    shm: ShmRef | None = None
+    ref: Ref | None = msgspec.field(default=None, name="shm")  # a "ref" transport's bucket
     # Set on the collective path: the bucket's `size` bytes travel by the group's
     # broadcast; a payload frame comes too only when the daemon spools (begin says so).
     size: Size | None = None
@@ -478,7 +486,7 @@ class Load(Message, frozen=True, tag="load"):
     checksum: Checksum
     id: RequestId = 0
     sender: Sender = 0
-    shm: ShmRef | None = None
+    ref: Ref | None = msgspec.field(default=None, name="shm")  # a "ref" transport's bucket
     group: GroupRef | None = None  # collective: receive `size` bytes by broadcast
     size: Size | None = None
     mac: Mac | None = None  # collective, with keys: the trainer's tag of those bytes
@@ -504,8 +512,9 @@ class FanoutOpen(Message, frozen=True, tag="fanout"):
 
     sync_id: Id
     version: Version
-    inline: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = ()
-    shm: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = ()
+    # who takes frames (bytes attached), who reads the references
+    frames: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = msgspec.field(default=(), name="inline")
+    refs: Annotated[tuple[Id, ...], Meta(max_length=MAX_FLEET)] = msgspec.field(default=(), name="shm")
     # seconds between two progress reports of one engine during this sync: longer for a
     # larger fleet, so that the daemon's report load stays bounded
     report_interval: Annotated[float, Meta(ge=REPORT_INTERVAL, le=1.0)] = REPORT_INTERVAL

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 import typer
 from rich.markup import escape
 
+from messages import transports
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import DEFAULT_BUCKET_BYTES
 from orchestrator.cli import config as cliconfig
@@ -40,6 +41,7 @@ from orchestrator.cli.util import (
     _usage,
     err_console,
     quiet_log_events,
+    transport_name,
 )
 from orchestrator.daemon.config import (
     DEFAULT_ADDR,
@@ -73,8 +75,18 @@ def root(
         envvar="WEIGHTSYNC_CONFIG",
         help="TOML file of option defaults: top-level keys for every command, [serve], [push] ... tables",
     ),
+    transport_modules: str = typer.Option(
+        "",
+        "--transport-modules",
+        envvar="WEIGHTSYNC_TRANSPORT_MODULES",
+        help="modules to import that register transports (comma-separated; the daemon, engines and trainers alike)",
+    ),
 ) -> None:
     """Weight sync between RL trainers and inference engines."""
+    try:
+        transports.load_modules(transports.split_modules(transport_modules))
+    except transports.TransportError as exc:
+        _usage(str(exc))
     try:
         if ctx.invoked_subcommand not in (None, "config"):  # `config show` checks what it shows
             cliconfig.check_env(ctx.command, (ctx.invoked_subcommand,))
@@ -556,7 +568,9 @@ def push(
         help="unacknowledged buckets in flight [default: sized from measured acks, 2 to 8]",
     ),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
-    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
+    transport: str = typer.Option(
+        "auto", callback=transport_name, help="auto, or a transport's name (--transport-modules may add some)"
+    ),
     collective_host: str = typer.Option(
         "", help="collective: this host's address for the group's store [default: the route to the daemon]"
     ),
@@ -691,7 +705,9 @@ def watch(
         False, "--delta", help="push what changed since the previous version (engines need --delta-base)"
     ),
     bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
-    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
+    transport: str = typer.Option(
+        "auto", callback=transport_name, help="auto, or a transport's name (--transport-modules may add some)"
+    ),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register"),
     wait_daemon: float = typer.Option(

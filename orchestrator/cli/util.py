@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from messages import transports
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
@@ -51,6 +52,14 @@ def _usage(message: str) -> None:
     """A bad argument, file or address: one line, exit 2."""
     err_console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}")
     raise typer.Exit(EXIT_USAGE)
+
+
+def transport_name(value: str) -> str:
+    """An option callback: auto, or a registered transport's name (messages.transports),
+    checked as the value is processed, after the root command loaded --transport-modules."""
+    if value != transports.AUTO and transports.get(value) is None:
+        raise typer.BadParameter(f"{value!r} is not auto nor one of {', '.join(transports.names())}")
+    return value
 
 
 def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:

@@ -243,7 +243,7 @@ def _open_rollback(m: Model) -> None:
     s.rollback_of = m.last_sync
     s.expected_digest = m.served_digest
     m.want_rollback = False
-    m.outbox.append(SyncOpened(sync_id, sp.version, "rollback", s.transport, False))
+    m.outbox.append(SyncOpened(sync_id, sp.version, "rollback", s.carries, False, False))
     m.outbox.append(
         Journal(
             "sync",

@@ -23,9 +23,10 @@ class SyncOpened:
     sync_id: str
     version: int
     kind: str  # "sync" | "rollback"
-    transport: str  # "inline" | "shm" | "mixed" | "collective"
+    carries: str  # what its transport carries (messages.transports.Carrier)
+    mixed: bool  # references, and frames cut from them for the engines that cannot read them
     spool: bool  # its buckets are written to the spool as they are forwarded
-    stream: bool = False  # the collective stream: the trainer hears of a failure unasked
+    stream: bool = False  # a group's stream: the trainer hears of a failure unasked
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +35,15 @@ class ForwardBucket:
     key: tuple[int, int]  # (sender, seq)
     version: int
     engine_ids: tuple[str, ...]
-    shm_engines: tuple[str, ...] = ()  # read the bucket from the trainer's shared memory
-    group: GroupPlan | None = None  # collective: each engine hears of it and receives by broadcast
+    ref_engines: tuple[str, ...] = ()  # read the bucket by its reference
+    group: GroupPlan | None = None  # a group: each engine hears of it and receives by broadcast
     spool: bool = False  # write the bucket to the spool before any engine is told
     handle: object = None  # the bucket's bytes as the service handed them in (BucketIn.handle)
 
 
 @dataclass(frozen=True, slots=True)
 class OpenStreams:
-    """Tell each engine to join `group` and receive the trainer's collective stream of
+    """Tell each engine to join `group` and receive the trainer's stream of
     sync `sync_id` (one message per engine per sync; no message per bucket)."""
 
     sync_id: str

@@ -194,14 +194,14 @@ def _commit(m: Model, s: SyncRecord, trigger: str) -> None:
 
 
 def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
-    """The trainer finished a collective stream: the engines' `prepared` say whether
+    """The trainer finished a group's stream: the engines' `prepared` say whether
     they hold it all (each compared with the trainer's count and chain); commit when the
     last has prepared. A finish that cannot be compared is refused, changing nothing."""
     msg = event.msg
     if msg.chain is None:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "this sync travels on the collective stream: finish must carry the chain over "
+            "this sync travels on the group's stream: finish must carry the chain over "
             "the buckets' checksums",
         )
     wrong = syncs.count_mismatch(s, msg.buckets)
@@ -217,7 +217,7 @@ def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
 
 
 def prepared(m: Model, event: EnginePrepared) -> None:
-    """Phase one of the commit on the collective stream: an engine holds every bucket."""
+    """Phase one of the commit on the group's stream: an engine holds every bucket."""
     eid, msg = event.engine_id, event.msg
     s = m.participant(eid, msg.sync_id)
     if s is None or not s.stream or m.state != S.LOADING_BUCKETS or eid in s.prepared:

@@ -46,10 +46,10 @@ class BucketIn(OfMessage):
 
     TRIGGER: ClassVar[str] = "bucket"
     msg: Bucket
-    nbytes: int  # its size: the inline frame's, the shm slot's, or the collective `size`
-    has_payload: bool = True  # a frame came with it (inline, or a collective spool copy)
-    checksum_ok: bool | None = None  # the frame (or the shm slot) hashed right; None: not read
-    shm_error: str | None = None  # the trainer's shm slot could not be read (why)
+    nbytes: int  # its size: the frame's, the reference's, or the broadcast's `size`
+    has_payload: bool = True  # a frame came with it (its bytes, or a broadcast's spool copy)
+    checksum_ok: bool | None = None  # the bytes (frame or reference) hashed right; None: not read
+    ref_error: str | None = None  # the reference could not be read (why)
     pending: int = 0  # bucket requests of this connection still unanswered
     handle: object = None  # the service's hold on the bytes: opaque here, passed on to ForwardBucket
     conn: bytes = b""  # the trainer connection it came on

@@ -20,7 +20,7 @@ import msgspec
 from messages.bounded import LRU
 from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.replies import EngineFinal, FinishReply, Json, JsonObject
+from messages.replies import GROUP_KEY, EngineFinal, FinishReply, Json, JsonObject
 from messages.replies import body as reply_body
 from messages.schema import MAX_SENDERS, Begin, ParamSpec, Probe
 from orchestrator.core import syncs
@@ -96,7 +96,7 @@ class Model:
         self.ended: LRU[str, tuple[str | None, str]] = LRU(ENDED_KEPT)
         for sync_id, code, reason in ended:
             self.remember_ended(sync_id, code, reason)
-        self.group: GroupPlan | None = None  # the collective group syncs reuse
+        self.group: GroupPlan | None = None  # the group syncs reuse
         # sharded pushes' sources' groups, by session
         self.source_groups: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
         # the trainer connection that began a group's last sync, by session: its store lives in
@@ -258,7 +258,7 @@ class Model:
             "history": [dict(h) for h in self.history],
             "min_engines": self.limits.min_engines,
             "rollback_pending": self.want_rollback and self.can_roll_back(),
-            "collective": self.group.view() if self.group else None,
+            GROUP_KEY: self.group.view() if self.group else None,
         }
 
     # -- steps --------------------------------------------------------------------------
@@ -576,7 +576,7 @@ class Model:
 
     def source_group(self, msg: Begin) -> GroupPlan | None:
         """The group a sharded push's source used last (reused while its members stay)."""
-        return self.source_groups.get(msg.collective.session) if msg.collective is not None else None
+        return self.source_groups.get(msg.offer.session) if msg.offer is not None else None
 
     def trainer_closed(self, conn: bytes) -> None:
         """A trainer connection closed: the groups whose store it hosted are gone with it
@@ -602,7 +602,7 @@ class Model:
     def leave_group(self, engine_id: str) -> None:
         g = self.group
         if g is not None and any(eid == engine_id for eid, _, _ in g.members):
-            self.group = None  # the next collective sync plans a new group without stale ranks
+            self.group = None  # the next sync by a group plans a new group without stale ranks
         for session, sg in list(self.source_groups.items()):
             if any(eid == engine_id for eid, _, _ in sg.members):
                 del self.source_groups[session]

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from messages import transports
 from messages.checksums import DIGEST_SCHEME
 from messages.errors import WeightSyncError
-from messages.replies import Json, JsonObject
+from messages.replies import GROUP_KEY, Json, JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
 from orchestrator.core.states import EngineState
 from orchestrator.core.table import engine_move
@@ -29,7 +30,7 @@ class EngineRecord:
     model: str = ""
     host: str = ""
     pid: int | None = None
-    transports: tuple[str, ...] = ("inline",)
+    transports: tuple[str, ...] = (transports.FRAMES,)
     state: EngineState = EngineState.STALE
     version: int | None = None
     digest: str | None = None
@@ -40,9 +41,9 @@ class EngineRecord:
     spec: dict[str, ParamSpec] = field(default_factory=dict)
     cast_ok: bool = False
     probes: tuple[tuple[int, ...], ...] = ()
-    collective_ranks: int = 0  # members it brings to a collective group (0: cannot join)
+    collective_ranks: int = 0  # members it brings to a group (0: cannot join)
     collective_backends: tuple[str, ...] = ()
-    collective_stream: bool = False  # takes the framed collective stream (protocol v3)
+    collective_stream: bool = False  # takes the framed group stream (protocol v3)
     labels: bool = False  # labels its outputs with the version (told at commit)
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
@@ -92,7 +93,7 @@ class EngineRecord:
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """The collective group of a trainer session and a set of engines: reused while both
+    """The group of a trainer session and a set of engines: reused while both
     stay the same, replaced (a new id) when an engine joins or is lost, or a sync on it
     fails. Rank 0 is the trainer; each engine holds `ranks` consecutive ranks."""
 
@@ -144,7 +145,7 @@ class SyncRecord:
     started_at: float
     last_activity: float
     # the largest bucket frame of this sync (the opener's size within what the fan-out's
-    # queue holds: messages.fanout.max_bucket); None: none passes the daemon (collective)
+    # queue holds: messages.fanout.max_bucket); None: none passes the daemon (a broadcast)
     bucket_bytes: int | None = None
     buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
     # (engine_id, sender) -> highest seq the engine applied every bucket through
@@ -158,9 +159,15 @@ class SyncRecord:
     commit_sent: bool = False  # every participant finalized: labelling engines told `commit`
     committed: set[str] = field(default_factory=set)  # labelling engines that set the label
     nbytes: int = 0
-    shm_engines: tuple[str, ...] = ()  # read buckets from the trainer's shared memory
-    transport: str = "inline"
-    group: GroupPlan | None = None  # the collective group this sync's bytes travel on
+    # How its bytes travel (messages.transports): the transport's name and what it carries;
+    # with a "ref" transport (`via`), the engines that read the references, and `mixed`:
+    # the others take frames the daemon cuts from them
+    transport: str = transports.FRAMES
+    carries: str = "frame"
+    via: str = ""
+    ref_engines: tuple[str, ...] = ()
+    mixed: bool = False
+    group: GroupPlan | None = None  # the group this sync's bytes are broadcast in
     groups: dict[int, GroupPlan] = field(default_factory=dict)  # each source's (a sharded push)
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
@@ -180,7 +187,7 @@ class SyncRecord:
     seats: dict[int, tuple[str, object]] = field(default_factory=dict)
     plan: int | None = None  # the sources' assignment (a hash every source's begin carries)
     host: str = ""  # the opening source's host: the one its shared memory was planned for
-    # The collective stream (protocol v3): engines receive every bucket from the trainer
+    # The group's stream (protocol v3): engines receive every bucket from the trainer
     # and answer once with `prepared`; the daemon sees no bucket of it (unless it spools).
     stream: bool = False
     prepared: dict[str, Prepared] = field(default_factory=dict)
@@ -232,6 +239,11 @@ class SyncRecord:
         """When the first source whose connection closed lost it (None: all connected)."""
         return min(self.lost.values()) if self.lost else None
 
+    @property
+    def shown(self) -> str:
+        """The transport as replies and status name it ("mixed": references and frames)."""
+        return "mixed" if self.mixed else self.transport
+
     def sources_view(self) -> list[Json]:
         """Each source of the sync and its progress (status: `sync.sources`)."""
         sent: dict[int, list[int]] = {}
@@ -258,7 +270,7 @@ class SyncRecord:
 
     @property
     def bucket_count(self) -> int:
-        """Buckets this sync moved: the daemon's own count, or on the collective stream
+        """Buckets this sync moved: the daemon's own count, or on the group's stream
         (which the daemon does not see) what the engines prepared."""
         if self.stream and self.prepared:
             return max(p.buckets for p in self.prepared.values())
@@ -279,10 +291,10 @@ class SyncRecord:
             "bytes": self.byte_count,
             "acked": sum(1 for b in self.buckets.values() if b.done),
             "engines": list(self.participants),
-            "transport": self.transport,
-            "shm_engines": list(self.shm_engines),
+            "transport": self.shown,
+            "shm_engines": list(self.ref_engines),
             "started_at": self.started_at,
-            "collective": self.group.view() if self.group else None,
+            GROUP_KEY: self.group.view() if self.group else None,
             "trainer_connected": self.trainer_lost_at is None,
             **({"stream": True, "prepared": len(self.prepared)} if self.stream else {}),
             **({"senders": self.senders, "sources": self.sources_view()} if self.senders > 1 else {}),

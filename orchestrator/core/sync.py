@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from messages import transports
 from messages.errors import ErrorCode
 from messages.fanout import max_bucket
 from messages.replies import BeginReply, BucketAck
@@ -134,13 +135,16 @@ def begin(m: Model, event: BeginSync) -> None:
     )
     if group is not None:
         m.group_planned(group, shared=msg.senders == 1, conn=event.conn)
-        s.group, s.transport = group, "collective"
+        s.group, s.carries = group, "group"
+        s.transport = next(t.name for t in transports.of_kind("group"))
         s.groups[msg.sender] = group
         s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
-        s.shm_engines, s.transport = syncs.plan_transport(msg, s.participants, m.engines, m.limits.host)
+        via, s.ref_engines, s.mixed = syncs.plan_refs(msg, s.participants, m.engines, m.limits.host)
+        if via:
+            s.transport, s.via, s.carries = via, via, "ref"
     s.bucket_bytes = _bucket_size(m, msg, s)
-    m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.transport, m.limits.spool, s.stream))
+    m.outbox.append(SyncOpened(s.sync_id, s.version, "sync", s.carries, s.mixed, m.limits.spool, s.stream))
     if s.stream and s.group is not None:  # engines hear of this sync once, not per bucket
         m.outbox.append(OpenStreams(s.sync_id, s.version, s.participants, s.group))
     if m.limits.spool:
@@ -165,8 +169,8 @@ def _bucket_size(m: Model, msg: Begin, s: SyncRecord) -> int | None:
     fan-out's per-connection queue holds for the sync's sources, so that what a frozen
     engine's queue holds is bounded in bytes (messages.fanout.max_bucket). Every source
     cuts at most this (the begin reply says it; a larger tensor is split); a larger frame
-    is refused. None on the collective: no byte of it queues in the daemon."""
-    if s.transport == "collective":
+    is refused. None for a group: no byte of it queues in the daemon."""
+    if s.carries == "group":
         return None
     size = msg.bucket_bytes or DEFAULT_BUCKET_BYTES
     if m.limits.fanout_bytes is not None:
@@ -189,13 +193,13 @@ def _check_base(m: Model, msg: Begin) -> None:
         why = None
         if not x.delta:
             why = (
-                "keeps no base copy (start it with --delta-base; a collective sync its own "
-                "workers received leaves none until a sync it sees)"
+                "keeps no base copy (start it with --delta-base; a sync its own workers "
+                "received by broadcast leaves none until a sync it sees)"
             )
         elif x.state != E.READY or x.version != served:
             why = f"is {x.state.value} at version {x.version}"
-        elif msg.collective is not None and not x.collective_stream:  # may be planned collective
-            why = "receives collective buckets in its own workers, which rebuild no patch"
+        elif msg.offer is not None and not x.collective_stream:  # may be planned a group
+            why = "receives broadcast buckets in its own workers, which rebuild no patch"
         if why is not None:
             raise m.error(
                 ErrorCode.STALE_BASE, f"engine {x.engine_id} {why}; push dense", engine_id=x.engine_id
@@ -249,15 +253,15 @@ def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> Non
         _reply_running(m, s, msg.sender)
         return
     group = None
-    if s.transport == "collective":  # this source broadcasts from a group of its own
+    if s.carries == "group":  # this source broadcasts from a group of its own
         group = syncs.plan_group(
             msg, s.participants, m.engines, m.source_group(msg), m.new_group_id(), m.limits.bucket_timeout
         )
         if group is None:
             raise m.error(
                 ErrorCode.BAD_MESSAGE,
-                f"sync {s.sync_id!r} goes by the collective: source {msg.sender} must offer its store "
-                f"(transport=collective) with a backend every engine speaks",
+                f"sync {s.sync_id!r} goes by {s.transport}: source {msg.sender} must offer its store "
+                f"(transport={s.transport}) with a backend every engine speaks",
                 sync_id_running=s.sync_id,
             )
         m.group_planned(group, shared=False)
@@ -277,20 +281,21 @@ def _begin_reply(
     senders = max(1, s.senders)
     lim = m.limits
     # a joining source on another host than the one the transport was planned for cannot
-    # lend the engines its shared memory: its buckets go inline
-    away = host is not None and host != s.host and s.transport in ("shm", "mixed")
+    # lend the engines its references: its buckets go as frames
+    away = host is not None and host != s.host and s.carries == "ref"
     return reply_body(
         BeginReply(
             sync_id=s.sync_id,
             version=s.version,
             state=m.state.value,
             kind=s.kind,
-            transport="inline" if away else s.transport,
+            transport=transports.FRAMES if away else s.shown,
             engines=tuple(s.participants),
-            shm_engines=() if away else tuple(s.shm_engines),
-            collective=g.view() if (g := s.groups.get(sender, s.group)) else None,
+            ref_engines=() if away else tuple(s.ref_engines),
+            via="" if away else s.via,
+            group=g.view() if (g := s.groups.get(sender, s.group)) else None,
             stream=s.stream,
-            # collective: the trainer sends the daemon a copy of each bucket to spool
+            # a group: the trainer sends the daemon a copy of each bucket to spool
             spool_copy=lim.spool if s.group is not None else False,
             repeated=repeated,
             buckets=s.bucket_count,
@@ -391,7 +396,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             key,
             s.version,
             alive,
-            shm_engines=s.shm_engines if msg.shm is not None else (),
+            ref_engines=s.ref_engines if msg.ref is not None else (),
             group=s.groups.get(msg.sender, s.group),  # a sharded push: the bucket's source's group
             spool=m.limits.spool and s.kind == "sync",
             handle=event.handle,
@@ -400,41 +405,45 @@ def bucket(m: Model, event: BucketIn) -> None:
 
 
 def _check_route(m: Model, s: SyncRecord, event: BucketIn) -> None:
-    """The bucket travels the way its sync negotiated, and its bytes hashed right."""
-    msg = event.msg
-    if msg.size is not None and s.transport != "collective":
+    """The bucket travels the way its sync negotiated (messages.transports: what each
+    transport carries), and its bytes hashed right."""
+    msg, grouped = event.msg, s.carries == "group"
+    if msg.size is not None and not grouped:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "collective bucket, but this sync did not negotiate "
-            "a collective group (begin with transport=collective|auto and a collective offer)",
+            f"a bucket announced by its size (a broadcast), but this sync did not negotiate a "
+            f"group: it goes by {s.shown} (begin with a transport that needs one, or auto, and an offer)",
         )
-    if msg.size is None and s.transport == "collective":
+    if msg.size is None and grouped:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "this sync's buckets travel by the collective: send their size, not their bytes or a shm slot",
+            f"this sync's buckets travel by {s.transport}'s broadcast: send their size, "
+            f"not their bytes or a reference",
         )
-    if msg.shm is not None and s.transport == "inline":
+    if msg.ref is not None and (s.carries != "ref" or transports.ref_name(msg.ref.via) != s.via):
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "shm bucket, but this sync did not negotiate shared "
-            "memory (begin with transport=shm|auto from the engines' host)",
+            f"a bucket by reference ({transports.ref_name(msg.ref.via)}), but this sync did not "
+            f"negotiate it: it goes by {s.shown} (begin with that transport, or auto, from the engines' host)",
         )
-    if event.shm_error is not None:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"bucket seq {msg.seq}: {event.shm_error}")
+    if event.ref_error is not None:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"bucket seq {msg.seq}: {event.ref_error}")
     if s.stream and not m.limits.spool:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "this sync's buckets travel on the collective stream, framed by the trainer: "
+            "this sync's buckets travel on the group's stream, framed by the trainer: "
             "the daemon takes no bucket of it (it does not spool)",
         )
     if msg.size is not None and m.limits.spool and s.kind == "sync" and not event.has_payload:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            "this daemon spools: a collective bucket must carry "
+            "this daemon spools: a broadcast bucket must carry "
             "a copy of its bytes (begin's reply says spool_copy)",
         )
     if event.checksum_ok is False:
-        where = {"collective": "the spool copy", "mixed": "the shm slot"}.get(s.transport, "the frame")
+        where = (
+            "the spool copy" if grouped else "the reference's bytes" if msg.ref is not None else "the frame"
+        )
         raise m.error(
             ErrorCode.CHECKSUM_MISMATCH,
             f"bucket seq {msg.seq}: checksum does not match {where}; nothing applied",

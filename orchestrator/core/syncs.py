@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from messages import transports
 from messages.replies import SyncSummary
 from messages.schema import Begin, Probe
 from orchestrator.core.records import EngineRecord, GroupPlan, SyncRecord
@@ -74,21 +75,26 @@ def mismatch_text(mismatch: tuple[int, int, int | None, int | None]) -> str:
     return f"probe {idx} differs at position {pos} (got {got}, expected {exp})"
 
 
-def plan_transport(
+def plan_refs(
     msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord], daemon_host: str
-) -> tuple[tuple[str, ...], str]:
-    """Which engines read this sync's buckets from the trainer's shared memory.
+) -> tuple[str, tuple[str, ...], bool]:
+    """The transport that carries references this sync uses, the engines that read them,
+    and whether the others take frames cut from them (`transports.choose_ref`); ("", (),
+    False): frames for every engine."""
+    return transports.choose_ref(
+        msg.transport,
+        msg.host,
+        daemon_host,
+        participants,
+        lambda e: engines[e].host,
+        lambda e: engines[e].transports,
+    )
 
-    shm needs the engine on the trainer's host and advertising "shm". The others get
-    inline frames that the daemon cuts from the trainer's segment, so a mixed sync needs
-    the daemon on the trainer's host too. Otherwise: inline for all.
-    """
-    if msg.transport not in ("shm", "auto") or not msg.host:
-        return (), "inline"
-    able = tuple(e for e in participants if engines[e].host == msg.host and "shm" in engines[e].transports)
-    if not able or (len(able) < len(participants) and daemon_host != msg.host):
-        return (), "inline"
-    return able, "shm" if len(able) == len(participants) else "mixed"
+
+def wants_group(msg: Begin) -> bool:
+    """The trainer asked for a transport that needs a group, or left the choice to us."""
+    t = transports.get(msg.transport)
+    return msg.transport == transports.AUTO or (t is not None and t.needs_group)
 
 
 def plan_group(
@@ -99,12 +105,12 @@ def plan_group(
     new_id: str,
     timeout: float,
 ) -> GroupPlan | None:
-    """The collective group for this sync, or None when it cannot be used: the trainer
-    offered a store and every participant can join with a backend all of them speak (NCCL
-    only when every member has a GPU). The current group is reused when its session and
-    members are the same; otherwise a new one, with a new id, is planned."""
-    offer = msg.collective
-    if msg.transport not in ("collective", "auto") or offer is None or not participants:
+    """The group for this sync, or None when it cannot be used: the trainer offered a
+    store and every participant can join with a backend all of them speak (NCCL only when
+    every member has a GPU). The current group is reused when its session and members are
+    the same; otherwise a new one, with a new id, is planned."""
+    offer = msg.offer
+    if not wants_group(msg) or offer is None or not participants:
         return None
     if any(engines[e].collective_ranks < 1 for e in participants):
         return None
@@ -134,9 +140,9 @@ def plan_group(
 
 
 def can_stream(msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord]) -> bool:
-    """The collective stream (protocol v3): one trainer that frames its broadcasts, and
+    """The group's stream (protocol v3): one trainer that frames its broadcasts, and
     every participant able to take them. Otherwise each bucket is announced per engine."""
-    offer = msg.collective
+    offer = msg.offer
     return (
         offer is not None
         and offer.stream
@@ -158,7 +164,7 @@ def summary(s: SyncRecord, status: str, now: float) -> SyncSummary:
         bytes=s.byte_count,
         seconds=round(now - s.started_at, 6),
         engine_ids=list(s.participants),
-        transport=s.transport,
+        transport=s.shown,
         stream=s.stream,
         group=g.id if g else None,
         world_size=g.world_size if g else None,

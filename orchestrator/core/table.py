@@ -77,7 +77,7 @@ ROWS: tuple[Row, ...] = (
         (S.LOADING_BUCKETS,),
         Outcome.DIRTY,
         S.IDLE,
-        "collective stream, every participant prepared: one prepared something else than "
+        "group stream, every participant prepared: one prepared something else than "
         "the trainer finished with (bucket count, chain, digest); nothing finalized, dirty",
     ),
     Row(
@@ -85,7 +85,7 @@ ROWS: tuple[Row, ...] = (
         (S.LOADING_BUCKETS,),
         Outcome.ADVANCE,
         S.FINALIZING,
-        "collective stream, after the trainer's finish: the last participant prepared "
+        "group stream, after the trainer's finish: the last participant prepared "
         "exactly what the trainer finished with (bucket count, chain over the bucket "
         "checksums, digest): finalize is sent once to each participant (the commit)",
     ),
@@ -94,7 +94,7 @@ ROWS: tuple[Row, ...] = (
         (S.LOADING_BUCKETS,),
         Outcome.DIRTY,
         S.IDLE,
-        "collective stream: a participant prepared something else than the trainer "
+        "group stream: a participant prepared something else than the trainer "
         "finished with, or than the others prepared; nothing finalized, dirty",
     ),
     Row(
@@ -230,7 +230,7 @@ ROWS: tuple[Row, ...] = (
         "a participant lost (disconnected, or silent past --engine-timeout), a bucket not "
         "applied in --bucket-timeout, the trainer gone past its grace or silent past "
         "--sync-timeout, a participant not prepared --bucket-timeout after the trainer's "
-        "finish (collective stream), finalize not reported in --finalize-timeout: dirty",
+        "finish (group stream), finalize not reported in --finalize-timeout: dirty",
     ),
     Row(
         "tick",

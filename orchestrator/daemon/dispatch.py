@@ -17,10 +17,9 @@ from typing import Any
 
 import structlog
 
-from messages import codec, schema
+from messages import codec, schema, transports
 from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error, wrong_socket_line
-from messages.shm import Reader
 from orchestrator import __version__
 from orchestrator.core import Core
 from orchestrator.core import events as ev
@@ -59,7 +58,7 @@ class Dispatcher:
         settings: Settings,
         metrics: Metrics,
         stats: Stats,
-        shm_reader: Reader,
+        readers: dict[str, transports.Reader],
         status: Callable[[], dict[str, Any]],
         failpoints: dict[str, Any],
         fail_internal: Callable[[str, BaseException], Awaitable[None]],
@@ -71,7 +70,7 @@ class Dispatcher:
         self.settings = settings
         self.metrics = metrics
         self.stats = stats
-        self.shm_reader = shm_reader
+        self.readers = readers  # each "ref" transport's reader (this loop's task only)
         self.status = status
         self.failpoints = failpoints
         self.fail_internal = fail_internal
@@ -201,28 +200,32 @@ class Dispatcher:
     async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any]) -> None:
         """A bucket, with the facts about its bytes that only this process can find."""
         route = self.inflight.routes.get(msg.sync_id)
-        transport = route.transport if route is not None else ""
-        frame, checksum_ok, shm_error = None, None, None
-        if msg.size is not None:  # collective: a copy rides along only to be spooled
+        carries = route.carries if route is not None else ""
+        frame, checksum_ok, ref_error = None, None, None
+        ref = msg.ref
+        if msg.size is not None:  # a broadcast: a copy rides along only to be spooled
             nbytes = msg.size
-            if payload and transport == "collective" and route is not None and route.spool:
+            if payload and carries == "group" and route is not None and route.spool:
                 frame = payload[0]
                 checksum_ok = bucket_checksum(frame.buffer, msg.tensors) == msg.checksum
-        elif msg.shm is not None:
-            nbytes = msg.shm.size
-            if transport in ("shm", "mixed"):
-                try:  # the same check every engine makes (messages.shm.open_segment)
-                    if transport == "mixed":  # cut an inline frame for the engines without shm
-                        frame = bytes(self.shm_reader.view(msg.shm.name, msg.shm.offset, msg.shm.size))
+        elif ref is not None:
+            nbytes = ref.size
+            if carries == "ref" and route is not None:
+                reader = transports.reader_of(ref.via, self.readers)
+                try:  # the same checks every engine's reader makes
+                    if reader is None:
+                        ref_error = f"no transport {transports.ref_name(ref.via)!r} carries references here"
+                    elif route.mixed:  # cut frames for the engines that cannot read the reference
+                        frame = bytes(reader.view(ref.name, ref.offset, ref.size))
                         checksum_ok = bucket_checksum(frame, msg.tensors) == msg.checksum
-                    else:  # pure shm: the daemon never touches the bytes (nor maps them); engines verify
-                        self.shm_reader.check(msg.shm.name, msg.shm.offset, msg.shm.size)
+                    else:  # references only: the daemon never touches the bytes; engines verify
+                        reader.check(ref.name, ref.offset, ref.size)
                 except MessageError as exc:
-                    shm_error = exc.reason
+                    ref_error = exc.reason
         else:
             frame = payload[0]
             nbytes = len(frame)
-            if transport in ("inline", "shm", "mixed"):
+            if carries in ("frame", "ref"):
                 checksum_ok = bucket_checksum(frame.buffer, msg.tensors) == msg.checksum
         held = Pending(msg, frame)
         self.inflight.held.add(held)
@@ -231,7 +234,7 @@ class Dispatcher:
             nbytes,
             has_payload=bool(payload),
             checksum_ok=checksum_ok,
-            shm_error=shm_error,
+            ref_error=ref_error,
             pending=self.inflight.pending_on(w.ident),
             handle=held,  # the bytes ride with the event and its ForwardBucket, nowhere else
             conn=w.ident,
@@ -243,7 +246,7 @@ class Dispatcher:
         res, then = self.decide(event, answer)  # a refused bucket is not counted below
         self.stats.buckets += 1
         self.stats.bytes_announced += nbytes
-        if frame is not None:  # bytes that passed through this process (not shm, not broadcast)
+        if frame is not None:  # bytes that passed through this process (not by reference or broadcast)
             self.stats.bytes_in += nbytes
             self.metrics.received_bytes.inc(nbytes)
         del event, frame

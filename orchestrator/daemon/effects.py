@@ -19,11 +19,10 @@ from typing import Any
 import msgspec
 import structlog
 
-from messages import codec, replies, schema
+from messages import codec, replies, schema, transports
 from messages.bounded import LRU
 from messages.errors import ErrorCode, MessageError, make_error
 from messages.schema import MAX_COLLECTIVE_SOURCES
-from messages.shm import Reader, sweep_stale
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.core.records import GroupPlan, Spooled
@@ -58,7 +57,7 @@ class Effects:
         journal: Journal,
         spool: Spool | None,
         metrics: Metrics,
-        shm_reader: Reader,
+        readers: dict[str, transports.Reader],
         failpoints: dict[str, Any],
     ) -> None:
         self.transport = transport
@@ -67,7 +66,7 @@ class Effects:
         self.journal = journal
         self.spool = spool
         self.metrics = metrics
-        self.shm_reader = shm_reader
+        self.readers = readers  # each "ref" transport's reader (this loop's task only)
         self.failpoints = failpoints
         self.recovery: Recovery | None = None  # set by the service (it feeds requests back)
         self.feed: Feed | None = None  # the service's: an event into the core, its commands run
@@ -228,13 +227,17 @@ class Effects:
         if spool is None or not c.spool or not isinstance(p, Pending):
             return []
         m, data = p.msg, p.frame
-        if data is None and m.shm is None:  # a collective bucket with no copy
+        ref = m.ref
+        if data is None and ref is None:  # a broadcast bucket with no copy
             return []
-        if data is None and m.shm is not None:  # pure shm: the trainer's slot, valid until acked
+        if data is None and ref is not None:  # by reference: the trainer's slot, valid until acked
+            reader = transports.reader_of(ref.via, self.readers)
             try:
-                data = self.shm_reader.view(m.shm.name, m.shm.offset, m.shm.size)
+                if reader is None:
+                    raise make_error(ErrorCode.BAD_MESSAGE, f"no transport {transports.ref_name(ref.via)!r}")
+                data = reader.view(ref.name, ref.offset, ref.size)
             except MessageError as exc:
-                reason = f"shm slot unreadable: {exc.reason}"
+                reason = f"reference unreadable: {exc.reason}"
                 return [lambda: spool.fail(reason)]
         buf = getattr(data, "buffer", data)
         metas = [t.to_wire() for t in m.tensors]
@@ -322,34 +325,34 @@ class Effects:
         if m.size is not None and c.group is not None:
             self._forward_collective(c, msgspec.structs.replace(load, size=m.size))
             return
-        shm_engines = set(c.shm_engines)
-        inline = codec.encode_header(load)
-        by_ref = codec.encode_header(msgspec.structs.replace(load, shm=m.shm)) if shm_engines else b""
-        frame_bytes = len(p.frame) if p.frame is not None else (m.shm.size if m.shm else 0)
-        pub_inline, pub_shm, rest = self._fanout_plan(c, shm_engines, frame_bytes).route(
-            c.engine_ids, shm_engines
+        ref_engines = set(c.ref_engines)
+        framed = codec.encode_header(load)
+        by_ref = codec.encode_header(msgspec.structs.replace(load, ref=m.ref)) if ref_engines else b""
+        frame_bytes = len(p.frame) if p.frame is not None else (m.ref.size if m.ref else 0)
+        pub_frames, pub_refs, rest = self._fanout_plan(c, ref_engines, frame_bytes).route(
+            c.engine_ids, ref_engines
         )
         t = self.transport
-        if (pub_inline and not t.publish([inline, p.frame])) or (pub_shm and not t.publish([by_ref])):
+        if (pub_frames and not t.publish([framed, p.frame])) or (pub_refs and not t.publish([by_ref])):
             self._fanout[m.sync_id].broken = True  # the socket failed: one send each from now
             rest = list(c.engine_ids)  # (a bucket taken twice is applied once)
         for eid in rest:
-            if eid in shm_engines:
+            if eid in ref_engines:
                 self.transport.send_engine(eid, [by_ref])
             else:
-                self.transport.send_engine(eid, [inline, p.frame])
+                self.transport.send_engine(eid, [framed, p.frame])
         log.debug(
             "bucket_forwarded",
             sync_id=m.sync_id,
             seq=m.seq,
             sender=m.sender,
-            nbytes=m.shm.size if m.shm else len(p.frame),
+            nbytes=m.ref.size if m.ref else len(p.frame),
             engines=len(c.engine_ids),
-            shm_engines=len(shm_engines),
-            published=pub_inline or pub_shm,
+            ref_engines=len(ref_engines),
+            published=pub_frames or pub_refs,
         )
 
-    def _fanout_plan(self, c: cmd.ForwardBucket, shm_engines: set[str], frame_bytes: int) -> fanout.Plan:
+    def _fanout_plan(self, c: cmd.ForwardBucket, ref_engines: set[str], frame_bytes: int) -> fanout.Plan:
         """The sync's fan-out plan, made (and its open published) at its first bucket,
         after each connection's queue is sized for the sync's bucket size: the trainer's
         (its window follows from it; a first bucket may be one oversized tensor), else
@@ -362,11 +365,11 @@ class Effects:
             self.transport.fanout_queue(sized[0], sources=sized[1])  # bound anew: none live yet
         else:  # the daemon's own replay (or an old trainer): grown for this frame if need be
             self.transport.fanout_queue(frame_bytes, floor=RECOVERY_WINDOW, shrink=False)
-        fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, shm_engines, self.transport.fanout_live)
+        fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, ref_engines, self.transport.fanout_live)
         if fan.used:
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
-            log.info("fanout_opened", sync_id=c.sync_id, inline=len(fan.inline), shm=len(fan.shm))
+            log.info("fanout_opened", sync_id=c.sync_id, frames=len(fan.frames), refs=len(fan.refs))
         return fan
 
     def _ref(self, g: GroupPlan, eid: str) -> schema.GroupRef:
@@ -421,10 +424,10 @@ class Effects:
         self.metrics.sync_ended(c.summary)
         if self.recovery is not None:
             self.recovery.sync_closed(c.sync_id)
-        self.shm_reader.close()  # drop mappings of the trainer's segments (they may be unlinked)
-        swept = sweep_stale()
+        transports.close_readers(self.readers)  # drop mappings of the trainer's slots (they may be unlinked)
+        swept = transports.sweep()
         if swept:
-            log.info("shm_segments_swept", segments=len(swept))
+            log.info("stale_slots_swept", segments=len(swept))
         if self.publish is not None:
             self.publish()
         self._fanout.pop(c.sync_id, None)

@@ -27,10 +27,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from messages import fanout, schema
+from messages import fanout, schema, transports
 from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode
-from messages.shm import Reader, sweep_stale
 from orchestrator.core import Core, Limits, State
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
@@ -154,7 +153,7 @@ class Service:
         self.metrics = Metrics()
         self.storage = Storage()
         self.spool = Spool(settings.spool) if settings.spool else None
-        self.shm_reader = Reader()  # the trainer's shm slots (the loop's task only)
+        self.readers: dict[str, transports.Reader] = {}  # per "ref" transport (the loop's task only)
         self.inflight = Inflight()
         self.transport = Transport(self.ctx, self.stats)
         self.effects = Effects(
@@ -164,7 +163,7 @@ class Service:
             self.journal,
             self.spool,
             self.metrics,
-            self.shm_reader,
+            self.readers,
             self.failpoints,
         )
         self.dispatch = Dispatcher(
@@ -175,7 +174,7 @@ class Service:
             settings,
             self.metrics,
             self.stats,
-            self.shm_reader,
+            self.readers,
             self.status,
             self.failpoints,
             self.fail_internal,
@@ -202,7 +201,7 @@ class Service:
 
     # -- lifecycle ----------------------------------------------------------------------
     def startup(self) -> None:
-        sweep_stale()  # shared-memory segments left by crashed trainers or engines
+        transports.sweep()  # slots left by crashed trainers or engines (each transport's own)
         s = self.settings
         if s.keys:
             self.transport.auth = ServerAuth(self.ctx, s.keys)

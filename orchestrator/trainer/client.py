@@ -18,12 +18,12 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 import zmq
 
-from messages import schema
+from messages import schema, transports
 from messages.buckets import Digester, PackedBucket
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
@@ -33,12 +33,11 @@ from messages.liblog import get_logger
 from messages.replies import BeginReply, FinishReply, StatusReply
 from messages.replies import body as reply_body
 from messages.replies import decode as decode_reply
-from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES, Transport
+from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
 from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
-from orchestrator.trainer.rings import ShmRings
 from orchestrator.trainer.shard import ShardPlans
 from orchestrator.trainer.stream import Stream, window_limit
 
@@ -101,7 +100,7 @@ class TrainerClient:
         # this source's; a begin resent after a lost reply carries the same token.
         self.seat = secrets.randbits(64)
         self.stream = Stream(self.conn, sender, self.seat)
-        self.rings = ShmRings()
+        self.rings: dict[str, transports.Rings] = {}  # per "ref" transport, kept across pushes
         self.group: TrainerGroup | None = None
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
         self.delta_chooser = DeltaChooser()  # whether a delta pays on a transport, as measured
@@ -116,7 +115,7 @@ class TrainerClient:
         return self.conn.timeout
 
     def close(self) -> None:
-        self.rings.drop()
+        self.drop_rings()
         if self.group is not None:
             self.group.close()
         self.conn.close()
@@ -176,7 +175,8 @@ class TrainerClient:
         A sharded push's source (`sender` of `senders`, with the sources' `plan` hash) may be
         told to join a sync another source opened: the reply's `sync_id` is the one to use."""
         sync_id = sync_id or uuid.uuid4().hex
-        host = socket.gethostname() if transport not in ("inline", "collective") else ""
+        t = transports.get(transport)
+        host = socket.gethostname() if t is None or t.carries == "ref" else ""
         body = self.conn.request(
             lambda i: schema.Begin(
                 sync_id=sync_id,
@@ -188,8 +188,8 @@ class TrainerClient:
                 expected_buckets=expected_buckets,
                 probes=tuple(probes),
                 host=host,
-                transport=cast(Transport, transport),
-                collective=collective,
+                transport=transport,
+                offer=collective,
                 base=base,
                 bucket_bytes=bucket_bytes,
                 seat=self.seat,
@@ -394,15 +394,17 @@ class TrainerClient:
     ) -> SyncResult:
         if window is not None and window < 1:
             raise ValueError("window must be >= 1 (or None: sized from measurements)")
-        if transport not in ("inline", "shm", "auto", "collective"):
-            raise ValueError("transport must be inline, shm, auto or collective")
+        asked = transports.get(transport)
+        if transport != transports.AUTO and asked is None:
+            raise ValueError(f"transport must be auto or one of {', '.join(transports.names())}")
         t0 = time.perf_counter()
         sync_id = sync_id or uuid.uuid4().hex
-        offer = self._collective_offer() if transport == "collective" else None
-        slots = window_limit(window, bucket_bytes)
-        ring = self.rings.get(slots, bucket_bytes) if transport in ("shm", "auto") else None
+        offer = self._collective_offer() if asked is not None and asked.needs_group else None
+        ring, via = self._slots(asked, window_limit(window, bucket_bytes), bucket_bytes)
         if ring is None and offer is None:
-            transport = "inline"
+            transport = transports.frames().name
+        elif ring is not None:
+            transport = via  # "auto" too: the daemon plans the transport these slots are of
         rank, world = source or (0, 1)
         self.sender = self.stream.sender = rank
         self.began = None
@@ -429,8 +431,8 @@ class TrainerClient:
                     self._abort_quietly(sync_id, exc)
                 raise
             sync_id = self.began = started.sync_id  # a sharded push's source may have joined another's sync
-            if started.transport not in ("shm", "mixed"):
-                ring = None  # kept for a later push; this one goes inline or by collective
+            if started.via != via:
+                ring = None  # kept for a later push; this one goes by frames or a broadcast
             coll = self._collective_for(started, transport)
             if started.bucket_bytes is not None and started.bucket_bytes < bucket_bytes:
                 log.info("bucket_size_capped", asked=bucket_bytes, bucket_bytes=started.bucket_bytes)
@@ -490,7 +492,7 @@ class TrainerClient:
                     self._abort_quietly(sync_id, exc)
                 raise
         except BaseException:
-            self.rings.drop()  # an engine may still read a slot of the failed sync
+            self.drop_rings()  # an engine may still read a slot of the failed sync
             raise
         seconds = time.perf_counter() - t0
         return SyncResult(
@@ -568,16 +570,40 @@ class TrainerClient:
                 )
             time.sleep(poll)
 
+    def _slots(
+        self, asked: transports.Transport | None, window: int, bucket_bytes: int
+    ) -> tuple[transports.Slots | None, str]:
+        """The slots of the "ref" transport this push offers, and its name: the one asked
+        for, or with "auto" (`asked` None) the most preferred whose slots can be had here;
+        (None, ""): frames (no such transport, or no room for its slots)."""
+        wanted = transports.of_kind("ref") if asked is None else (asked,) if asked.carries == "ref" else ()
+        for t in wanted:
+            if t.rings is None:
+                continue
+            rings = self.rings.get(t.name)
+            if rings is None:
+                rings = self.rings[t.name] = t.rings()
+            ring = rings.get(window, bucket_bytes)
+            if ring is not None:
+                return ring, t.name
+        return None, ""
+
+    def drop_rings(self) -> None:
+        """Release every transport's slots (after a failed push an engine may still read
+        one)."""
+        for rings in self.rings.values():
+            rings.drop()
+
     def _collective_offer(self) -> schema.CollectiveOffer:
         if self.group is None:
             self.group = TrainerGroup(self.addr, self.collective_host, curve=self.curve)
         return self.group.offer()
 
     def _collective_for(self, started: BeginReply, asked: str) -> TrainerGroup | None:
-        if started.transport == "collective" and self.group is not None:
+        if started.group is not None and self.group is not None:
             self.group.plan(
                 {
-                    **(started.collective or {}),
+                    **started.group,
                     "spool_copy": started.spool_copy,
                     "stream": started.stream,
                     "sync_id": started.sync_id,
@@ -677,9 +703,9 @@ def _ended_cause(err: WeightSyncError, sync_id: str) -> WeightSyncError | None:
 
 def _pending_cap(started: BeginReply, bucket_bytes: int) -> int | None:
     """The window the daemon's begin reply allows: its max_pending, and where buckets go
-    through its fan-out (inline, shm, mixed), within the fan-out's per-connection budget
+    through its fan-out (frames, references), within the fan-out's per-connection budget
     for this bucket size (messages.fanout.window_cap), which its queues are sized for."""
     if started.max_pending is None:
         return None
-    budget = started.fanout_bytes if started.transport in ("inline", "shm", "mixed") else None
+    budget = started.fanout_bytes if started.group is None else None
     return window_cap(budget, bucket_bytes, started.max_pending)

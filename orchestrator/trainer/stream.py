@@ -1,4 +1,4 @@
-"""The bucket pipeline of a push: pack, send (inline, shm or collective), keep at most
+"""The bucket pipeline of a push: pack, send (a frame, a reference or a broadcast), keep at most
 `window` buckets unacknowledged, resend on timeout. `Stream` works through the client's
 `Connection`, on the thread that owns its socket.
 
@@ -37,9 +37,10 @@ from messages.stream import (
     end_header,
     load_mac,
 )
+from messages.transports import Slots
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.group import TrainerGroup
-from orchestrator.trainer.rings import InlineRing, ShmRing
+from orchestrator.trainer.rings import FrameRing
 
 log = get_logger("trainer")
 
@@ -131,7 +132,7 @@ class Stream:
         b: PackedBucket,
         rid: int,
         checksum: int | None = None,
-        shm: schema.ShmRef | None = None,
+        ref: schema.Ref | None = None,
         mac: bytes | None = None,
     ) -> schema.Bucket:
         return schema.Bucket(
@@ -141,7 +142,7 @@ class Stream:
             checksum=b.checksum if checksum is None else checksum,
             id=rid,
             sender=self.sender,
-            shm=shm,
+            ref=ref,
             mac=mac,
             seat=self.seat,
         )
@@ -209,7 +210,7 @@ class Stream:
         daemon hears nothing until `finish`, which carries the chain. A bucket's slot is
         reused once its broadcast completed (its bytes left this process), so two slots
         suffice. An error the daemon pushes for this sync stops the stream at once."""
-        ring = InlineRing(2)
+        ring = FrameRing(2)
         key = coll.mac_key(sync_id)  # with keys: every bucket carries a MAC (messages/stream.py)
         slots: dict[int, torch.Tensor] = {}
         spool = bool((coll.planned or {}).get("spool_copy"))
@@ -294,12 +295,12 @@ class Stream:
         bucket_bytes: int,
         window: int | None,
         progress: Any,
-        ring: ShmRing | None = None,
+        ring: Slots | None = None,
         digester: Digester | None = None,
         coll: TrainerGroup | None = None,
         max_pending: int | None = None,
     ) -> Streamed:
-        # slots: bucket seq goes to slot seq % limit (an shm ring may have fewer than asked)
+        # slots: bucket seq goes to slot seq % limit (a transport's ring may have fewer than asked)
         limit = ring.slots if ring is not None else window_limit(window, bucket_bytes)
         cap = min(limit, max_pending or limit)  # the daemon's cap too, for a fixed window as well
         sizer = WindowSizer(None if window is None else min(window, cap), cap)
@@ -320,7 +321,7 @@ class Stream:
                     self.broadcast(sync_id, coll, b)
             elif ring is not None:
                 ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
-                self.conn.send(self.bucket_msg(sync_id, f.bucket, rid, shm=ref))
+                self.conn.send(self.bucket_msg(sync_id, f.bucket, rid, ref=ref))
             else:
                 self.conn.send(self.bucket_msg(sync_id, f.bucket, rid), [f.bucket.frame()])
 
@@ -383,7 +384,7 @@ class Stream:
                 if done is not None and progress is not None:
                     progress(done.bucket.nbytes)
 
-        slots = ring if ring is not None else InlineRing(limit)
+        slots: Slots | FrameRing = ring if ring is not None else FrameRing(limit)
 
         def alloc(seq: int, n: int) -> torch.Tensor:
             # Room first: slot seq % limit belongs to bucket seq - limit until that bucket
@@ -393,8 +394,8 @@ class Stream:
             return slots.slot(seq, n)
 
         t_loop = time.perf_counter()
-        # inline and shm: a tensor larger than a bucket is split, so no frame exceeds the
-        # bucket size the daemon sized its fan-out for (and engines assemble it)
+        # frames and references: a tensor larger than a bucket is split, so no bucket exceeds
+        # the size the daemon sized its fan-out for (and engines assemble it)
         split = coll is None
         for bucket in iter_buckets(named, bucket_bytes, alloc=alloc, digester=digester, split=split):
             f = _InFlight(bucket, time.monotonic())

@@ -349,7 +349,7 @@ def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(clu
             (
                 lambda i: msgspec.structs.replace(
                     client.stream.bucket_msg(
-                        sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
+                        sid, b, i, ref=schema.Ref("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
                     ),
                     size=b.nbytes,
                 ),

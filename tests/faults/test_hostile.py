@@ -183,7 +183,7 @@ def _bucket_at(name: str) -> tuple[schema.Bucket, bytes]:
         seq=0,
         tensors=bucket.tensors,
         checksum=bucket.checksum,
-        shm=schema.ShmRef(name, 0, 16),
+        ref=schema.Ref(name, 0, 16),
     ), frame
 
 

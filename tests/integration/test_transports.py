@@ -78,7 +78,7 @@ def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
         with pytest.raises(PeerError) as ei:
             client.conn.request(
                 lambda i: client.stream.bucket_msg(
-                    sid, b, i, shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
+                    sid, b, i, ref=schema.Ref("weightsync.trainer.1.0123456789ab", 0, b.nbytes)
                 )
             )
         assert ei.value.code is ErrorCode.BAD_MESSAGE and "negotiate" in ei.value.message
@@ -100,7 +100,7 @@ def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_
             with pytest.raises(WeightSyncError) as ei:
                 client.conn.request(
                     lambda i: client.stream.bucket_msg(
-                        started.sync_id, b, i, shm=schema.ShmRef(seg.name, 0, b.nbytes)
+                        started.sync_id, b, i, ref=schema.Ref(seg.name, 0, b.nbytes)
                     )
                 )
         assert ei.value.code is ErrorCode.CHECKSUM_MISMATCH
@@ -190,4 +190,4 @@ def test_each_bucket_is_published_once_per_kind_for_every_engine(tmp_path, tiny_
                 assert r.buckets > 10 and published == kinds * r.buckets + 1, (published, r.buckets)
                 assert sent - published <= r.buckets + 2 * 3 + 4, (sent, published, r.buckets)
         opens = fanout_opens(cluster)
-        assert [(o["inline"], o["shm"]) for o in opens] == [(1, 2), (3, 0)], opens
+        assert [(o["frames"], o["refs"]) for o in opens] == [(1, 2), (3, 0)], opens

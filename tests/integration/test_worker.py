@@ -151,7 +151,7 @@ def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state, transport
     with Segment(b.nbytes, kind="trainer") as seg:
         if transport == "shm":
             seg.write(bytes(raw))
-            orch.send(msgspec.structs.replace(load, shm=schema.ShmRef(seg.name, 0, b.nbytes)))
+            orch.send(msgspec.structs.replace(load, ref=schema.Ref(seg.name, 0, b.nbytes)))
         else:
             orch.send(load, [bytes(raw)])
         failed = orch.recv(want=("failed",))

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator.cli import command
 from orchestrator.cli import config as cliconfig
+from orchestrator.cli.util import transport_name
 
 CLI = command()
 
@@ -75,6 +76,8 @@ def sample(p, tmp_path):
         return v, v, v
     if p.multiple:
         return "alpha", ["alpha"], ["alpha"]
+    if getattr(p.callback, "__name__", "") == transport_name.__name__:  # a registered transport's name
+        return "inline", "inline", "inline"
     return "alpha", "alpha", "alpha"
 
 

@@ -34,7 +34,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
             seq=1,
             tensors=(META,),
             checksum=7,
-            shm=schema.ShmRef("weightsync.trainer.1.0123456789ab", 64, 24),
+            ref=schema.Ref("weightsync.trainer.1.0123456789ab", 64, 24),
         ),
         [],
     ),
@@ -83,7 +83,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
     (schema.Commit(sync_id="s", version=7, id=3), []),
     (schema.Served(version=7, digest="d", sync_id="s"), []),
     (schema.Committed(sync_id="s", version=7, label="7", id=4), []),
-    (schema.FanoutOpen(sync_id="s", version=7, inline=("e0", "e1"), shm=("e2",), report_interval=0.01), []),
+    (schema.FanoutOpen(sync_id="s", version=7, frames=("e0", "e1"), refs=("e2",), report_interval=0.01), []),
 ]
 
 

@@ -45,7 +45,7 @@ def run_sync(core: Core, version: int, buckets: int) -> tuple[int, list[cmd.Comm
     """One collective sync as the daemon sees it; (inputs fed to the core, commands out)."""
     sid = f"s{version}"
     events: list[ev.Event] = [
-        ev.BeginSync(Begin(sync_id=sid, version=version, transport="collective", collective=OFFER))
+        ev.BeginSync(Begin(sync_id=sid, version=version, transport="collective", offer=OFFER))
     ]
     c = chain_of(buckets)  # the engines and the trainer chain the same checksums
     events += [
@@ -83,16 +83,14 @@ def test_daemon_inputs_and_commands_do_not_grow_with_the_bucket_count():
 
 def test_without_every_engine_able_the_sync_announces_each_bucket():
     core = fleet(stream=False)
-    res = core.handle(
-        ev.BeginSync(Begin(sync_id="s1", version=1, transport="collective", collective=OFFER)), 1.0
-    )
+    res = core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, transport="collective", offer=OFFER)), 1.0)
     started = decode(res.reply or {}, BeginReply)
     assert not started.stream and started.transport == "collective"
     assert not [c for c in res.commands if isinstance(c, cmd.OpenStreams)]
 
 
 def begun(core: Core, buckets: int = 5) -> Chain:
-    core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, transport="collective", collective=OFFER)), 1.0)
+    core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, transport="collective", offer=OFFER)), 1.0)
     return chain_of(buckets)
 
 

@@ -219,7 +219,7 @@ def core_at(version: int, *, delta: bool = True, chain: int = 0, spool: bool = T
         ({"chain": 2}, "max_delta_chain 2"),
         ({"spooled_other": True}, "the spool does not hold version 5"),
         ({"spooled_scheme": LEGACY_DIGEST_SCHEME}, "digest scheme (DIGEST_SCHEME_MISMATCH)"),
-        ({"collective": True}, "engine e receives collective buckets in its own workers"),
+        ({"collective": True}, "engine e receives broadcast buckets in its own workers"),
     ],
 )
 def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(case, why):
@@ -233,9 +233,7 @@ def test_the_core_refuses_a_delta_the_fleet_cannot_rebuild_and_changes_nothing(c
         schema.CollectiveOffer(host="127.0.0.1", port=29500, session="t") if case.get("collective") else None
     )
     with pytest.raises(WeightSyncError) as ei:
-        o.handle(
-            ev.BeginSync(Begin(sync_id="s2", version=6, base=case.get("base", 5), collective=offer)), 2.0
-        )
+        o.handle(ev.BeginSync(Begin(sync_id="s2", version=6, base=case.get("base", 5), offer=offer)), 2.0)
     assert ei.value.code is ErrorCode.STALE_BASE and why in ei.value.message
     assert (o.state, o.last_ready_version, o.sync) == before
     ok = core_at(5)

@@ -22,13 +22,13 @@ def load(sync_id: str, seq: int, shm: bool = False) -> list[bytes]:
         seq=seq,
         tensors=META,
         checksum=bucket_checksum(frame, META),
-        shm=schema.ShmRef(name="weightsync.trainer.1.0123456789ab", offset=0, size=16) if shm else None,
+        ref=schema.Ref(name="weightsync.trainer.1.0123456789ab", offset=0, size=16) if shm else None,
     )
     return [fanout.DATA, codec.encode_header(msg), *(() if shm else (frame,))]
 
 
 def opening(sync_id: str, inline=(), shm=(), interval=0.002) -> list[bytes]:
-    msg = schema.FanoutOpen(sync_id=sync_id, version=1, inline=inline, shm=shm, report_interval=interval)
+    msg = schema.FanoutOpen(sync_id=sync_id, version=1, frames=inline, refs=shm, report_interval=interval)
     return [fanout.DATA, codec.encode_header(msg)]
 
 

@@ -257,7 +257,7 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
                     senders=3,
                     sender=k,
                     transport="collective",
-                    collective=offer(k),
+                    offer=offer(k),
                     seat=k,
                 )
             ),

@@ -109,10 +109,10 @@ def test_a_corrupted_byte_is_caught_by_vllm_engines(vllm_cluster, tiny_state, mo
     if transport == "shm":
         real_msg = Stream.bucket_msg
 
-        def bucket_msg(self, sync_id, b, rid, checksum=None, shm=None):
-            if b.seq == 1 and shm is not None:
+        def bucket_msg(self, sync_id, b, rid, checksum=None, ref=None):
+            if b.seq == 1 and ref is not None:
                 b.data[b.nbytes // 2] ^= 0x40  # in the slot, after the checksum was taken
-            return real_msg(self, sync_id, b, rid, checksum, shm)
+            return real_msg(self, sync_id, b, rid, checksum, ref)
 
         monkeypatch.setattr(Stream, "bucket_msg", bucket_msg)
     else:
