@@ -45,13 +45,14 @@ $(VERL_VENV)/.verl: pyproject.toml
 test-verl: $(VERL_VENV)/.verl
 	$(VERL_VENV)/bin/python -m pytest -p no:randomly $(PYTEST_ARGS) tests/verl
 
-# Every test file on its own (in its written order): a file that passes only after another
-# fails here. CI runs it after `make test` (which runs everything in a random order).
+# Every test file on its own, each in its own pytest process (a file that passes only after
+# another fails here), FILE_JOBS files at a time: each file's output printed whole when it
+# ends, the failed files listed at the end, exit 1 on any failure (.ci/files.py says how).
+# CI runs it after `make test` (which runs everything in a random order). tests/verl is not
+# run again here: `make test` already runs it alone, in its own environment.
+FILE_JOBS ?= 2
 test-files: $(VENV)/.test
-	@set -e; for f in $$(find tests -name 'test_*.py' -not -path 'tests/verl/*' | sort); do \
-		echo "== $$f"; $(PY) -m pytest -q -p no:randomly $(PYTEST_ARGS) $$f; \
-	done
-	$(MAKE) test-verl  # tests/verl (one file) in its own environment
+	$(PY) .ci/files.py --jobs $(FILE_JOBS) -- $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)

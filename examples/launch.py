@@ -40,13 +40,21 @@ class Proc:
             return ""
 
     def stop(self, grace: float = 10.0) -> int | None:
+        self.terminate()
+        return self.wait_stopped(grace)
+
+    def terminate(self) -> None:
+        """SIGTERM if still running; `wait_stopped` waits for the exit."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
+
+    def wait_stopped(self, grace: float = 10.0) -> int | None:
+        """Wait up to `grace` s for the exit, then SIGKILL the process group."""
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
         return self.popen.returncode
 
 
@@ -222,6 +230,13 @@ class Cluster:
         raise LaunchError(f"{n} engine(s) not registered within {timeout}s; last status: {last}")
 
     def stop(self) -> None:
-        # Engines first, so the daemon does not spend its shutdown on lost engines.
-        for p in reversed(self.procs):
-            p.stop()
+        # Engines first, so the daemon does not spend its shutdown on lost engines. They are
+        # told all at once, then waited for: an engine takes about a second to drain.
+        engines = [p for p in reversed(self.procs) if p.name != "daemon"]
+        for p in engines:
+            p.terminate()
+        for p in engines:
+            p.wait_stopped()
+        for p in self.procs:
+            if p.name == "daemon":
+                p.stop()
