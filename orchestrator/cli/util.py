@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,7 @@ from rich.markup import escape
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
 
