@@ -11,10 +11,11 @@ from rich.markup import escape
 
 from orchestrator.cli.util import (
     EXIT_STARTUP,
-    EXIT_USAGE,
+    KeyName,
     LogLevel,
     _check_endpoint,
     _client_keys,
+    _config_error,
     _parse_kv,
     _settings,
     err_console,
@@ -69,7 +70,7 @@ def engine(
     keys: Optional[Path] = typer.Option(
         None, help="CURVE keys directory (needs server.key, NAME.key_secret)"
     ),
-    key_name: str = typer.Option("engine", help="identity in the keys directory"),
+    key_name: KeyName = "engine",
     delta_base: bool = typer.Option(
         False,
         "--delta-base/--no-delta-base",
@@ -105,8 +106,7 @@ def engine(
     try:
         failpoints = parse_failpoints(failpoint)
     except ConfigError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
+        _config_error(exc)
     if backend == "vllm":  # vLLM reads its settings from the environment at import
         set_process_env(vllm_process_env(vllm_mp))
     try:

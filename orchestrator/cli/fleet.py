@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -13,6 +12,9 @@ from messages.errors import WeightSyncError
 from orchestrator.cli.tables import history_table, out_console, status_table
 from orchestrator.cli.util import (
     EXIT_INTERRUPTED,
+    Addr,
+    KeyName,
+    TrainerKeys,
     _client,
     _fail,
 )
@@ -22,12 +24,12 @@ from orchestrator.daemon.config import (
 
 
 def status(
-    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    addr: Addr = DEFAULT_ADDR,
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     watch: Optional[float] = typer.Option(None, min=0.1, help="refresh every N seconds"),
     timeout: float = typer.Option(5.0, min=0.1, help="seconds to wait for the daemon"),
-    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
-    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+    keys: TrainerKeys = None,
+    key_name: KeyName = "trainer",
 ) -> None:
     """Show the daemon's state, engines and recent transitions.
 
@@ -95,11 +97,11 @@ def _say_down(err: WeightSyncError, addr: str, as_json: bool) -> None:
 def abort(
     sync_id: Optional[str] = typer.Option(None, help="the sync to end (default: the running one)"),
     reason: str = typer.Option("no reason given", help="recorded in status and the journal"),
-    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    addr: Addr = DEFAULT_ADDR,
     timeout: float = typer.Option(10.0, min=0.1, help="seconds to wait for the daemon"),
     as_json: bool = typer.Option(False, "--json"),
-    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
-    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+    keys: TrainerKeys = None,
+    key_name: KeyName = "trainer",
 ) -> None:
     """End a running sync (for example one whose trainer died) so the next push can begin."""
     with _client(addr, keys, key_name, timeout=timeout, retries=0) as c:

@@ -1,10 +1,6 @@
-"""The `weightsync` command (see docs/ and README: serve, engine, push, status, abort, keys, demo).
-
-Exit codes: 0 ok, 2 usage or configuration error (a wrong address included: the daemon's
-engine socket given as --addr), 3 startup failure (an engine the daemon refused, or one
-pointed at the trainer socket, too), 4 sync failed (or a request refused: the message
-carries the error code), 130 interrupted.
-"""
+"""The `weightsync` command (see docs/ and README): the typer app assembled from one module
+per command family (serve, engine, fleet, push, checkout), and `main`, which turns a usage
+error into one line. The exit codes are in `orchestrator.cli.util`, beside their names."""
 
 from __future__ import annotations
 

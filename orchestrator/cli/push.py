@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -19,6 +19,11 @@ from orchestrator.cli.util import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_SYNC,
+    Addr,
+    BucketBytes,
+    KeyName,
+    TrainerKeys,
+    Transport,
     _client,
     _fail,
     _settings,
@@ -51,8 +56,8 @@ def push(
         ..., exists=True, file_okay=False, help="directory of *.safetensors files"
     ),
     version: int = typer.Option(..., min=0, max=INT63, help="version number (must be newer than served)"),
-    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
-    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
+    addr: Addr = DEFAULT_ADDR,
+    bucket_bytes: BucketBytes = DEFAULT_BUCKET_BYTES,
     window: Optional[int] = typer.Option(
         None,
         min=1,
@@ -60,7 +65,7 @@ def push(
         help="unacknowledged buckets in flight [default: sized from measured acks, 2 to 8]",
     ),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
-    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
+    transport: Transport = typer.Option("auto"),
     collective_host: str = typer.Option(
         "", help="collective: this host's address for the group's store [default: the route to the daemon]"
     ),
@@ -86,8 +91,8 @@ def push(
         "(engines need --delta-base; refused, the push goes dense)",
     ),
     as_json: bool = typer.Option(False, "--json"),
-    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
-    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+    keys: TrainerKeys = None,
+    key_name: KeyName = "trainer",
 ) -> None:
     """Push a safetensors checkpoint to every engine as VERSION."""
     import signal
@@ -177,7 +182,7 @@ def watch(
     directory: Path = typer.Argument(
         ..., file_okay=False, help="folder the trainer writes step directories into"
     ),
-    addr: str = typer.Option(DEFAULT_ADDR, help="daemon trainer socket"),
+    addr: Addr = DEFAULT_ADDR,
     marker: Optional[str] = typer.Option(
         None, help="a step directory is complete once this file exists in it (prime-rl: STABLE)"
     ),
@@ -193,8 +198,8 @@ def watch(
     delta: bool = typer.Option(
         False, "--delta", help="push what changed since the previous version (engines need --delta-base)"
     ),
-    bucket_bytes: int = typer.Option(DEFAULT_BUCKET_BYTES, min=4096, max=2**40, help="bytes per bucket"),
-    transport: Literal["auto", "shm", "inline", "collective"] = typer.Option("auto"),
+    bucket_bytes: BucketBytes = DEFAULT_BUCKET_BYTES,
+    transport: Transport = typer.Option("auto"),
     timeout: float = typer.Option(60.0, min=0.1, help="seconds per request before a resend"),
     engines_wait: float = typer.Option(0.0, min=0.0, help="seconds to wait for engines to register"),
     wait_daemon: float = typer.Option(
@@ -205,8 +210,8 @@ def watch(
         show_default="0: forever",
     ),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per line and event"),
-    keys: Optional[Path] = typer.Option(None, help="CURVE keys directory"),
-    key_name: str = typer.Option("trainer", help="identity in the keys directory"),
+    keys: TrainerKeys = None,
+    key_name: KeyName = "trainer",
 ) -> None:
     """Push each complete checkpoint that appears under DIRECTORY as its version, in order.
 

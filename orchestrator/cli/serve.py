@@ -18,6 +18,7 @@ from orchestrator.cli.util import (
     EXIT_USAGE,
     LogLevel,
     _check_bind,
+    _config_error,
     _settings,
     err_console,
 )
@@ -143,8 +144,7 @@ def serve(
     except KeysError as exc:
         if service is not None:
             service.abandon()
-        err_console.print(f"[red]configuration error:[/red] {escape(str(exc))}")
-        raise typer.Exit(EXIT_USAGE) from None
+        _config_error(exc)
     except (zmq.ZMQError, OSError, sqlite3.Error, StateInUse) as exc:
         if service is not None:
             service.abandon()
