@@ -1,16 +1,17 @@
 """Helpers shared by the `weightsync` subcommands: one-line errors with documented exit
-codes, settings, clients, addresses and keys.
+codes, the options the trainer-side commands share, settings, clients, addresses and keys.
 
 Exit codes: 0 ok, 2 usage or configuration error (a wrong address included: the daemon's
-engine socket given as --addr), 3 startup failure, 4 sync failed (or a request refused: the
-message carries the error code), 130 interrupted.
+engine socket given as --addr), 3 startup failure (an engine the daemon refused, or one
+pointed at the trainer socket, too), 4 sync failed (or a request refused: the message
+carries the error code), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -20,16 +21,29 @@ from messages import transports
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
 
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line
+
+
+# The options every command that talks to the daemon as a trainer takes, said once.
+Addr = Annotated[str, typer.Option(help="daemon trainer socket")]
+TrainerKeys = Annotated[Optional[Path], typer.Option(help="CURVE keys directory")]
+KeyName = Annotated[str, typer.Option(help="identity in the keys directory")]
+BucketBytes = Annotated[int, typer.Option(min=4096, max=2**40, help="bytes per bucket")]
+
+
+def _config_error(exc: Exception) -> NoReturn:
+    """A setting, a failpoint or a keys directory that cannot be used: one line, exit 2."""
+    err_console.print(f"[red]configuration error:[/red] {escape(str(exc))}")
+    raise typer.Exit(EXIT_USAGE) from None
 
 
 def _settings(**kw: Any) -> Settings:
     try:
         return load_settings(**kw)
     except ConfigError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
+        _config_error(exc)
 
 
 def _fail(err: WeightSyncError, what: str, as_json: bool = False, version: int | None = None) -> None:
@@ -123,8 +137,7 @@ def _client_keys(directory: Optional[Path], name: str) -> Any:
     try:
         return client_keys(directory, name)
     except KeysError as exc:
-        err_console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(EXIT_USAGE) from None
+        _config_error(exc)
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
