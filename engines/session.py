@@ -409,19 +409,22 @@ class Syncs:
 
 
 def render() -> str:
-    """docs/ARCHITECTURE.md's engine table: one line per (input, phase) row, refusals named."""
+    """docs/ARCHITECTURE.md's engine table: for each input, the phases that answer it alike
+    (every phase appears once per input: a row, ignored, or refused)."""
     lines = ["| input | in phase | to | does | why |", "|---|---|---|---|---|"]
     for inp in Input:
+        answers: dict[tuple[str, str, str], list[str]] = {}
         for phase in Phase:
             row = decide(phase, inp)
             if isinstance(row, Go):
-                to = row.to.value if row.to is not None else "="
-                does = ", ".join(d.value for d in row.do)
-                lines.append(f"| {inp.value} | {phase.value} | {to} | {does} | {row.why} |")
+                to = row.to.value if row.to is not None else "(stays)"
+                cell = (to, ", ".join(d.value for d in row.do), row.why)
             elif isinstance(row, Ignore):
-                lines.append(f"| {inp.value} | {phase.value} | = | ignored | {row.why} |")
+                cell = ("(stays)", "ignored", row.why)
             else:
                 dup = ", duplicate" if row.duplicate else ""
-                why = REFUSED_BECAUSE[phase]
-                lines.append(f"| {inp.value} | {phase.value} | = | refused ({row.code.value}{dup}) | {why} |")
+                cell = ("(stays)", f"refused: {row.code.value}{dup}", REFUSED_BECAUSE[phase])
+            answers.setdefault(cell, []).append(phase.value)
+        for (to, does, why), phases in answers.items():
+            lines.append(f"| {inp.value} | {', '.join(phases)} | {to} | {does} | {why} |")
     return "\n".join(lines)
