@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engines.session import Go, Ignore, Input, Phase, Refusal, Send, Syncs, decide, render
+from engines.session import FROM_DAEMON, Go, Ignore, Input, Phase, Refusal, Send, Syncs, decide, render
 from messages import schema
 
 GROUP = schema.GroupRef(
@@ -92,7 +92,7 @@ def test_every_phase_and_input_is_a_row_or_the_typed_refusal_and_a_refusal_chang
         assert isinstance(row, Refusal)
         return
     before, dups = snapshot(s), s.duplicates_refused
-    out = s.feed(msg) if inp in s_inputs_from_daemon() else s.result(msg)
+    out = s.feed(msg) if type(msg) in FROM_DAEMON else s.result(msg)
     if isinstance(row, Refusal):
         (refusal,) = [a.msg for a in out if isinstance(a, Send)]
         assert len(out) == 1 and isinstance(refusal, schema.Failed) and refusal.sync_id == "s1"
@@ -104,19 +104,6 @@ def test_every_phase_and_input_is_a_row_or_the_typed_refusal_and_a_refusal_chang
         assert out == [] and snapshot(s) == before
     else:
         assert s.phase_of("s1") is (row.to if row.to is not None else phase)
-
-
-def s_inputs_from_daemon() -> set[Input]:
-    return {
-        Input.LOAD,
-        Input.RESENT,
-        Input.QUEUED,
-        Input.STREAM,
-        Input.FINALIZE,
-        Input.COMMIT,
-        Input.SERVED,
-        Input.ABORT,
-    }
 
 
 def test_no_bucket_stream_or_finalize_is_taken_after_finalize_or_abort():
