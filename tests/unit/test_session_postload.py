@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engines.session import Submit, Syncs
@@ -29,7 +29,7 @@ def failed(sync_id: str) -> schema.Failed:
     return schema.Failed(sync_id=sync_id, code="ENGINE_FAILED", message="boom")
 
 
-SYNCS = ("s1", "s2", "s3")
+SYNCS = ("s1", "s2")  # two: a message of the other sync supersedes often
 step = st.one_of(
     st.tuples(
         st.sampled_from(["load", "stream", "finalize", "abort", "commit"]),
@@ -77,8 +77,11 @@ def message(kind: str, sync_id: str, seq: int) -> schema.Message:
     }[kind]()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(step, max_size=40))
+@example([("load", "s1", 0), ("abort", "s1", 0), ("finalize", "s1", 0)])
+@example([("load", "s1", 0), ("finalize", "s1", 0), ("load", "s2", 0), ("finalize", "s1", 0), ("run", "", 0)])
+@example([("load", "s1", 0), ("fail", "", 0), ("finalize", "s1", 0), ("run", "", 0), ("finalize", "s1", 0)])
 def test_the_post_load_step_runs_exactly_once_per_sync_whatever_the_order(steps):
     s, applier = Syncs(), Applier()
     ended: set[str] = set()  # aborted or failed (as the daemon and applier said) before its finalize
