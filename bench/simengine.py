@@ -6,8 +6,10 @@ to a real daemon over ZeroMQ, with no torch and no model.
 
 Each engine registers (inline and collective, one collective rank, gloo), heartbeats,
 verifies every inline frame against its checksum, reports its progress as a real engine
-does (cumulative `loaded`, at most one per REPORT_INTERVAL), finalizes
-once per sync (a second `finalize` is refused as a real engine does), answers canary
+does (cumulative `loaded`, at most one per REPORT_INTERVAL), and decides what each
+message means with the real engine's state machine (`engines.session.Syncs`: which sync
+starts or supersedes, the finalize guard, resent buckets, refusals), carrying out its
+jobs the way a real engine's applier does, but simulated; it answers canary
 probes with their expected tokens and reports the digest of the tensors it received
 inline in that sync (each tensor's part hashed from the bytes that arrived, as a real
 engine's digest is), or, for a sync whose bytes never reached it (a collective bucket's:
@@ -38,11 +40,10 @@ from typing import Any
 
 import zmq
 
-from engines.session import duplicate_finalize
+from engines.session import Action, Begin, Send, Stop, Syncs
 from messages import codec, fanout, replies, schema, stream
 from messages.checksums import bucket_checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
-from messages.progress import Progress
 from messages.schema import REPORT_INTERVAL
 from messages.stream import Chain
 
@@ -63,15 +64,13 @@ class SimEngine:
     engine_id: str
     fault: str = ""
     sock: Any = None
-    version: int | None = None
-    digest: str | None = None
+    session: Syncs = field(default_factory=Syncs)  # the real engine's guards and served version
+    failed: set[str] = field(default_factory=set)  # syncs its simulated applier failed
     finalize_count: int = 0
-    finalized: set[str] = field(default_factory=set)
     loads: int = 0
     next_id: int = 0
     register_ids: set[int] = field(default_factory=set)  # their Ok is a RegisterReply
     dead_until: float | None = None  # killed; registers again as a new process at this time
-    progress: Progress | None = None  # the running sync's, as a real engine keeps it
     last_report: float = 0.0
     reregister_sent: bool = False  # as a real engine: one re-registration until acknowledged
     stream: schema.OpenStream | None = None  # the collective stream it takes part in, until it answers
@@ -79,7 +78,8 @@ class SimEngine:
     parts: dict[str, bytes] = field(default_factory=dict)  # the running sync's received tensors
 
     def unreported(self) -> bool:
-        return self.progress is not None and self.progress.unreported()
+        s = self.session.reporting()
+        return s is not None and s.progress.unreported()
 
     def fault_seq(self, kind: str) -> int | None:
         if self.fault.startswith(kind + ":"):
@@ -156,8 +156,8 @@ class Fleet:
             id=rid,
             model="sim",
             transports=("inline", "collective"),
-            version=e.version,
-            digest=e.digest,
+            version=e.session.version,
+            digest=e.session.digest,
             finalize_count=e.finalize_count,
             pid=os.getpid(),
             host=self.host,
@@ -209,7 +209,7 @@ class Fleet:
                     self._report(e, now)
                 if e.dead_until is not None and now >= e.dead_until:
                     e.dead_until = None
-                    e.version, e.digest, e.finalized, e.progress = None, None, set(), None
+                    e.session, e.failed, e.parts = Syncs(), set(), {}
                     e.fault, e.reregister_sent = "", False  # a restarted process is healthy
                     self._open(e)
                 if now >= next_hb[i]:
@@ -219,9 +219,10 @@ class Fleet:
     @staticmethod
     def _interval(e: SimEngine) -> float:
         """Seconds between two reports of `e` in its running sync (the fan-out's, if any)."""
-        if e.fan is None or e.progress is None:
+        c = e.session.current
+        if e.fan is None or c is None:
             return REPORT_INTERVAL
-        return e.fan.report_interval(e.progress.sync_id)
+        return e.fan.report_interval(c.sync_id)
 
     def stop(self) -> None:
         self.stopped = True
@@ -285,7 +286,7 @@ class Fleet:
         at = e.fault_seq("fail_at")
         if at is not None and received > at:
             e.stream = None
-            self._send(
+            self._result(
                 e,
                 schema.Failed(sync_id=msg.sync_id, code="ENGINE_FAILED", message="simulated failure", seq=at),
             )
@@ -296,12 +297,12 @@ class Fleet:
         e.stream = None
         if seen.bad or end.seq != received or end.checksum != seen.chain.value:
             why = seen.bad or f"received {received} buckets, the trainer sent {end.seq}"
-            self._send(e, schema.Failed(sync_id=msg.sync_id, code="CHECKSUM_MISMATCH", message=why))
+            self._result(e, schema.Failed(sync_id=msg.sync_id, code="CHECKSUM_MISMATCH", message=why))
             return
         digest = self._digest_of(msg.version)
         if e.fault == "wrong_digest":
             digest = format(int(digest, 16) ^ 1, f"0{len(digest)}x")  # one bit off
-        self._send(
+        self._result(
             e,
             schema.Prepared(
                 sync_id=msg.sync_id,
@@ -320,17 +321,10 @@ class Fleet:
         msg = decoded.msg
         if isinstance(msg, schema.Load):
             self._load(e, msg, decoded.payload)
-        elif isinstance(msg, schema.OpenStream):
-            e.version, e.digest, e.stream = None, None, msg
-            self._advance(e)
-        elif isinstance(msg, schema.Finalize):
-            self._finalize(e, msg)
-        elif isinstance(msg, schema.Abort):
-            if e.fan is not None:
-                e.fan.end(msg.sync_id)
-            e.version, e.digest = None, None
-            if e.stream is not None and e.stream.sync_id == msg.sync_id:
-                e.stream = None
+        elif isinstance(
+            msg, (schema.OpenStream, schema.Finalize, schema.Commit, schema.Served, schema.Abort)
+        ):
+            self._do(e, e.session.feed(msg))
         elif isinstance(msg, schema.Ok) and msg.id in e.register_ids:
             r = replies.decode(msg.body, replies.RegisterReply)
             e.reregister_sent = False
@@ -348,8 +342,8 @@ class Fleet:
             self._close(e)
 
     def _load(self, e: SimEngine, msg: schema.Load, payload: list[Any]) -> None:
+        """A bucket arrives: a killed process never sees it; else the session decides."""
         e.loads += 1
-        e.version, e.digest = None, None
         if e.fault_seq("exit_at") == msg.seq:
             self._close(e)
             return
@@ -357,19 +351,42 @@ class Fleet:
             self._close(e)
             e.dead_until = time.monotonic() + float(e.fault.split(":", 1)[1])
             return
+        self._do(e, e.session.feed(msg, payload))
+
+    def _do(self, e: SimEngine, actions: list[Action]) -> None:
+        """Carry out what the engine's session decided, as a real engine's worker does
+        (its applier's jobs simulated)."""
+        for a in actions:
+            if isinstance(a, Send):
+                self._send(e, a.msg)
+            elif isinstance(a, Stop):
+                if a.published and e.fan is not None:
+                    e.fan.end(a.sync_id)  # its published buckets come no more
+                if a.stream and e.stream is not None and e.stream.sync_id == a.sync_id:
+                    e.stream = None
+            elif isinstance(a.job, Begin):
+                e.parts = {}
+            elif isinstance(a.job, schema.Load):
+                self._apply(e, a.job, a.payload)
+            elif isinstance(a.job, schema.OpenStream):
+                e.stream = a.job
+                self._advance(e)
+            elif isinstance(a.job, schema.Finalize):
+                self._finalize(e, a.job)
+            # an abort, a commit or a served notice changes nothing more here: the sim
+            # holds no weights, labels no outputs and hands no version to readers
+
+    def _result(self, e: SimEngine, msg: schema.Message) -> None:
+        """What the simulated applier reports, through the session as a real one's."""
+        self._do(e, e.session.result(msg))
+
+    def _apply(self, e: SimEngine, msg: schema.Load, payload: list[Any]) -> None:
+        """The applier's part of a bucket: verify it, hash what arrived, report it loaded."""
         if e.fault_seq("fail_at") == msg.seq:
             self._failed(e, msg, ErrorCode.ENGINE_FAILED, "simulated failure")
             return
         if payload and bucket_checksum(payload[0].buffer, msg.tensors) != msg.checksum:
             self._failed(e, msg, ErrorCode.CHECKSUM_MISMATCH, f"bucket seq {msg.seq} arrived corrupted")
-            return
-        if e.progress is None or e.progress.sync_id != msg.sync_id:
-            if e.progress is not None and e.fan is not None:
-                e.fan.end(e.progress.sync_id)  # superseded: its published buckets come no more
-            e.progress = Progress(msg.sync_id)
-            e.parts = {}
-        if (msg.sender, msg.seq) in e.progress.applied:  # a resend: say again that it is applied
-            self._send(e, e.progress.again(msg.sender, msg.seq))
             return
         if payload and self.digest_bytes:  # the digest is of what arrived
             buf = memoryview(payload[0].buffer).cast("B")
@@ -377,33 +394,30 @@ class Fleet:
                 h = part_hasher(t.name, t.dtype, tuple(t.shape))
                 h.update(buf[t.offset : t.offset + t.nbytes])
                 e.parts[t.name] = h.digest()
-        e.progress.apply(msg.sender, msg.seq)
+        self._result(e, schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender))
 
     def _report(self, e: SimEngine, now: float) -> None:
-        for loaded in e.progress.reports() if e.progress is not None else ():
+        s = e.session.reporting()
+        for loaded in s.progress.reports() if s is not None else ():
             e.last_report = now
             self._send(e, loaded)
 
     def _failed(self, e: SimEngine, msg: schema.Load, code: ErrorCode, text: str) -> None:
-        self._send(
+        e.failed.add(msg.sync_id)
+        self._result(
             e,
             schema.Failed(sync_id=msg.sync_id, code=code.value, message=text, seq=msg.seq, sender=msg.sender),
         )
 
     def _finalize(self, e: SimEngine, msg: schema.Finalize) -> None:
-        if msg.sync_id in e.finalized:  # the engine's own guard: the post-load step runs once
-            self._send(e, duplicate_finalize(msg.sync_id))
-            return
-        if e.fault == "no_finalize":
-            return
-        e.finalized.add(msg.sync_id)
+        """The post-load step, simulated: the session ran the guard (this runs once)."""
+        if e.fault == "no_finalize" or msg.sync_id in e.failed:
+            return  # a failed sync's finalize only releases what it held
         e.finalize_count += 1
-        received = e.progress is not None and e.progress.sync_id == msg.sync_id and e.parts
-        digest = combine(e.parts) if received else self._digest_of(msg.version)
+        digest = combine(e.parts) if e.parts else self._digest_of(msg.version)
         if e.fault == "wrong_digest":
             digest = format(int(digest, 16) ^ 1, f"0{len(digest)}x")  # one bit off
-        e.version, e.digest = msg.version, digest
-        self._send(
+        self._result(
             e,
             schema.Finalized(
                 sync_id=msg.sync_id,

@@ -1,23 +1,34 @@
 """One engine's syncs as a state machine: the engine side's own table, like the daemon's.
 
 `Syncs.feed(msg) -> list[Action]` takes what arrives from the daemon (a bucket, a stream's
-opening, finalize, commit, abort) and what the applier thread reports back (a bucket loaded,
-a finalize done, a failure), and returns what to do: a job for the applier, a message for
-the daemon, a stream to stop. It does no I/O and reads no clock: the worker's main thread is
-its I/O (it alone owns the socket), the applier thread runs its jobs. Every backend (torch,
-sink, holding, vLLM) goes through it.
+opening, finalize, commit, abort) and `Syncs.result(msg)` what the applier thread reports
+back (a bucket loaded, a stream prepared, a finalize done, a failure); both return what to
+do: a job for the applier, a message for the daemon, a stream to stop. It does no I/O and
+reads no clock: the worker's main thread is its I/O (it alone owns the socket), the applier
+thread runs its jobs. Every backend (torch, sink, holding, vLLM) and the simulated engines
+of `bench.simengine` go through it.
+
+Theory of operation (h11's way): an input is named once (`Input`, classified from the
+message by `input_of`); the phase it meets is that of the sync it names (`NEW` when this
+engine holds no record of it, `PAST` when it was superseded after its finalize came);
+`TABLE[(phase, input)]` is a `Go` (the phase after it and the effects, run in order), an
+`Ignore` (taken, nothing done, with its reason), or missing, and a missing pair is the
+refusal: `failed` with INVALID_STATE (`duplicate: true` for a second `finalize`), and
+nothing of the engine changes. The lookup is the only executor and there are no phase
+checks beside it. `transitions` is not used here: its machine would be a second executor
+of the same rows, and a row here carries effects a `Machine` cannot order or type.
 
 Rules, kept here and nowhere else:
-- One sync at a time: the first message of a new sync_id starts it (a `Begin` job) and
-  supersedes the one before (its stream stops; a restarted daemon never aborts it).
-- The finalize guard: a second `finalize` for a sync_id, even of a sync long superseded, is
-  refused with `failed{duplicate: true}` and the post-load step is not run again.
+- One sync at a time: the first message of a new sync_id starts it (`OPEN`: a `Begin` job)
+  and supersedes the one before (its stream stops; a restarted daemon never aborts it).
+- The finalize guard: the post-load step runs at most once per sync_id, whatever the
+  order of inputs; a second `finalize`, even of a sync long superseded, is refused with
+  `failed{duplicate: true}`; a `finalize` of an aborted sync is refused.
 - A resent bucket (same sync_id, sender, seq) is acknowledged again, never re-applied; a
-  bucket of a failed sync is dropped (the failure was reported); a new bucket of a sync
-  whose finalize came is refused by its row of the table (`failed`, INVALID_STATE): the
-  post-load step has the weights, and nothing more is copied into them.
-- The engine's served version and digest are what its last finalize reported; they are
-  cleared when a sync starts (the weights are about to change) or fails.
+  bucket of a failed or aborted sync is dropped (the failure was reported); a new bucket
+  or stream of a sync whose finalize came is refused: the post-load step has the weights.
+- The engine's served version and digest are what its sync's finalize reported; they are
+  cleared when a sync starts (the weights are about to change), fails or is aborted.
 """
 
 from __future__ import annotations
@@ -27,70 +38,205 @@ from enum import Enum
 from typing import Any
 
 from messages import schema
-from messages.errors import ErrorCode
+from messages.errors import ErrorCode, WeightSyncError
 from messages.progress import Progress
 
 
 class Phase(Enum):
+    NEW = "NEW"  # no record here: a sync_id never seen, or superseded before its finalize
+    PAST = "PAST"  # superseded after its finalize came (only the guard remembers it)
     LOADING = "LOADING"  # buckets arrive (sent to this engine or published to all)
     STREAMING = "STREAMING"  # the collective stream runs on the applier
     FINALIZING = "FINALIZING"  # the post-load step was asked for (once)
     FINALIZED = "FINALIZED"  # it ran; the digest went to the daemon
-    FAILED = "FAILED"  # a step failed; reported, nothing more is applied
-    ABORTED = "ABORTED"  # the daemon aborted it; the engine dropped what it loaded
+    FAILED = "FAILED"  # a step failed before its finalize came; reported
+    SPENT = "SPENT"  # its finalize came, and it failed or was aborted: it serves nothing
+    ABORTED = "ABORTED"  # the daemon aborted it before its finalize; what it loaded is dropped
+
+
+class Input(Enum):
+    """Every input of the table, named once; `input_of` says which one a message is."""
+
+    LOAD = "load"  # a bucket not seen before in this sync
+    RESENT = "resent"  # a bucket already applied in this sync
+    QUEUED = "queued"  # a bucket already queued for the applier in this sync
+    STREAM = "stream"
+    FINALIZE = "finalize"
+    COMMIT = "commit"
+    SERVED = "served"
+    ABORT = "abort"
+    # the applier's reports
+    LOADED = "loaded"
+    PREPARED = "prepared"
+    FINALIZED = "finalized"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+FROM_DAEMON: dict[type[schema.Message], Input] = {
+    schema.Load: Input.LOAD,
+    schema.OpenStream: Input.STREAM,
+    schema.Finalize: Input.FINALIZE,
+    schema.Commit: Input.COMMIT,
+    schema.Served: Input.SERVED,
+    schema.Abort: Input.ABORT,
+}
+FROM_APPLIER: dict[type[schema.Message], Input] = {
+    schema.Loaded: Input.LOADED,
+    schema.Prepared: Input.PREPARED,
+    schema.Finalized: Input.FINALIZED,
+    schema.Committed: Input.COMMITTED,
+    schema.Failed: Input.FAILED,
+}
+
+
+class Do(Enum):
+    """An effect of a row; `Syncs._effect` carries each out."""
+
+    OPEN = "open"  # a record for the sync: supersede the running one, `Begin` it
+    APPLY = "apply"  # queue the bucket for the applier
+    ACK = "ack"  # say again that the bucket is applied
+    RUN = "run"  # hand the message to the applier as it is
+    GUARD = "guard"  # remember that finalize came (the guard), then hand it to the applier
+    ABORT = "abort"  # stop its stream and published buckets, forget the version, applier
+    UNPUBLISH = "unpublish"  # stop only its published buckets (no record here)
+    PROGRESS = "progress"  # keep the applied bucket (the worker reports it coalesced)
+    REPORT = "report"  # send the report to the daemon
+    SERVE = "serve"  # the engine holds the version finalize reported; send the report
+    CLEAR = "clear"  # the engine holds no version (a failure); send the report
 
 
 @dataclass(frozen=True, slots=True)
-class Refuse:
-    """A table row that refuses its input: the engine answers `failed` with `reason` and
-    neither its phase nor its weights change."""
+class Go:
+    """The input is taken: its effects run in order, then the phase is `to` (None: the
+    phase stays; there may be no record)."""
 
-    reason: str
+    to: Phase | None
+    do: tuple[Do, ...]
+    why: str
 
 
-_AFTER_FINALIZE = Refuse("a bucket after finalize; refused (the post-load step ran)")
+@dataclass(frozen=True, slots=True)
+class Ignore:
+    """The input is taken here and does nothing, for `why`."""
 
-# (phase, input) -> the phase after it, or the refusal it gets. The inputs are the daemon's
-# messages and the applier's reports. A "load" in a pair not in the table is dropped (a
-# bucket of a failed or aborted sync: the failure was reported); any other input in a pair
-# not in the table changes no phase (one the guards below answer, or about a sync that is
-# over).
-TABLE: dict[tuple[Phase, str], Phase | Refuse] = {
-    (Phase.LOADING, "load"): Phase.LOADING,
-    (Phase.LOADING, "finalize"): Phase.FINALIZING,
-    (Phase.STREAMING, "load"): Phase.STREAMING,
-    (Phase.STREAMING, "finalize"): Phase.FINALIZING,
-    # the weights were handed to the post-load step: nothing more is copied into them
-    (Phase.FINALIZING, "load"): _AFTER_FINALIZE,
-    (Phase.FINALIZED, "load"): _AFTER_FINALIZE,
-    (Phase.FINALIZING, "finalized"): Phase.FINALIZED,
-    (Phase.FINALIZED, "commit"): Phase.FINALIZED,
-    **{(p, "failed"): Phase.FAILED for p in (Phase.LOADING, Phase.STREAMING, Phase.FINALIZING)},
-    **{(p, "abort"): Phase.ABORTED for p in Phase if p is not Phase.ABORTED},
+    why: str
+
+
+Row = Go | Ignore
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A (phase, input) pair with no row: the engine answers `failed` and nothing changes."""
+
+    phase: Phase
+    input: Input
+    code: ErrorCode = ErrorCode.INVALID_STATE
+
+    @property
+    def duplicate(self) -> bool:
+        return self.input is Input.FINALIZE and self.phase in FINALIZE_CAME
+
+    @property
+    def reason(self) -> str:
+        return f"{self.input.value} refused in {self.phase.value}: {REFUSED_BECAUSE[self.phase]}"
+
+    def failed(self, msg: schema.Message, sync_id: str) -> schema.Failed:
+        seq, sender = (msg.seq, msg.sender) if isinstance(msg, schema.Load) else (None, None)
+        where = f"bucket seq {seq}: " if seq is not None else ""
+        return schema.Failed(
+            sync_id=sync_id,
+            code=self.code.value,
+            message=where + self.reason,
+            seq=seq,
+            sender=sender,
+            duplicate=self.duplicate,
+        )
+
+
+P, In = Phase, Input
+FINALIZE_CAME = (P.FINALIZING, P.FINALIZED, P.SPENT, P.PAST)
+RECORDED = (P.LOADING, P.STREAMING, P.FINALIZING, P.FINALIZED, P.FAILED, P.SPENT, P.ABORTED)
+REFUSED_BECAUSE: dict[Phase, str] = {
+    P.NEW: "no record of this sync here",
+    P.PAST: "after finalize (the post-load step ran)",
+    P.LOADING: "its buckets are loading",
+    P.STREAMING: "its stream runs",
+    P.FINALIZING: "after finalize (the post-load step has the weights)",
+    P.FINALIZED: "after finalize (the post-load step ran)",
+    P.FAILED: "it failed",
+    P.SPENT: "after finalize (it failed or was aborted)",
+    P.ABORTED: "it was aborted",
 }
-# What a phase reached by a new sync_id's first message is.
-OPENS: dict[str, Phase] = {"load": Phase.LOADING, "stream": Phase.STREAMING, "finalize": Phase.FINALIZING}
 
 
-def duplicate_finalize(sync_id: str) -> schema.Failed:
-    """What an engine answers a second `finalize` of `sync_id` (its post-load step ran)."""
-    return schema.Failed(
-        sync_id=sync_id,
-        code=ErrorCode.INVALID_STATE.value,
-        message="finalize already ran for this sync; refused",
-        duplicate=True,
-    )
+def _every(phases: tuple[Phase, ...], inp: Input, row: Row) -> dict[tuple[Phase, Input], Row]:
+    return {(p, inp): row for p in phases}
 
 
-def refused(msg: schema.Load, row: Refuse) -> schema.Failed:
-    """What an engine answers a bucket its table refuses (nothing of it is applied)."""
-    return schema.Failed(
-        sync_id=msg.sync_id,
-        code=ErrorCode.INVALID_STATE.value,
-        message=f"bucket seq {msg.seq}: {row.reason}",
-        seq=msg.seq,
-        sender=msg.sender,
-    )
+_RUN = Go(None, (Do.RUN,), "the applier decides (it labels, or offers the version, if it can)")
+_REPORT = Go(None, (Do.REPORT,), "reported to the daemon; the engine's version is not touched")
+_SUPERSEDED = "no record (superseded, or never begun): nothing of it is reported"
+
+# (phase, input) -> row. A pair that is not here is the refusal (`Refusal`).
+TABLE: dict[tuple[Phase, Input], Row] = {
+    # -- from the daemon ------------------------------------------------------------------
+    (P.NEW, In.LOAD): Go(P.LOADING, (Do.OPEN, Do.APPLY), "the first bucket begins the sync"),
+    (P.LOADING, In.LOAD): Go(None, (Do.APPLY,), "applied in order"),
+    (P.STREAMING, In.LOAD): Go(None, (Do.APPLY,), "an announced bucket beside the stream"),
+    (P.FAILED, In.LOAD): Ignore("dropped: the failure was reported"),
+    (P.SPENT, In.LOAD): Ignore("dropped: the failure was reported"),
+    (P.ABORTED, In.LOAD): Ignore("dropped: the sync was aborted"),
+    # (FINALIZING | FINALIZED | PAST, load): refused, nothing is copied into the weights
+    **_every(RECORDED, In.RESENT, Go(None, (Do.ACK,), "acknowledged again, never re-applied")),
+    **_every(RECORDED, In.QUEUED, Ignore("queued already: applied once, acknowledged then")),
+    (P.NEW, In.STREAM): Go(P.STREAMING, (Do.OPEN, Do.RUN), "the stream begins the sync"),
+    **_every(RECORDED, In.STREAM, Ignore("a repeated open: the sync runs already")),
+    # (PAST, stream): refused
+    (P.NEW, In.FINALIZE): Go(P.FINALIZING, (Do.OPEN, Do.GUARD), "finalize begins the sync"),
+    (P.LOADING, In.FINALIZE): Go(P.FINALIZING, (Do.GUARD,), "the post-load step runs, once"),
+    (P.STREAMING, In.FINALIZE): Go(P.FINALIZING, (Do.GUARD,), "the post-load step runs, once"),
+    (P.FAILED, In.FINALIZE): Go(P.SPENT, (Do.GUARD,), "the applier only releases its shm maps"),
+    # (FINALIZING | FINALIZED | SPENT | PAST, finalize): refused, duplicate; (ABORTED, finalize): refused
+    **_every(tuple(Phase), In.COMMIT, _RUN),
+    **_every(tuple(Phase), In.SERVED, _RUN),
+    (P.NEW, In.ABORT): Go(None, (Do.UNPUBLISH,), "its late published buckets start nothing"),
+    (P.PAST, In.ABORT): Go(None, (Do.UNPUBLISH,), "its late published buckets start nothing"),
+    **_every(
+        (P.LOADING, P.STREAMING, P.FAILED, P.ABORTED),
+        In.ABORT,
+        Go(P.ABORTED, (Do.ABORT,), "the engine drops what it loaded"),
+    ),
+    **_every(
+        (P.FINALIZING, P.FINALIZED, P.SPENT),
+        In.ABORT,
+        Go(P.SPENT, (Do.ABORT,), "the engine drops what it loaded; the guard still holds"),
+    ),
+    # -- from the applier -----------------------------------------------------------------
+    **_every(RECORDED, In.LOADED, Go(None, (Do.PROGRESS,), "kept; reported coalesced")),
+    (P.NEW, In.LOADED): Ignore(_SUPERSEDED),
+    (P.PAST, In.LOADED): Ignore(_SUPERSEDED),
+    **_every(tuple(Phase), In.PREPARED, _REPORT),
+    **_every(tuple(Phase), In.COMMITTED, _REPORT),
+    **_every(tuple(p for p in Phase if p is not P.FINALIZING), In.FINALIZED, _REPORT),
+    (P.FINALIZING, In.FINALIZED): Go(P.FINALIZED, (Do.SERVE,), "the engine holds the version"),
+    **_every(
+        (P.LOADING, P.STREAMING, P.FAILED), In.FAILED, Go(P.FAILED, (Do.CLEAR,), "nothing more is applied")
+    ),
+    **_every(
+        (P.FINALIZING, P.FINALIZED, P.SPENT),
+        In.FAILED,
+        Go(P.SPENT, (Do.CLEAR,), "the engine serves nothing; the guard still holds"),
+    ),
+    **_every((P.ABORTED, P.NEW, P.PAST), In.FAILED, Go(None, (Do.CLEAR,), "the engine serves nothing")),
+}
+
+
+def decide(phase: Phase, inp: Input) -> Row | Refusal:
+    """The table's answer for `inp` met in `phase`: a row, or the refusal."""
+    row = TABLE.get((phase, inp))
+    return row if row is not None else Refusal(phase, inp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +298,7 @@ class Sync:
 class Syncs:
     def __init__(self, version: int | None = None, digest: str | None = None) -> None:
         self.current: Sync | None = None
-        self.finalized: set[str] = set()  # the guard: post-load ran (or is running) for these
+        self.finalized: set[str] = set()  # the guard: finalize came for these
         self.duplicates_refused = 0
         self.version, self.digest = version, digest
 
@@ -164,111 +310,121 @@ class Syncs:
         c = self.current
         return c if c is not None and c.sync_id == sync_id else None
 
-    def _move(self, s: Sync, trigger: str) -> None:
-        """`s`'s phase after `trigger`, if the table has the pair (else unchanged)."""
-        row = TABLE.get((s.phase, trigger), s.phase)
-        if isinstance(row, Phase):
-            s.phase = row
-
-    def _open(self, sync_id: str, version: int, trigger: str, out: list[Action]) -> Sync:
-        """`sync_id`'s record; its first message starts it, superseding the running one."""
+    def phase_of(self, sync_id: str) -> Phase:
+        """The phase an input naming `sync_id` meets."""
         s = self._of(sync_id)
         if s is not None:
-            return s
-        if self.current is not None:
-            out.append(Stop(self.current.sync_id))
-        s = Sync(sync_id, version, OPENS[trigger], Progress(sync_id))
-        self.current = s
-        self.version, self.digest = None, None  # the weights are about to change
-        out.append(Submit(Begin(sync_id, version)))
-        return s
+            return s.phase
+        return P.PAST if sync_id in self.finalized else P.NEW
 
-    # -- from the daemon ----------------------------------------------------------------
-    def feed(self, msg: schema.Message, payload: Any = None) -> list[Action]:
-        out: list[Action] = []
+    def input_of(self, msg: schema.Message) -> Input:
+        """Which input `msg` is (a bucket's by what this sync has done with it already)."""
+        inp = FROM_DAEMON.get(type(msg)) or FROM_APPLIER.get(type(msg))
+        if inp is None:  # the worker feeds only these messages: our bug
+            raise WeightSyncError(f"{type(msg).__name__} is no input of the engine's table")
         if isinstance(msg, schema.Load):
-            self._load(msg, payload, out)
-        elif isinstance(msg, schema.OpenStream):
-            if self._of(msg.sync_id) is None:  # a repeated open: the stream runs already
-                self._open(msg.sync_id, msg.version, "stream", out)
-                out.append(Submit(msg))
-        elif isinstance(msg, schema.Finalize):
-            self._finalize(msg, out)
-        elif isinstance(msg, schema.Commit):
             s = self._of(msg.sync_id)
-            if s is not None:
-                self._move(s, "commit")
-            out.append(Submit(msg))  # the applier says whether this engine labels outputs
-        elif isinstance(msg, schema.Served):
-            # after the sync's end (or none): the engine offers it only if it holds exactly
-            # that version and digest, and the applier runs it after any begin queued before
-            out.append(Submit(msg))
-        elif isinstance(msg, schema.Abort):
-            s = self._of(msg.sync_id)
-            # a published bucket arriving late starts nothing; a stream stops receiving now
-            out.append(Stop(msg.sync_id, stream=s is not None))
-            if s is not None:
-                self._move(s, "abort")
-                self.version, self.digest = None, None  # the engine drops what it loaded
-                out.append(Submit(msg))
-        return out
+            key = (msg.sender, msg.seq)
+            if s is not None and key in s.progress.applied:
+                return In.RESENT
+            if s is not None and key in s.queued:
+                return In.QUEUED
+        return inp
 
-    def _load(self, msg: schema.Load, payload: Any, out: list[Action]) -> None:
-        s = self._open(msg.sync_id, msg.version, "load", out)
-        key = (msg.sender, msg.seq)
-        if key in s.progress.applied:  # a resend: say again that it is applied
-            out.append(Send(s.progress.again(msg.sender, msg.seq)))
-            return
-        if key in s.queued:
-            return
-        row = TABLE.get((s.phase, "load"))
-        if isinstance(row, Refuse):
-            out.append(Send(refused(msg, row)))
-            return
-        if row is None:
-            return
-        s.queued.add(key)
-        s.phase = row
-        out.append(Submit(msg, payload))
+    def feed(self, msg: schema.Message, payload: Any = None) -> list[Action]:
+        """A message from the daemon (a `schema.Load`'s first frame is `payload`)."""
+        return self._take(msg, payload)
 
-    def _finalize(self, msg: schema.Finalize, out: list[Action]) -> None:
-        if msg.sync_id in self.finalized:
-            self.duplicates_refused += 1
-            out.append(Send(duplicate_finalize(msg.sync_id)))
-            return
-        s = self._open(msg.sync_id, msg.version, "finalize", out)
-        self.finalized.add(msg.sync_id)
-        self._move(s, "finalize")
-        out.append(Submit(msg))  # a failed sync's finalize only releases its shm maps
-
-    # -- from the applier -----------------------------------------------------------------
     def result(self, msg: schema.Message) -> list[Action]:
         """What the applier reports: progress is kept (the worker reports it coalesced);
-        a finalize, a failure and a label go to the daemon."""
-        if isinstance(msg, schema.Loaded):
-            s = self._of(msg.sync_id)
-            if s is not None:
-                s.progress.apply(msg.sender, msg.seq, msg.seconds)
+        a prepare, a finalize, a label and a failure go to the daemon."""
+        return self._take(msg, None)
+
+    def _take(self, msg: schema.Message, payload: Any) -> list[Action]:
+        sync_id: str = getattr(msg, "sync_id", "")
+        inp = self.input_of(msg)
+        row = decide(self.phase_of(sync_id), inp)
+        if isinstance(row, Refusal):  # nothing changes but the count of duplicates
+            if row.duplicate:
+                self.duplicates_refused += 1
+            return [Send(row.failed(msg, sync_id))]
+        if isinstance(row, Ignore):
             return []
-        if isinstance(msg, schema.Failed):
-            s = self._of(msg.sync_id)
-            if s is not None:
-                self._move(s, "failed")
-            self.version, self.digest = None, None
-        elif isinstance(msg, schema.Finalized):
-            s = self._of(msg.sync_id)
-            if s is not None:
-                self._move(s, "finalized")
+        out: list[Action] = []
+        for do in row.do:
+            self._effect(do, msg, sync_id, payload, out)
+        s = self._of(sync_id)
+        if row.to is not None and s is not None:
+            s.phase = row.to
+        return out
+
+    def _effect(self, do: Do, msg: schema.Message, sync_id: str, payload: Any, out: list[Action]) -> None:
+        s = self._of(sync_id)
+        if do is Do.OPEN:
+            if self.current is not None:
+                out.append(Stop(self.current.sync_id))
+            version: int = getattr(msg, "version", 0)
+            self.current = Sync(sync_id, version, P.NEW, Progress(sync_id))
+            self.version, self.digest = None, None  # the weights are about to change
+            out.append(Submit(Begin(sync_id, version)))
+        elif do is Do.APPLY and isinstance(msg, schema.Load) and s is not None:
+            s.queued.add((msg.sender, msg.seq))
+            out.append(Submit(msg, payload))
+        elif do is Do.ACK and isinstance(msg, schema.Load) and s is not None:
+            out.append(Send(s.progress.again(msg.sender, msg.seq)))
+        elif do is Do.GUARD and isinstance(msg, schema.Finalize):
+            self.finalized.add(sync_id)
+            out.append(Submit(msg))
+        elif do is Do.RUN and isinstance(msg, (schema.OpenStream, schema.Commit, schema.Served)):
+            out.append(Submit(msg))
+        elif do is Do.ABORT and isinstance(msg, schema.Abort):
+            out.append(Stop(sync_id))
+            self.version, self.digest = None, None  # the engine drops what it loaded
+            out.append(Submit(msg))
+        elif do is Do.UNPUBLISH:
+            out.append(Stop(sync_id, stream=False))
+        elif do is Do.PROGRESS and isinstance(msg, schema.Loaded) and s is not None:
+            s.progress.apply(msg.sender, msg.seq, msg.seconds)
+        elif do is Do.REPORT:
+            out.append(Send(msg))
+        elif do is Do.SERVE and isinstance(msg, schema.Finalized):
             self.version, self.digest = msg.version, msg.digest
-        return [Send(msg)]
+            out.append(Send(msg))
+        elif do is Do.CLEAR:
+            self.version, self.digest = None, None
+            out.append(Send(msg))
+        else:  # a row whose effect does not fit its input: our bug, caught by the table test
+            raise TypeError(f"effect {do.value} cannot take {type(msg).__name__}")
 
     # -- what the worker reports ----------------------------------------------------------
     def reporting(self) -> Sync | None:
         """The sync whose progress is reported (none once it failed)."""
         s = self.current
-        return s if s is not None and s.phase is not Phase.FAILED else None
+        return s if s is not None and s.phase not in (P.FAILED, P.SPENT) else None
 
     def restarted_daemon(self) -> list[Action]:
         """The daemon lost this engine (it restarted): the running sync is over."""
         c = self.current
         return [Stop(c.sync_id, published=False)] if c is not None else []
+
+
+def render() -> str:
+    """docs/ARCHITECTURE.md's engine table: for each input, the phases that answer it alike
+    (every phase appears once per input: a row, ignored, or refused)."""
+    lines = ["| input | in phase | to | does | why |", "|---|---|---|---|---|"]
+    for inp in Input:
+        answers: dict[tuple[str, str, str], list[str]] = {}
+        for phase in Phase:
+            row = decide(phase, inp)
+            if isinstance(row, Go):
+                to = row.to.value if row.to is not None else "(stays)"
+                cell = (to, ", ".join(d.value for d in row.do), row.why)
+            elif isinstance(row, Ignore):
+                cell = ("(stays)", "ignored", row.why)
+            else:
+                dup = ", duplicate" if row.duplicate else ""
+                cell = ("(stays)", f"refused: {row.code.value}{dup}", REFUSED_BECAUSE[phase])
+            answers.setdefault(cell, []).append(phase.value)
+        for (to, does, why), phases in answers.items():
+            lines.append(f"| {inp.value} | {', '.join(phases)} | {to} | {does} | {why} |")
+    return "\n".join(lines)
