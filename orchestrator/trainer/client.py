@@ -27,7 +27,6 @@ from messages import schema, transports
 from messages.buckets import Digester, PackedBucket
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.fanout import window_cap
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.replies import BeginReply, FinishReply, StatusReply
@@ -36,8 +35,8 @@ from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
-from orchestrator.trainer.group import TrainerGroup
 from orchestrator.trainer.module import push_module
+from orchestrator.trainer.routes import Routes, pending_cap
 from orchestrator.trainer.shard import ShardPlans
 from orchestrator.trainer.stream import Stream, window_limit
 
@@ -100,8 +99,8 @@ class TrainerClient:
         # this source's; a begin resent after a lost reply carries the same token.
         self.seat = secrets.randbits(64)
         self.stream = Stream(self.conn, sender, self.seat)
-        self.rings: dict[str, transports.Rings] = {}  # per "ref" transport, kept across pushes
-        self.group: TrainerGroup | None = None
+        # how this client's buckets travel: each transport's slots, its group (kept across pushes)
+        self.routes = Routes(addr, collective_host, self.curve)
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
         self.delta_chooser = DeltaChooser()  # whether a delta pays on a transport, as measured
         self.plans = ShardPlans()  # sharded pushes' assignments, by model layout (push_module)
@@ -115,9 +114,7 @@ class TrainerClient:
         return self.conn.timeout
 
     def close(self) -> None:
-        self.drop_rings()
-        if self.group is not None:
-            self.group.close()
+        self.routes.close()
         self.conn.close()
 
     def __enter__(self) -> TrainerClient:
@@ -399,8 +396,8 @@ class TrainerClient:
             raise ValueError(f"transport must be auto or one of {', '.join(transports.names())}")
         t0 = time.perf_counter()
         sync_id = sync_id or uuid.uuid4().hex
-        offer = self._collective_offer() if asked is not None and asked.needs_group else None
-        ring, via = self._slots(asked, window_limit(window, bucket_bytes), bucket_bytes)
+        offer = self.routes.offer() if asked is not None and asked.needs_group else None
+        ring, via = self.routes.slots(asked, window_limit(window, bucket_bytes), bucket_bytes)
         if ring is None and offer is None:
             transport = transports.frames().name
         elif ring is not None:
@@ -433,7 +430,7 @@ class TrainerClient:
             sync_id = self.began = started.sync_id  # a sharded push's source may have joined another's sync
             if started.via != via:
                 ring = None  # kept for a later push; this one goes by frames or a broadcast
-            coll = self._collective_for(started, transport)
+            coll = self.routes.group_for(started, transport)
             if started.bucket_bytes is not None and started.bucket_bytes < bucket_bytes:
                 log.info("bucket_size_capped", asked=bucket_bytes, bucket_bytes=started.bucket_bytes)
                 bucket_bytes = started.bucket_bytes  # what the daemon's fan-out queue holds
@@ -454,7 +451,7 @@ class TrainerClient:
                         ring,
                         digester,
                         coll,
-                        max_pending=_pending_cap(started, bucket_bytes),
+                        max_pending=pending_cap(started, bucket_bytes),
                     )
                 # A partial push covers only some of the engines' tensors, while an engine's
                 # digest covers all it holds: the engines are then checked against each other.
@@ -492,7 +489,7 @@ class TrainerClient:
                     self._abort_quietly(sync_id, exc)
                 raise
         except BaseException:
-            self.drop_rings()  # an engine may still read a slot of the failed sync
+            self.routes.drop_rings()  # an engine may still read a slot of the failed sync
             raise
         seconds = time.perf_counter() - t0
         return SyncResult(
@@ -570,53 +567,8 @@ class TrainerClient:
                 )
             time.sleep(poll)
 
-    def _slots(
-        self, asked: transports.Transport | None, window: int, bucket_bytes: int
-    ) -> tuple[transports.Slots | None, str]:
-        """The slots of the "ref" transport this push offers, and its name: the one asked
-        for, or with "auto" (`asked` None) the most preferred whose slots can be had here;
-        (None, ""): frames (no such transport, or no room for its slots)."""
-        wanted = transports.of_kind("ref") if asked is None else (asked,) if asked.carries == "ref" else ()
-        for t in wanted:
-            if t.rings is None:
-                continue
-            rings = self.rings.get(t.name)
-            if rings is None:
-                rings = self.rings[t.name] = t.rings()
-            ring = rings.get(window, bucket_bytes)
-            if ring is not None:
-                return ring, t.name
-        return None, ""
-
-    def drop_rings(self) -> None:
-        """Release every transport's slots (after a failed push an engine may still read
-        one)."""
-        for rings in self.rings.values():
-            rings.drop()
-
     def _collective_offer(self) -> schema.CollectiveOffer:
-        if self.group is None:
-            self.group = TrainerGroup(self.addr, self.collective_host, curve=self.curve)
-        return self.group.offer()
-
-    def _collective_for(self, started: BeginReply, asked: str) -> TrainerGroup | None:
-        if started.group is not None and self.group is not None:
-            self.group.plan(
-                {
-                    **started.group,
-                    "spool_copy": started.spool_copy,
-                    "stream": started.stream,
-                    "sync_id": started.sync_id,
-                }
-            )
-            return self.group
-        if asked == "collective":
-            log.warning(
-                "collective_not_used",
-                transport=started.transport,
-                reason="some engine cannot join a group with this trainer",
-            )
-        return None
+        return self.routes.offer()
 
     def _begin_after_rollback(
         self,
@@ -699,13 +651,3 @@ def _ended_cause(err: WeightSyncError, sync_id: str) -> WeightSyncError | None:
         version=err.version,
         sync_id=sync_id,
     )
-
-
-def _pending_cap(started: BeginReply, bucket_bytes: int) -> int | None:
-    """The window the daemon's begin reply allows: its max_pending, and where buckets go
-    through its fan-out (frames, references), within the fan-out's per-connection budget
-    for this bucket size (messages.fanout.window_cap), which its queues are sized for."""
-    if started.max_pending is None:
-        return None
-    budget = started.fanout_bytes if started.group is None else None
-    return window_cap(budget, bucket_bytes, started.max_pending)
