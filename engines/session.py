@@ -197,7 +197,9 @@ TABLE: dict[tuple[Phase, Input], Row] = {
     (P.NEW, In.FINALIZE): Go(P.FINALIZING, (Do.OPEN, Do.GUARD), "finalize begins the sync"),
     (P.LOADING, In.FINALIZE): Go(P.FINALIZING, (Do.GUARD,), "the post-load step runs, once"),
     (P.STREAMING, In.FINALIZE): Go(P.FINALIZING, (Do.GUARD,), "the post-load step runs, once"),
-    (P.FAILED, In.FINALIZE): Go(P.SPENT, (Do.GUARD,), "the applier only releases its shm maps"),
+    (P.FAILED, In.FINALIZE): Go(
+        P.SPENT, (Do.GUARD,), "the applier only releases its maps of the trainer's slots"
+    ),
     # (FINALIZING | FINALIZED | SPENT | PAST, finalize): refused, duplicate; (ABORTED, finalize): refused
     **_every(tuple(Phase), In.COMMIT, _RUN),
     **_every(tuple(Phase), In.SERVED, _RUN),

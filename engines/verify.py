@@ -1,4 +1,4 @@
-"""Verify inline and shm buckets on their own thread, as they arrive, so that bucket N+1
+"""Verify buckets by frame or by reference on their own thread, as they arrive, so that bucket N+1
 is hashed while the applier loads bucket N.
 
 Rules: one thread owns the hashing and its shared-memory mappings; jobs run in arrival

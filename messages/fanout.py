@@ -1,6 +1,6 @@
 """The daemon's fan-out (protocol v4): one publish per bucket for a whole fleet.
 
-On inline and shm syncs the daemon used to send every bucket to every engine, one send
+On syncs by frame or by reference the daemon used to send every bucket to every engine, one send
 each: O(engines x buckets) of its CPU. With the fan-out it publishes each bucket once on
 an XPUB socket beside its engine socket, and libzmq's I/O thread copies it onto each
 engine's connection.
@@ -9,8 +9,8 @@ Rules:
 - An engine subscribes its SUB to DATA (every published message) and then to LIVE + its
   id. The XPUB passes each subscription up to the daemon, so the second one tells it that
   this engine's subscription is in place: a bucket published from then on reaches it.
-- A sync's first published message is a `FanoutOpen` naming its participants (inline and
-  shm). An engine takes a published bucket only if that open named it for the bucket's
+- A sync's first published message is a `FanoutOpen` naming its participants (by frame and
+  by reference). An engine takes a published bucket only if that open named it for the bucket's
   kind; the daemon sends one by one to every other engine (joined late, no fan-out) and,
   once a named participant drops out of a bucket's targets, to everyone for the rest of
   the sync.

@@ -45,7 +45,7 @@ MAX_SPEC = 1 << 20
 MAX_RANK = 16
 MAX_SENDERS = 1024
 # a sharded push over the collective has a group per source, and every engine keeps each
-# one open: past this many sources the daemon plans shared memory or inline instead
+# one open: past this many sources the daemon plans references or frames instead
 MAX_COLLECTIVE_SOURCES = 64
 MAX_PROBES = 64
 MAX_PROBE_TOKENS = 4096
@@ -107,6 +107,7 @@ SegmentName = Annotated[
 ]
 # a transport's name (messages.transports; "auto": the daemon picks); one this daemon has
 # not registered is refused at begin
+FRAMES = "inline"  # the transport every end speaks: frames through the daemon
 Transport = Annotated[
     str, Meta(max_length=32, pattern=r"^[a-z][a-z0-9_-]{0,31}\Z", description="a transport's name, or auto")
 ]
@@ -281,7 +282,7 @@ class Begin(Message, frozen=True, tag="begin"):
     expected_buckets: Count | None = None
     probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
     host: Host = ""  # the trainer's host: engines on it may read buckets from shared memory
-    transport: Transport = "inline"  # "auto": the daemon picks the best every end offers
+    transport: Transport = FRAMES  # "auto": the daemon picks the best every end offers
     # the group this trainer hosts, for a transport that needs one
     offer: CollectiveOffer | None = msgspec.field(default=None, name="collective")
     # a delta sync: its patches apply to this version, which the fleet must serve (else
@@ -371,7 +372,7 @@ class Register(Message, frozen=True, tag="register"):
     backend: Id
     id: RequestId = 0
     model: Text = ""
-    transports: Annotated[tuple[Id, ...], Meta(max_length=16)] = ("inline",)
+    transports: Annotated[tuple[Id, ...], Meta(max_length=16)] = (FRAMES,)
     version: Version | None = None
     digest: Digest | None = None
     finalize_count: Count = 0
@@ -392,7 +393,7 @@ class Register(Message, frozen=True, tag="register"):
     # daemon sends it `served` once a version it finalized is the daemon's served version
     # (READY written to the journal), and never for a sync that failed
     served_notice: bool = False
-    # v4: takes inline and shm buckets from the daemon's fan-out (one publish per bucket
+    # v4: takes buckets by frame and by reference from the daemon's fan-out (one publish per bucket
     # for the whole fleet); the register reply then names the address (`fanout`)
     fanout: bool = False
 
@@ -507,7 +508,7 @@ class OpenStream(Message, frozen=True, tag="stream"):
 
 class FanoutOpen(Message, frozen=True, tag="fanout"):
     """v4, orchestrator -> engines on the fan-out, the first message of a sync there: who
-    takes this sync's published buckets, inline (bytes attached) or by shared memory. An
+    takes this sync's published buckets, by frame (bytes attached) or by reference. An
     engine named in neither takes none of them (it gets its buckets one by one, if any)."""
 
     sync_id: Id

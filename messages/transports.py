@@ -222,7 +222,7 @@ def _builtins() -> None:
     """The transports every weightsync process has: frames through the daemon, references
     to same-host shared memory (messages.shm), and the trainer-hosted group
     (messages.collective)."""
-    register(Transport("inline", "frame"))
+    register(Transport(schema.FRAMES, "frame"))
     register(
         Transport(
             "shm",

@@ -45,7 +45,7 @@ class Due(str, Enum):
     TRAINER_GONE = "trainer_gone"  # the trainer's connection closed; trainer_grace ran out
     NEVER_BEGAN = "never_began"  # a sharded push: a source never began within sync_timeout
     SOURCE_QUIET = "source_quiet"  # key: a source that began, silent past sync_timeout
-    NOT_PREPARED = "not_prepared"  # collective stream: prepares after the trainer's finish
+    NOT_PREPARED = "not_prepared"  # a group's stream: prepares after the trainer's finish
     TRAINER_SILENT = "trainer_silent"  # one source: no trainer message for sync_timeout
     FINALIZE = "finalize"  # finalize (or the commit) not reported within finalize_timeout
     ROLLBACK = "rollback"  # a dirty IDLE daemon replays the served version: due at once
@@ -127,7 +127,7 @@ def _sync_deadlines(m: Model, s: SyncRecord) -> list[Deadline]:
         )
     if s.stream and s.finished_at is not None:
         out.append(Deadline(_past(s.finished_at + lim.bucket_timeout), Due.NOT_PREPARED))
-    # On the collective stream the trainer says nothing to the daemon until its finish:
+    # On a group's stream the trainer says nothing to the daemon until its finish:
     # a stalled stream is bounded by the group's deadline in every engine instead.
     if s.senders == 1 and not (s.stream and s.finished_at is None):
         out.append(Deadline(_past(s.last_activity + lim.sync_timeout), Due.TRAINER_SILENT))
@@ -306,7 +306,7 @@ def _expire_catchups(m: Model, late: list[str]) -> None:
 def trainer_gone(m: Model, event: TrainerGone) -> None:
     """A trainer's connection closed. Mid-sync: the sync fails after `trainer_grace`
     unless the trainer comes back (any message of it clears this). Any time: the group
-    whose store that trainer hosted is forgotten (the next collective push plans one)."""
+    whose store that trainer hosted is forgotten (the next push by a group plans one)."""
     s = m.sync
     if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
         s.lost.setdefault(event.sender, m.now)

@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class Settings:
     bind: str = DEFAULT_ADDR
     engine_bind: str = DEFAULT_ENGINE_ADDR
-    # the fan-out engines take inline and shm buckets from (one publish per bucket):
+    # the fan-out engines take buckets from, by frame or by reference (one publish per bucket):
     # "" = beside the engine socket (ipc://P.fanout, or tcp port + 1), "off" = none
     fanout_bind: str = ""
     # bytes of published buckets queued for one fan-out connection; past it that connection

@@ -3,7 +3,7 @@
 Rules: journal rows and spool writes go to the storage thread; engine sends and replies
 follow once they are durable. A batch with something to persist continues in its own
 task, so the loop keeps serving meanwhile; batches keep their order (each waits for the
-one before), and a batch nested in a running one runs inline. Failpoints
+one before), and a batch nested in a running one runs at once, in place. Failpoints
 `kill_after_persisted` / `kill_after_told` stop the daemon between the steps (tests).
 """
 
@@ -38,7 +38,7 @@ from orchestrator.daemon.transport import Transport, Waiter
 log = structlog.get_logger()
 
 # Set inside a batch's continuation task (a ContextVar is per task): a batch nested in it
-# runs inline instead of queueing behind the batch it is part of.
+# runs at once instead of queueing behind the batch it is part of.
 IN_EFFECTS: contextvars.ContextVar[bool] = contextvars.ContextVar("in_effects", default=False)
 REPLY = (cmd.AckBucket, cmd.CompleteSync)
 # The effects runner's bounded maps (messages.bounded.LRU, least recently used first):
@@ -121,7 +121,7 @@ class Effects:
         try:
             if prev is not None:
                 await asyncio.shield(prev)
-            IN_EFFECTS.set(True)  # this task's context only: nested batches run inline
+            IN_EFFECTS.set(True)  # this task's context only: nested batches run at once
             if job is not None:
                 await job
                 self._failpoint_kill("persisted", trigger)

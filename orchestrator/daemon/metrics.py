@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from messages.schema import FRAMES
+
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ENGINE_STATES = ("STALE", "JOINING", "LOADING", "FINALIZING", "READY", "LOST")
 
@@ -162,7 +164,7 @@ class Metrics:
         )
         self.received_bytes = Counter(
             "weightsync_received_bytes_total",
-            "Bucket bytes that passed through the daemon (inline frames, spool copies)",
+            "Bucket bytes that passed through the daemon (frames, spool copies)",
             registry=r,
         )
         self._applied: dict[str, tuple[Any, Any]] = {}  # engine id -> its two counters above
@@ -210,9 +212,7 @@ class Metrics:
             summary["status"], "failed"
         )
         kind = summary.get("kind", "sync")
-        self.sync_seconds.labels(summary.get("transport", "inline"), outcome, kind).observe(
-            summary["seconds"]
-        )
+        self.sync_seconds.labels(summary.get("transport", FRAMES), outcome, kind).observe(summary["seconds"])
         self.sync_bytes.labels(outcome).inc(summary.get("bytes", 0))
         self.sync_buckets.labels(outcome).inc(summary.get("buckets", 0))
         self.syncs.labels(outcome, kind).inc()
