@@ -128,7 +128,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
     got, parts, _ = hash_bucket(
-        host.numpy(),
+        host,
         _metas(metas),
         parts=True,
     )

@@ -32,7 +32,7 @@ class ServerAuth:
         for role, folder in ROLES.items():
             self.auth.configure_curve(domain=role, location=str(d / folder))
 
-    def apply(self, sock: zmq.Socket[Any], role: str) -> None:
+    def apply(self, sock: zmq.SyncSocket, role: str) -> None:
         sock.curve_server = True
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret

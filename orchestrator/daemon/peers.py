@@ -19,8 +19,8 @@ from messages.link import close_monitor
 
 
 class PeerTracker:
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    def __init__(self, sock: zmq.SyncSocket) -> None:
+        self.monitor: zmq.SyncSocket = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
         self._fd_of: dict[bytes, int] = {}
         self._on_fd: dict[int, set[bytes]] = {}

@@ -72,18 +72,18 @@ class Transport:
         self.ctx = ctx
         self.stats = stats
         self.auth = auth
-        self.trainer: zmq.Socket[Any] | None = None
-        self.engine: zmq.Socket[Any] | None = None
+        self.trainer: zmq.SyncSocket | None = None
+        self.engine: zmq.SyncSocket | None = None
         self.trainer_peers: PeerTracker | None = None
         self.engine_peers: PeerTracker | None = None
         self.engine_ident: dict[str, bytes] = {}  # engine id -> the routing id it registered on
         self.ident_engine: dict[bytes, str] = {}
         self.bound: dict[str, str] = {}
-        self.fanout: zmq.Socket[Any] | None = None
+        self.fanout: zmq.SyncSocket | None = None
         self.fanout_budget: int | None = None  # bytes a fan-out connection may queue
         self.max_pending = 64
         self.fanout_hwm = 0  # what each fan-out connection may queue now (messages)
-        self.retired: list[zmq.Socket[Any]] = []  # fan-out sockets replaced, to be closed
+        self.retired: list[zmq.SyncSocket] = []  # fan-out sockets replaced, to be closed
         self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
@@ -94,9 +94,9 @@ class Transport:
         self.bound["trainer"] = self.trainer.getsockopt_string(zmq.LAST_ENDPOINT)
         self.bound["engine"] = self.engine.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _router(self, addr: str, max_msg: int, role: str) -> zmq.Socket[Any]:
+    def _router(self, addr: str, max_msg: int, role: str) -> zmq.SyncSocket:
         refuse_live_ipc(addr)
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        sock: zmq.SyncSocket = self.ctx.socket(zmq.ROUTER)
         if self.auth is not None:
             self.auth.apply(sock, role)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -134,8 +134,8 @@ class Transport:
         self.fanout_hwm = hwm
         self.bound["fanout"] = self.fanout.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _xpub(self, addr: str, hwm: int) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
+    def _xpub(self, addr: str, hwm: int) -> zmq.SyncSocket:
+        sock: zmq.SyncSocket = self.ctx.socket(zmq.XPUB)
         if self.auth is not None:
             self.auth.apply(sock, "engine")
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -256,7 +256,7 @@ class Transport:
         self.close_retired()
 
     # -- receiving ------------------------------------------------------------------------
-    def recv(self, sock: zmq.Socket[Any]) -> list[Any] | None:
+    def recv(self, sock: zmq.SyncSocket) -> list[Any] | None:
         """One message (routing id first), or None when none is waiting."""
         try:
             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -294,7 +294,7 @@ class Transport:
             del self.ident_engine[ident]
 
     # -- sending --------------------------------------------------------------------------
-    def _send_now(self, sock: zmq.Socket[Any] | None, frames: list[Any]) -> None:
+    def _send_now(self, sock: zmq.SyncSocket | None, frames: list[Any]) -> None:
         """Send without blocking; a send error is raised here, to the caller."""
         if sock is None:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
