@@ -10,8 +10,6 @@ connection, never a verdict: callers decide what it means (a grace period, a che
 
 from __future__ import annotations
 
-from typing import Any
-
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -26,7 +24,7 @@ class PeerTracker:
         self._on_fd: dict[int, set[bytes]] = {}
         self._gone: list[bytes] = []  # read from the monitor early (an fd was reused), not yet drained
 
-    def seen(self, ident: bytes, frame: Any) -> None:
+    def seen(self, ident: bytes, frame: zmq.Frame) -> None:
         """A message from `ident` arrived in `frame` (a zmq.Frame received copy=False)."""
         try:
             fd = frame.get(zmq.SRCFD)
