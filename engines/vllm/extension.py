@@ -155,7 +155,7 @@ def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
 
 # In-process workers only: the engine puts a received frame here for the duration of one
 # `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
-LOCAL_BUFFERS: dict[str, Any] = {}
+LOCAL_BUFFERS: dict[str, memoryview] = {}
 
 
 @dataclass

@@ -58,7 +58,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     update_info_cls = WeightSyncUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.member: Any = None
         self.bind = ""
