@@ -79,7 +79,7 @@ Parts = dict[str, bytes] | None  # per-tensor digest parts from `engines.verify`
 
 @runtime_checkable
 class LoadsBuckets(Protocol):
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None: ...
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None: ...
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from messages import stream
+from messages import schema, stream
 from messages.collective import CollectiveError, Member
 
 
@@ -32,10 +32,10 @@ class Prefetcher(threading.Thread):
         self._slots = threading.Semaphore(depth)
         self._jobs: queue.Queue[tuple[str, Any, Future[Any] | None] | None] = queue.Queue()
 
-    def submit(self, msg: Any, cancelled: threading.Event | None = None) -> Future[Any]:
+    def submit(self, msg: schema.Load, cancelled: threading.Event | None = None) -> Future[torch.Tensor]:
         """Receive this announced bucket (a `load` with `group`) as soon as a buffer is free;
         `cancelled` set (the sync ended here) ends the wait, joining included."""
-        fut: Future[Any] = Future()
+        fut: Future[torch.Tensor] = Future()
         self._jobs.put(("receive", (msg, cancelled), fut))
         return fut
 
@@ -44,7 +44,11 @@ class Prefetcher(threading.Thread):
         self._slots.release()
 
     def submit_stream(
-        self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event, free: threading.Semaphore
+        self,
+        msg: schema.OpenStream,
+        out: queue.Queue[Any],
+        cancelled: threading.Event,
+        free: threading.Semaphore,
     ) -> None:
         """Receive a whole collective stream (`stream` message): each framed bucket goes to
         `out` as ("bucket", header, metas bytes, payload view) once `free` (this stream's
@@ -91,7 +95,11 @@ class Prefetcher(threading.Thread):
         self.member.close()
 
     def _stream(
-        self, msg: Any, out: queue.Queue[Any], cancelled: threading.Event, free: threading.Semaphore
+        self,
+        msg: schema.OpenStream,
+        out: queue.Queue[Any],
+        cancelled: threading.Event,
+        free: threading.Semaphore,
     ) -> None:
         """The receive loop of one collective stream, on this (the group's) thread."""
         ref = msg.group.to_wire()

@@ -14,12 +14,13 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 
-from messages.checksums import bucket_hash, checksum_of, combine, part_hasher
+from messages.checksums import Bytes, bucket_hash, byte_view, checksum_of, combine, part_hasher
 from messages.dtypes import DTYPES, dtype_name, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
@@ -46,9 +47,10 @@ class PackedBucket:
         return memoryview(self.data.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
-def _buffer(t: torch.Tensor) -> Any:
-    """A flat CPU tensor's bytes as a buffer (numpy arrays are buffers; their stubs say not)."""
-    return t.numpy()
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A flat CPU tensor's bytes as a buffer (numpy arrays are buffers; their stubs say not
+    before Python 3.12)."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _aligned(n: int) -> int:
@@ -86,7 +88,7 @@ class Patched:
         patch: Patch,
         data: torch.Tensor,
         dtype: torch.dtype,
-        shape: Any,
+        shape: Iterable[int],
         dense: torch.Tensor | None = None,
     ) -> None:
         self.patch, self.data, self.dtype, self.shape = patch, data, dtype, tuple(shape)
@@ -118,10 +120,10 @@ class Piece:
         self,
         src: torch.Tensor | Cast,
         dtype: torch.dtype,
-        shape: Any,
+        shape: tuple[int, ...],
         start: int,
         nbytes: int,
-        full: Any,
+        full: xxhash.xxh3_128,
         last: bool,
     ) -> None:
         self.src, self.dtype, self.shape = src, dtype, shape
@@ -133,7 +135,7 @@ class Piece:
     def element_size(self) -> int:
         return 1
 
-    def write(self, dst: torch.Tensor, hasher: Any) -> Passed:
+    def write(self, dst: torch.Tensor, hasher: xxhash.xxh3_128) -> Passed:
         """Copy the piece's bytes into `dst`, hashed for its own part and the tensor's."""
         if isinstance(self.src, Cast):  # cast this piece's elements straight into dst
             size = self.dtype.itemsize
@@ -205,7 +207,7 @@ class Passed(NamedTuple):
     hashed: int
 
 
-def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> Passed:
+def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: xxhash.xxh3_128) -> Passed:
     """dst[:] = src for flat uint8 tensors, CHUNK bytes at a time, feeding each copied
     chunk of `dst` to every streaming hasher (the tensor's part, which serves the checksum
     and the digest alike)."""
@@ -220,7 +222,7 @@ def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> Passed:
         t1 = time.perf_counter()
         copying += t1 - t0
         if hashers:
-            v = d.numpy()
+            v = tensor_view(d)
             for h in hashers:
                 h.update(v)
                 hashed += v.nbytes
@@ -229,13 +231,15 @@ def copy_hashing(dst: torch.Tensor, src: torch.Tensor, *hashers: Any) -> Passed:
     return Passed(copying, hashing, copied, hashed)
 
 
-def cast_hashing(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype, *hashers: Any) -> Passed:
+def cast_hashing(
+    dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype, *hashers: xxhash.xxh3_128
+) -> Passed:
     """dst[:] = src cast to `dtype` (dst: flat uint8 of src's elements at that dtype), in
     one casting copy, then each hasher fed dst's bytes (a `Cast`, whole or a piece)."""
     t0 = time.perf_counter()
     dst.view(dtype).copy_(src)
     t1 = time.perf_counter()
-    v = _buffer(dst)
+    v = tensor_view(dst)
     for h in hashers:
         h.update(v)
     return Passed(t1 - t0, time.perf_counter() - t1, dst.numel(), len(hashers) * v.nbytes)
@@ -339,9 +343,9 @@ def iter_buckets(
         yield _pack(seq, pending, alloc, digester)
 
 
-def flat_bytes(buf: Any) -> torch.Tensor:
+def flat_bytes(buf: Bytes) -> torch.Tensor:
     """A received buffer as a flat uint8 tensor (a view, no copy)."""
-    mv = memoryview(getattr(buf, "buffer", buf))
+    mv = byte_view(buf)
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():
@@ -350,7 +354,7 @@ def flat_bytes(buf: Any) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8)
 
 
-def unpack(metas: Sequence[TensorMeta], buf: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack(metas: Sequence[TensorMeta], buf: Bytes) -> Iterator[tuple[str, torch.Tensor]]:
     """Views of each tensor inside `buf` (no copy). The codec has validated the metas;
     delta patches are rebuilt before this (engines/delta.py), never unpacked as tensors."""
     flat = flat_bytes(buf)
@@ -379,10 +383,10 @@ class Assembler:
 
     def __init__(self) -> None:
         self._open: dict[
-            str, tuple[TensorMeta, torch.Tensor, Any, int]
+            str, tuple[TensorMeta, torch.Tensor, xxhash.xxh3_128, int]
         ] = {}  # name -> meta, bytes, hasher, got
 
-    def add(self, m: TensorMeta, buf: Any) -> Added:
+    def add(self, m: TensorMeta, buf: Bytes) -> Added:
         """A piece (`m.start` set; its bytes at m.offset of `buf`) copied in (`Added`). A
         piece out of order, or not matching the tensor begun, is a BAD_MESSAGE (the codec
         has bounded it already)."""
@@ -433,7 +437,7 @@ class Hashed(NamedTuple):
     hashed: int  # the bytes the pass fed the hash (messages.checksums.bucket_hash counts them)
 
 
-def hash_bucket(buf: Any, metas: Sequence[TensorMeta], parts: bool = False) -> Hashed:
+def hash_bucket(buf: Bytes, metas: Sequence[TensorMeta], parts: bool = False) -> Hashed:
     """The bucket checksum of `buf` and, with `parts`, every tensor's digest part
     (`Digester.add`): the same single pass over the bytes either way."""
     got, pieces, hashed = bucket_hash(buf, metas)
@@ -452,15 +456,15 @@ class Digester:
         self._parts: dict[str, bytes] = {}
 
     @staticmethod
-    def start(name: str, t: torch.Tensor | Cast) -> Any:
+    def start(name: str, t: torch.Tensor | Cast) -> xxhash.xxh3_128:
         """A streaming hash for tensor `name`: feed it the tensor's bytes, then `finish`."""
         return Digester.start_meta(name, dtype_name(t.dtype), tuple(t.shape))
 
     @staticmethod
-    def start_meta(name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    def start_meta(name: str, dtype: str, shape: tuple[int, ...]) -> xxhash.xxh3_128:
         return part_hasher(name, dtype, shape)
 
-    def finish(self, name: str, h: Any) -> None:
+    def finish(self, name: str, h: xxhash.xxh3_128) -> None:
         self._parts[name] = h.digest()
 
     def add(self, name: str, part: bytes) -> None:
@@ -471,7 +475,7 @@ class Digester:
         h = self.start(name, t)
         b = as_bytes(t)
         if b.numel():
-            h.update(b.numpy())
+            h.update(tensor_view(b))
         self.finish(name, h)
 
     def hexdigest(self) -> str:

@@ -8,9 +8,29 @@ Torch-free: the daemon and the simulated engines use them."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+class Framed(Protocol):
+    """A received ZeroMQ frame (`zmq.Frame`): its bytes are `.buffer`."""
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+
+class Arrayed(Protocol):
+    """A CPU tensor: its bytes are `.numpy()`'s buffer."""
+
+    def numpy(self) -> object: ...
+
+
+# What a bucket's bytes arrive as: a buffer, a received frame or a flat CPU tensor.
+Bytes: TypeAlias = "Buffer | Framed | Arrayed"
 
 
 class Ranged(Protocol):
@@ -30,7 +50,18 @@ class Ranged(Protocol):
     def start(self) -> int | None: ...
 
 
-def part_hasher(name: str, dtype: str, shape: tuple[int, ...], start: int | None = None) -> Any:
+def byte_view(buf: Bytes) -> memoryview:
+    """`buf`'s bytes as a memoryview, no copy: a tensor's through `.numpy()`, a received
+    frame's through `.buffer`."""
+    if hasattr(buf, "numpy"):
+        # numpy arrays are buffers; numpy's stubs declare `__buffer__` only for Python >= 3.12
+        return memoryview(buf.numpy())  # type: ignore[arg-type]
+    if hasattr(buf, "buffer"):
+        return memoryview(buf.buffer)
+    return memoryview(buf)
+
+
+def part_hasher(name: str, dtype: str, shape: tuple[int, ...], start: int | None = None) -> xxhash.xxh3_128:
     """A streaming hash of tensor `name`'s digest part: feed it the bytes, then `.digest()`.
     With `start`, the part of a piece (the bytes from `start` of a tensor larger than a
     bucket): it serves the bucket's checksum; the tensor's digest part is the plain hasher
@@ -49,13 +80,11 @@ def checksum_of(parts: Iterable[bytes]) -> int:
     return xxhash.xxh3_64_intdigest(b"".join(parts))
 
 
-def bucket_hash(buf: Any, metas: Iterable[Ranged]) -> tuple[int, list[bytes], int]:
+def bucket_hash(buf: Bytes, metas: Iterable[Ranged]) -> tuple[int, list[bytes], int]:
     """The checksum of a bucket and every tensor's part, in one pass over its bytes
     (a range past the buffer's end reads short, so the checksum does not match), and the
     bytes that pass fed the hash (counted as fed: benchmarks report it)."""
-    if hasattr(buf, "numpy"):
-        buf = buf.numpy()
-    mv = memoryview(getattr(buf, "buffer", buf)).cast("B")
+    mv = byte_view(buf).cast("B")
     parts = []
     hashed = 0
     for m in metas:
@@ -68,7 +97,7 @@ def bucket_hash(buf: Any, metas: Iterable[Ranged]) -> tuple[int, list[bytes], in
     return checksum_of(parts), parts, hashed
 
 
-def bucket_checksum(buf: Any, metas: Iterable[Ranged]) -> int:
+def bucket_checksum(buf: Bytes, metas: Iterable[Ranged]) -> int:
     return bucket_hash(buf, metas)[0]
 
 

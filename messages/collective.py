@@ -43,6 +43,8 @@ log = get_logger("collective")
 # torch.distributed's store classes (TCPStore, PrefixStore) are not in its type stubs.
 Store = Any
 Backend = Literal["gloo", "nccl"]
+# A broadcast begun (`Group.start`): its work and the monotonic deadline it must meet.
+Started = tuple[dist.Work, float]
 
 PREFIX = "weightsync"
 ROOT_KEY = "root"  # set by rank 0 as it joins a group
@@ -105,7 +107,7 @@ class Group:
     ) -> None:
         self.spec = spec
         self.broken = False
-        self._work: Any = None  # the last broadcast started
+        self._work: dist.Work | None = None  # the last broadcast started
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if spec.backend == "nccl"
@@ -176,7 +178,7 @@ class Group:
         reason; in each case the group is shut down and marked broken."""
         self.wait(self.start(tensor), give_up=give_up, poll=poll)
 
-    def start(self, tensor: torch.Tensor) -> Any:
+    def start(self, tensor: torch.Tensor) -> Started:
         """Begin a broadcast and return at once (gloo/NCCL progress it on their own
         threads): the caller may pack the next bucket meanwhile, then `wait`."""
         if self.broken:
@@ -192,7 +194,7 @@ class Group:
             raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
 
     def wait(
-        self, started: Any, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
+        self, started: Started, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
     ) -> None:
         work, deadline = started
         try:
@@ -239,7 +241,7 @@ class Group:
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
 
 
-_graves: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_graves: queue.SimpleQueue[object] = queue.SimpleQueue()
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
 
@@ -250,7 +252,7 @@ def _reap() -> None:
         del pg  # may block until the group's timeout; only this thread waits
 
 
-def _bury(pg: Any) -> None:
+def _bury(pg: object) -> None:
     global _reaper
     with _reaper_lock:
         if _reaper is None:
@@ -306,6 +308,10 @@ def _short(exc: BaseException) -> str:
 # Groups an engine keeps open: one per source of a sharded push, which has at most this
 # many; the least recently used goes first, never one the running sync used.
 MAX_GROUPS = MAX_COLLECTIVE_SOURCES
+
+
+# A receive posted (`Member.post`): the buffer's view and the broadcast filling it.
+Posted = tuple[torch.Tensor, tuple[Group, Started]]
 
 
 class Member:
@@ -391,7 +397,7 @@ class Member:
         size: int,
         give_up: Callable[[], str | None] | None = None,
         sync: str | None = None,
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> Posted:
         """Start receiving the next broadcast of `size` bytes into the next buffer and
         return at once (the backend receives on its own threads); `wait` for it. Posts
         must follow the order the root broadcasts in."""
@@ -409,9 +415,7 @@ class Member:
         return buf[:size]
 
     @staticmethod
-    def wait(
-        posted: tuple[torch.Tensor, Any], give_up: Callable[[], str | None] | None = None
-    ) -> torch.Tensor:
+    def wait(posted: Posted, give_up: Callable[[], str | None] | None = None) -> torch.Tensor:
         view, (g, started) = posted
         g.wait(started, give_up=give_up)
         return view

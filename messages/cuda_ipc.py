@@ -26,7 +26,7 @@ FIELDS = (
 )
 
 
-def export(buf: torch.Tensor) -> dict[str, Any]:
+def export(buf: torch.Tensor) -> dict[str, object]:
     """A handle to `buf` (a contiguous uint8 CUDA tensor) another process can open."""
     if buf.device.type != "cuda" or buf.dtype != torch.uint8 or not buf.is_contiguous():
         raise ValueError("CUDA IPC exports contiguous uint8 CUDA tensors only")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import zstandard
 
-from messages.buckets import Digester, as_bytes
+from messages.buckets import Digester, as_bytes, tensor_view
 from messages.dtypes import DTYPES
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import INDEX32_MAX, Patch, TensorMeta
@@ -62,7 +62,7 @@ def part(name: str, t: torch.Tensor) -> bytes:
     h = Digester.start(name, t)
     b = as_bytes(t)
     if b.numel():
-        h.update(b.numpy())
+        h.update(tensor_view(b))
     return bytes(h.digest())
 
 
@@ -109,7 +109,7 @@ def encode(
         best, size = Encoded(Patch("sparse", bp, new_part, count), data, count), sparse_size
     if try_xor:
         # zstd pays where changes are dense but their XOR has few high bits set
-        xored: Any = torch.bitwise_xor(a, b).view(torch.uint8).numpy()  # a buffer (its stubs say not)
+        xored = tensor_view(torch.bitwise_xor(a, b).view(torch.uint8))
         packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1).compress(xored)
         if len(packed) < size or (mode == "xor" and len(packed) < numel * item):
             data = torch.frombuffer(bytearray(packed), dtype=torch.uint8)

@@ -7,7 +7,10 @@ use by the code that has tensors.
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 Dtype = Literal[
     "float32",
@@ -38,7 +41,12 @@ ITEMSIZE: dict[Dtype, int] = {
     "int64": 8,
     "bool": 1,
 }
-_TORCH: dict[str, Any] = {}
+# The torch mapping, built on first use (`_torch_tables`).
+_DTYPES: dict[str, torch.dtype] = {}
+_NAMES: dict[torch.dtype, Dtype] = {}
+if TYPE_CHECKING:  # what the module's `__getattr__` hands out
+    DTYPES: dict[str, torch.dtype]  # name -> torch.dtype
+    NAMES: dict[torch.dtype, Dtype]  # and back
 
 
 def tensor_nbytes(dtype: Dtype, shape: tuple[int, ...] | list[int]) -> int:
@@ -49,28 +57,30 @@ def tensor_nbytes(dtype: Dtype, shape: tuple[int, ...] | list[int]) -> int:
     return n * ITEMSIZE[dtype]
 
 
-def _torch_tables() -> dict[str, Any]:
-    if not _TORCH:
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, Dtype]]:
+    if not _DTYPES:
         import torch  # noqa: PLC0415 (the daemon validates dtypes without torch)
 
-        dtypes = {name: getattr(torch, name) for name in ITEMSIZE}
-        _TORCH["DTYPES"] = dtypes
-        _TORCH["NAMES"] = {v: k for k, v in dtypes.items()}
-    return _TORCH
+        dtypes: dict[Dtype, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}
+        _NAMES.update({v: k for k, v in dtypes.items()})
+        _DTYPES.update(dtypes.items())
+    return _DTYPES, _NAMES
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("DTYPES", "NAMES"):  # name -> torch.dtype and back, on first use
-        return _torch_tables()[name]
+def __getattr__(name: str) -> object:
+    if name == "DTYPES":  # name -> torch.dtype and back, on first use
+        return _torch_tables()[0]
+    if name == "NAMES":
+        return _torch_tables()[1]
     raise AttributeError(name)
 
 
-def dtype_name(dtype: Any) -> Dtype:
+def dtype_name(dtype: torch.dtype) -> Dtype:
     try:
-        return cast(Dtype, _torch_tables()["NAMES"][dtype])
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} is not supported on the wire") from None
 
 
-def torch_dtype(name: str) -> Any:
-    return _torch_tables()["DTYPES"][name]
+def torch_dtype(name: str) -> torch.dtype:
+    return _torch_tables()[0][name]

@@ -7,6 +7,7 @@ failed; ours: the daemon broke). Nothing here does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
@@ -175,7 +176,7 @@ def _reachable(bound: str, reached: str) -> str:
     return f"tcp://{r_host}:{port}"
 
 
-def wrong_socket_line(reached: str, details: dict[str, Any]) -> str:
+def wrong_socket_line(reached: str, details: Mapping[str, object]) -> str:
     """The one line a client says for a WRONG_SOCKET refusal: which of the daemon's sockets
     `reached` is, who connects there, and the address of the socket this client needs (from
     `details`: `socket` is the one reached, `trainer_addr` / `engine_addr` what the daemon
@@ -194,6 +195,16 @@ def error_class(code: ErrorCode) -> type[WeightSyncError]:
     return _CLASS_BY_CODE.get(code, WeightSyncError)
 
 
-def make_error(code: ErrorCode, message: str, **kw: Any) -> WeightSyncError:
+def make_error(
+    code: ErrorCode,
+    message: str,
+    *,
+    state: str | None = None,
+    version: int | None = None,
+    sync_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> WeightSyncError:
     """Build the right WeightSyncError subclass for `code`."""
-    return error_class(code)(message, code=code, **kw)
+    return error_class(code)(
+        message, code=code, state=state, version=version, sync_id=sync_id, details=details
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -62,9 +61,9 @@ RECONNECTED = Reconnected()
 
 class Link:
     def __init__(
-        self, sock: zmq.Socket[Any], addr: str, connect_timeout: float, reconnect_timeout: float
+        self, sock: zmq.SyncSocket, addr: str, connect_timeout: float, reconnect_timeout: float
     ) -> None:
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(_EVENTS)
+        self.monitor: zmq.SyncSocket = sock.get_monitor_socket(_EVENTS)
         self.sock = sock
         self.addr = addr
         self.connect_timeout = connect_timeout
@@ -136,7 +135,7 @@ class Link:
         close_monitor(self.sock, self.monitor)
 
 
-def close_monitor(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+def close_monitor(sock: zmq.SyncSocket, monitor: zmq.SyncSocket) -> None:
     """Stop a socket's monitor and close its PAIR end (before the socket itself closes)."""
     try:
         sock.disable_monitor()

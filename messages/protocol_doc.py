@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -64,7 +63,7 @@ SECTIONS = [
 ]
 
 
-def _type(t: Any) -> str:
+def _type(t: mi.Type) -> str:
     if isinstance(t, mi.Metadata):
         return _type(t.type)
     if isinstance(t, mi.UnionType):
@@ -89,7 +88,7 @@ def _type(t: Any) -> str:
     return names.get(type(t), type(t).__name__)
 
 
-def _constraints(t: Any) -> str:
+def _constraints(t: mi.Type) -> str:
     """A field's constraint: its description where the schema gives one, else its bounds."""
     if isinstance(t, mi.UnionType):
         return "; ".join(c for c in (_constraints(x) for x in t.types) if c)

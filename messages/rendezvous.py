@@ -61,7 +61,7 @@ class StoreServer:
     def __init__(self, host: str, *, curve: bool = False) -> None:
         self.token = secrets.token_hex(32)
         self.public_key = ""
-        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock: zmq.SyncSocket = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_VALUE)
         if curve:
@@ -75,7 +75,7 @@ class StoreServer:
         sock.bind(f"tcp://{bracket}:0")
         self.host = host
         self.port = int(sock.get_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self._sock: zmq.Socket[Any] | None = sock  # handed to the thread, never used here again
+        self._sock: zmq.SyncSocket | None = sock  # handed to the thread, never used here again
         self._stop = threading.Event()
         self._data: dict[str, bytes] = {}
         self._parked: list[tuple[float, list[bytes], str, list[str]]] = []
@@ -104,10 +104,10 @@ class StoreServer:
         finally:
             sock.close(linger=0)
 
-    def _reply(self, sock: zmq.Socket[Any], route: list[bytes], status: str, value: Any = None) -> None:
+    def _reply(self, sock: zmq.SyncSocket, route: list[bytes], status: str, value: Any = None) -> None:
         sock.send_multipart([*route, msgspec.msgpack.encode([status, value])])
 
-    def _handle(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+    def _handle(self, sock: zmq.SyncSocket, frames: list[bytes]) -> None:
         route, body = frames[:-1], frames[-1]
         try:
             req = msgspec.msgpack.decode(body)
@@ -166,7 +166,7 @@ class StoreServer:
             return len(d)
         return None
 
-    def _answer_parked(self, sock: zmq.Socket[Any]) -> None:
+    def _answer_parked(self, sock: zmq.SyncSocket) -> None:
         """Answer the parked requests whose keys now exist, or whose deadline passed."""
         if not self._parked:
             return
@@ -220,15 +220,15 @@ class StoreClient(dist.Store):
         self.server_key = server_key
         self._timeout = timeout
         self._local = threading.local()
-        self._sockets: list[zmq.Socket[Any]] = []
+        self._sockets: list[zmq.SyncSocket] = []
         self._lock = threading.Lock()  # guards the list of sockets only, never a socket
 
     # -- transport ------------------------------------------------------------------------
-    def _socket(self) -> zmq.Socket[Any]:
-        have: zmq.Socket[Any] | None = getattr(self._local, "sock", None)
+    def _socket(self) -> zmq.SyncSocket:
+        have: zmq.SyncSocket | None = getattr(self._local, "sock", None)
         if have is not None:
             return have
-        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.SyncSocket = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if ":" in self.endpoint.split("//", 1)[1].rsplit(":", 1)[0]:
             sock.setsockopt(zmq.IPV6, 1)
@@ -278,7 +278,7 @@ class StoreClient(dist.Store):
             raise StoreError(f"rendezvous store {self.endpoint}: timed out waiting for {value}")
         raise StoreError(f"rendezvous store {self.endpoint}: {status}: {value}")
 
-    def _drop(self, sock: zmq.Socket[Any]) -> None:
+    def _drop(self, sock: zmq.SyncSocket) -> None:
         self._local.sock = None
         with self._lock:
             self._sockets.remove(sock)

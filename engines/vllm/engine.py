@@ -21,7 +21,7 @@ import xxhash
 from engines.vllm.base import EXTENSION, Parts, VllmBase
 from engines.vllm.lora import LoraSlots, vllm_rank
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe, TensorMeta
+from messages.schema import Probe, ShmRef, TensorMeta
 from messages.shm import Reader, frombuffer
 
 log = structlog.get_logger()
@@ -144,7 +144,7 @@ class VllmLoraEngine(VllmEngine):
             super().begin(*self._pending_begin)
             self._base_begun = True
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: Any, parts: Parts = None) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None:
         self._check(metas)
         base = self.lora.take(metas, frombuffer(memoryview(buf)))
         if base:
@@ -152,7 +152,7 @@ class VllmLoraEngine(VllmEngine):
             self._send_bucket(base, buf, _only(parts, base))
 
     def load_shm(
-        self, metas: Sequence[TensorMeta], ref: Any, bucket_checksum: int, parts: Parts = None
+        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._check(metas)
         base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))

@@ -128,7 +128,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
     got, parts, _ = hash_bucket(
-        host.numpy(),
+        host,
         _metas(metas),
         parts=True,
     )
@@ -155,7 +155,7 @@ def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
 
 # In-process workers only: the engine puts a received frame here for the duration of one
 # `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
-LOCAL_BUFFERS: dict[str, Any] = {}
+LOCAL_BUFFERS: dict[str, memoryview] = {}
 
 
 @dataclass

@@ -29,9 +29,9 @@ from typing import Any
 
 import structlog
 
-from engines.vllm.base import VllmBase
+from engines.vllm.base import Parts, VllmBase
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe
+from messages.schema import Probe, ShmRef, TensorMeta
 
 log = structlog.get_logger()
 
@@ -149,17 +149,19 @@ class VllmServerEngine(VllmBase):
         else:
             super().begin(sync_id, version)
 
-    def load_bucket(self, metas: Any, buf: Any, parts: Any = None) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None:
         self._start("extension")
         super().load_bucket(metas, buf, parts)
 
-    def load_shm(self, metas: Any, ref: Any, bucket_checksum: int, parts: Any = None) -> None:
+    def load_shm(
+        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+    ) -> None:
         self._start("extension")
         super().load_shm(metas, ref, bucket_checksum, parts)
 
     def load_collective(
         self,
-        metas: Any,
+        metas: Sequence[TensorMeta],
         group: dict[str, Any],
         size: int,
         bucket_checksum: int,

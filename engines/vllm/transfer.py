@@ -31,15 +31,17 @@ from messages.buckets import Digester
 BACKEND = "weightsync"
 
 
+# vLLM is skipped by mypy (pyproject: follow_imports = "skip"), so its base classes are Any;
+# subclassing them is how a backend registers, hence the three `ignore[misc]` below.
 @dataclass
-class WeightSyncInitInfo(WeightTransferInitInfo):
+class WeightSyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     """Body of `/init_weight_transfer_engine`: this host's address for the group sockets."""
 
     bind: str = ""
 
 
 @dataclass
-class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
+class WeightSyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """Body of one `/update_weights`: a bucket announced by the orchestrator."""
 
     sync_id: str = ""
@@ -51,12 +53,12 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     mac: list[Any] | None = None  # with keys: [key hex, sender, tag hex] (engines/vllm/extension.py)
 
 
-class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):  # type: ignore[misc]
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.member: Any = None
         self.bind = ""

@@ -9,7 +9,6 @@ layout are `messages.keys`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -18,7 +17,7 @@ from messages.keys import ROLES, KeysError, load_key
 
 
 class ServerAuth:
-    def __init__(self, ctx: zmq.Context[Any], directory: str | Path) -> None:
+    def __init__(self, ctx: zmq.SyncContext, directory: str | Path) -> None:
         d = Path(directory)
         public, secret = load_key(d / "server.key_secret", secret=True)
         if secret is None:
@@ -32,7 +31,7 @@ class ServerAuth:
         for role, folder in ROLES.items():
             self.auth.configure_curve(domain=role, location=str(d / folder))
 
-    def apply(self, sock: zmq.Socket[Any], role: str) -> None:
+    def apply(self, sock: zmq.SyncSocket, role: str) -> None:
         sock.curve_server = True
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret

@@ -12,10 +12,12 @@ loop and their values are the status object's. Names follow Prometheus conventio
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from messages.schema import FRAMES
 
@@ -29,7 +31,7 @@ class _Snapshot:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[Metric]:
         st, mono = self.m.snapshot, self.m.snapshot_mono
         served = st.get("version")
         g = GaugeMetricFamily("weightsync_served_version", "Version the daemon serves (-1: none, dirty)")
@@ -167,11 +169,11 @@ class Metrics:
             "Bucket bytes that passed through the daemon (frames, spool copies)",
             registry=r,
         )
-        self._applied: dict[str, tuple[Any, Any]] = {}  # engine id -> its two counters above
+        self._applied: dict[str, tuple[Counter, Counter]] = {}  # engine id -> its two counters above
         self.snapshot: dict[str, Any] = {}
         self.snapshot_mono = time.monotonic()
         r.register(_Snapshot(self))
-        self.server: Any = None
+        self.server: WSGIServer | None = None
 
     def serve(self, bind: str) -> str:
         """Start the HTTP endpoint on `HOST:PORT` (port 0: any); returns the bound address."""
@@ -188,7 +190,7 @@ class Metrics:
         """The loop hands over a fresh status dict (never mutated afterwards)."""
         self.snapshot, self.snapshot_mono = status, time.monotonic()
 
-    def applied(self, engine_id: str) -> tuple[Any, Any]:
+    def applied(self, engine_id: str) -> tuple[Counter, Counter]:
         """An engine's (apply seconds, buckets applied) counters, looked up once (a fleet's
         progress reports come thousands a second)."""
         c = self._applied.get(engine_id)

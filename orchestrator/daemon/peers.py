@@ -10,8 +10,6 @@ connection, never a verdict: callers decide what it means (a grace period, a che
 
 from __future__ import annotations
 
-from typing import Any
-
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -19,14 +17,14 @@ from messages.link import close_monitor
 
 
 class PeerTracker:
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    def __init__(self, sock: zmq.SyncSocket) -> None:
+        self.monitor: zmq.SyncSocket = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
         self._fd_of: dict[bytes, int] = {}
         self._on_fd: dict[int, set[bytes]] = {}
         self._gone: list[bytes] = []  # read from the monitor early (an fd was reused), not yet drained
 
-    def seen(self, ident: bytes, frame: Any) -> None:
+    def seen(self, ident: bytes, frame: zmq.Frame) -> None:
         """A message from `ident` arrived in `frame` (a zmq.Frame received copy=False)."""
         try:
             fd = frame.get(zmq.SRCFD)

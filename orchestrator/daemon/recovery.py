@@ -25,6 +25,7 @@ from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.core.records import Limits
 from orchestrator.daemon.spool import Spool, SpoolEntry
+from orchestrator.daemon.transport import Outgoing
 
 log = structlog.get_logger()
 RECOVERY_WINDOW = Limits().recovery_window  # spooled buckets a rollback has in flight
@@ -42,7 +43,7 @@ class Requests(Protocol):
 
 
 class Engines(Protocol):
-    def send_engine(self, engine_id: str, frames: list[Any]) -> bool: ...
+    def send_engine(self, engine_id: str, frames: Outgoing) -> bool: ...
 
 
 def tensor_metas(entry: SpoolEntry) -> tuple[schema.TensorMeta, ...]:

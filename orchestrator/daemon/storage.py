@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 
 class Storage:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-storage")
 
-    def submit(self, jobs: list[Callable[[], Any]]) -> asyncio.Future[None]:
+    def submit(self, jobs: list[Callable[[], object]]) -> asyncio.Future[None]:
         """Run `jobs` one after the other on the storage thread; an awaitable for the end."""
 
         def run() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket as pysocket
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,10 @@ from orchestrator.daemon.auth import ServerAuth
 from orchestrator.daemon.peers import PeerTracker
 
 log = structlog.get_logger()
+
+
+# The frames of one message sent: headers as bytes, payloads as received frames or views.
+Outgoing = Sequence[bytes | memoryview | zmq.Frame]
 
 
 @dataclass(slots=True)
@@ -68,22 +72,22 @@ def refuse_live_ipc(addr: str) -> None:
 
 
 class Transport:
-    def __init__(self, ctx: zmq.Context[Any], stats: Stats, auth: ServerAuth | None = None) -> None:
+    def __init__(self, ctx: zmq.SyncContext, stats: Stats, auth: ServerAuth | None = None) -> None:
         self.ctx = ctx
         self.stats = stats
         self.auth = auth
-        self.trainer: zmq.Socket[Any] | None = None
-        self.engine: zmq.Socket[Any] | None = None
+        self.trainer: zmq.SyncSocket | None = None
+        self.engine: zmq.SyncSocket | None = None
         self.trainer_peers: PeerTracker | None = None
         self.engine_peers: PeerTracker | None = None
         self.engine_ident: dict[str, bytes] = {}  # engine id -> the routing id it registered on
         self.ident_engine: dict[bytes, str] = {}
         self.bound: dict[str, str] = {}
-        self.fanout: zmq.Socket[Any] | None = None
+        self.fanout: zmq.SyncSocket | None = None
         self.fanout_budget: int | None = None  # bytes a fan-out connection may queue
         self.max_pending = 64
         self.fanout_hwm = 0  # what each fan-out connection may queue now (messages)
-        self.retired: list[zmq.Socket[Any]] = []  # fan-out sockets replaced, to be closed
+        self.retired: list[zmq.SyncSocket] = []  # fan-out sockets replaced, to be closed
         self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
@@ -94,9 +98,9 @@ class Transport:
         self.bound["trainer"] = self.trainer.getsockopt_string(zmq.LAST_ENDPOINT)
         self.bound["engine"] = self.engine.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _router(self, addr: str, max_msg: int, role: str) -> zmq.Socket[Any]:
+    def _router(self, addr: str, max_msg: int, role: str) -> zmq.SyncSocket:
         refuse_live_ipc(addr)
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        sock: zmq.SyncSocket = self.ctx.socket(zmq.ROUTER)
         if self.auth is not None:
             self.auth.apply(sock, role)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -134,8 +138,8 @@ class Transport:
         self.fanout_hwm = hwm
         self.bound["fanout"] = self.fanout.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _xpub(self, addr: str, hwm: int) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.XPUB)
+    def _xpub(self, addr: str, hwm: int) -> zmq.SyncSocket:
+        sock: zmq.SyncSocket = self.ctx.socket(zmq.XPUB)
         if self.auth is not None:
             self.auth.apply(sock, "engine")
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -227,7 +231,7 @@ class Transport:
     def fanout_live(self, engine_id: str) -> bool:
         return self.fanout is not None and self.fanout_subs.get(engine_id, 0) > 0
 
-    def publish(self, frames: list[Any]) -> bool:
+    def publish(self, frames: Outgoing) -> bool:
         """One message to every engine subscribed to the fan-out (`DATA` prepended).
 
         The XPUB's mailbox is processed first (`ZMQ_EVENTS` does it unthrottled): libzmq's
@@ -256,7 +260,7 @@ class Transport:
         self.close_retired()
 
     # -- receiving ------------------------------------------------------------------------
-    def recv(self, sock: zmq.Socket[Any]) -> list[Any] | None:
+    def recv(self, sock: zmq.SyncSocket) -> list[zmq.Frame] | None:
         """One message (routing id first), or None when none is waiting."""
         try:
             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -294,7 +298,7 @@ class Transport:
             del self.ident_engine[ident]
 
     # -- sending --------------------------------------------------------------------------
-    def _send_now(self, sock: zmq.Socket[Any] | None, frames: list[Any]) -> None:
+    def _send_now(self, sock: zmq.SyncSocket | None, frames: Outgoing) -> None:
         """Send without blocking; a send error is raised here, to the caller."""
         if sock is None:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
@@ -326,7 +330,7 @@ class Transport:
         self.stats.errors[err.code.value] += 1
         self.send_trainer(w.ident, error_message(err, w.req_id))
 
-    def send_engine(self, engine_id: str, frames: list[Any]) -> bool:
+    def send_engine(self, engine_id: str, frames: Outgoing) -> bool:
         ident = self.engine_ident.get(engine_id)
         if ident is None:
             return False

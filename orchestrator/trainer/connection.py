@@ -46,7 +46,7 @@ class Connection:
         *,
         timeout: float,
         retries: int,
-        ctx: zmq.Context[Any],
+        ctx: zmq.SyncContext,
         keys: ClientKeys | None,
         connect_timeout: float,
     ) -> None:

@@ -22,6 +22,7 @@ from messages.collective import (
     CollectiveError,
     Group,
     GroupSpec,
+    Started,
     available_backends,
     local_host_for,
 )
@@ -48,10 +49,10 @@ class TrainerGroup:
         self.timeout = timeout
         self.curve = curve  # the deployment uses keys: the store speaks CURVE
         self._server: StoreServer | None = None
-        self._store: Any = None
+        self._store: StoreClient | None = None
         self.group: Group | None = None
         self.planned: dict[str, Any] | None = None
-        self._pending: Any = None  # the broadcast in flight (Group.start)
+        self._pending: Started | None = None  # the broadcast in flight (Group.start)
         self.pending_seq: int | None = None  # the bucket of that broadcast
 
     def offer(self) -> schema.CollectiveOffer:

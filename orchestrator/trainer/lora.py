@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from orchestrator.trainer.client import SyncResult, TrainerClient
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -59,7 +62,7 @@ def lora_tensors(
 
 
 def push_adapter(
-    client: Any,
+    client: TrainerClient,
     adapter: Mapping[str, torch.Tensor],
     version: int,
     *,
@@ -67,7 +70,7 @@ def push_adapter(
     rank: int | None = None,
     engine_rank: int | None = None,
     **push_kw: Any,
-) -> Any:
+) -> SyncResult:
     """Push `adapter` as `version` (a partial push: the engines keep their base weights)."""
     return client.push(
         lora_tensors(adapter, alpha=alpha, rank=rank, engine_rank=engine_rank),

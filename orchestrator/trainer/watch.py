@@ -41,10 +41,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from messages.checkpoint import Checkpoint, CheckpointError, iter_safetensors
 from messages.errors import ErrorCode, WeightSyncError, make_error
+
+if TYPE_CHECKING:
+    from orchestrator.trainer.client import TrainerClient
 
 # The number after a step word; the lookbehind keeps `mystep5` out, the lookahead keeps a
 # longer number whole.
@@ -102,7 +105,7 @@ class Watcher:
     ignored) and per wait (waiting, resumed)."""
 
     root: Path
-    client: Any
+    client: TrainerClient
     emit: Callable[[dict[str, Any]], None]
     marker: str | None = None
     version_from: re.Pattern[str] | None = None
