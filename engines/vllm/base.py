@@ -33,7 +33,7 @@ from messages.buckets import iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe, ShmRef, TensorMeta
+from messages.schema import Probe, Ref, TensorMeta
 from messages.shm import Segment
 
 log = structlog.get_logger()
@@ -162,7 +162,7 @@ class VllmBase:
         )
 
     def load_shm(
-        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+        self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
         copy); they copy into parameters (and verify the checksum themselves unless the
@@ -170,7 +170,7 @@ class VllmBase:
         self._check(metas)
         self._send_shm(metas, ref, bucket_checksum, parts)
 
-    def _send_shm(self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts) -> None:
+    def _send_shm(self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts) -> None:
         self._timed(
             "ws_load",
             sync_id=self.sync_id,

@@ -21,7 +21,7 @@ import xxhash
 from engines.vllm.base import EXTENSION, Parts, VllmBase
 from engines.vllm.lora import LoraSlots, vllm_rank
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe, ShmRef, TensorMeta
+from messages.schema import Probe, Ref, TensorMeta
 from messages.shm import Reader, frombuffer
 
 log = structlog.get_logger()
@@ -152,7 +152,7 @@ class VllmLoraEngine(VllmEngine):
             self._send_bucket(base, buf, _only(parts, base))
 
     def load_shm(
-        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+        self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._check(metas)
         base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))

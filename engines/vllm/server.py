@@ -31,7 +31,7 @@ import structlog
 
 from engines.vllm.base import Parts, VllmBase
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe, ShmRef, TensorMeta
+from messages.schema import Probe, Ref, TensorMeta
 
 log = structlog.get_logger()
 
@@ -154,7 +154,7 @@ class VllmServerEngine(VllmBase):
         super().load_bucket(metas, buf, parts)
 
     def load_shm(
-        self, metas: Sequence[TensorMeta], ref: ShmRef, bucket_checksum: int, parts: Parts = None
+        self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._start("extension")
         super().load_shm(metas, ref, bucket_checksum, parts)
