@@ -3,6 +3,9 @@ bench/), not from an installed package."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -58,13 +61,13 @@ def demo(
 
 
 def bench(ctx: typer.Context) -> None:
-    """Data-plane benchmark against raw ZeroMQ and memcpy (`python -m bench --help`)."""
-    try:
-        from bench.throughput import main as bench_main
-    except ImportError:
+    """Data-plane benchmark against raw ZeroMQ and memcpy (`python -m bench --help`).
+    Run as its own process (`python -m bench`): the harness stays above the product,
+    never imported by it."""
+    if importlib.util.find_spec("bench") is None:
         _usage(
             "weightsync bench runs from a source checkout (it needs bench/); "
             "run it in the repository, e.g. `make bench`"
         )
         return
-    bench_main(list(ctx.args))
+    raise typer.Exit(subprocess.run([sys.executable, "-m", "bench", *ctx.args], check=False).returncode)
