@@ -196,7 +196,7 @@ class SimFleet:
 
     def client(self, **kw: Any) -> Any:
         c = self.cluster.client(**kw)
-        c.group = SimGroup(self.pub)
+        c.routes.group = SimGroup(self.pub)
         return c
 
     def write_digest(self, version: int, weights: Sequence[tuple[str, Any]]) -> str:

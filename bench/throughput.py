@@ -139,7 +139,7 @@ def sweep(
                             )
                         # The trainer's memory, measured from scratch: the warm-up's shared-memory
                         # ring is released first, so its reservation counts (untimed push).
-                        client.drop_rings()
+                        client.routes.drop_rings()
                         version += 1
                         fresh = push_once(client, weights, version, bucket_bytes, window, transport, pid)
                         run = _point(transport, n, bucket_bytes, model_bytes, window, rows, results, fresh[2])

@@ -30,7 +30,7 @@ class Routes:
         (None, ""): frames (no such transport, or no room for its slots)."""
         wanted = transports.of_kind("ref") if asked is None else (asked,) if asked.carries == "ref" else ()
         for t in wanted:
-            if t.rings is None:
+            if t.rings is None or not t.available():
                 continue
             rings = self.rings.get(t.name)
             if rings is None:
