@@ -48,6 +48,12 @@ def begin(m: Model, event: BeginSync) -> None:
     claim = sources.claim(msg.seat, event.conn)
     if msg.sender >= msg.senders:
         raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={msg.senders})")
+    if msg.transport != transports.AUTO and transports.get(msg.transport) is None:
+        raise m.error(
+            ErrorCode.BAD_MESSAGE,
+            f"transport {msg.transport!r} is not one this daemon has "
+            f"(auto, {', '.join(transports.names())}; --transport-modules adds others)",
+        )
     if msg.senders > 1 and msg.sync_id in m.ended and (s is None or s.sync_id != msg.sync_id):
         # a source that comes to its sharded sync after it ended hears how it ended, at once
         # (not a new sync it would wait in alone until --sync-timeout)
