@@ -16,7 +16,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -32,7 +32,8 @@ from messages.replies import BeginReply, FinishReply, StatusReply
 from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES
 from orchestrator.trainer.connection import Connection, error_from_reply
-from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
+from orchestrator.trainer.delta import DeltaBase, DeltaChooser
+from orchestrator.trainer.deltapush import push_delta
 from orchestrator.trainer.module import push_module
 from orchestrator.trainer.results import SyncResult as SyncResult  # where trainers import it from
 from orchestrator.trainer.results import abort_reason, ended_cause, sync_result
@@ -307,49 +308,17 @@ class TrainerClient:
             result = self._push(named_tensors, version, sync_id=sync_id, **kw)
             pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
             return result
-        base = self.delta_base
-        reiterable = not isinstance(named_tensors, Iterator)
-        against = base.version
-        go, why = pace.choose(transport) if delta_mode == "auto" else (True, f"delta_mode {delta_mode}")
-        refused: dict[str, Any] = {}
-        if against is not None and go:
-            base.stats = DeltaStats()
-            try:
-                result = self._push(
-                    base.encode(named_tensors, delta_mode), version, sync_id=sync_id, base=against, **kw
-                )
-            except WeightSyncError as err:
-                base.rollback()
-                if err.code is not ErrorCode.STALE_BASE:
-                    raise
-                base.forget()
-                if not reiterable and base.stats.tensors:  # consumed: the caller pushes again
-                    raise
-                log.warning("delta_refused", version=version, reason=err.message)
-                why = f"the daemon refused a delta: {err.message}"
-                refused = {"refused": {"base": against, "message": err.message, **err.details}}
-                sync_id = None  # the dense push is a new sync
-            except BaseException:
-                base.rollback()
-                raise
-            else:
-                base.commit(version)
-                pace.record(
-                    transport, result.detail["transport"], "delta", result.seconds, base.stats.dense_bytes
-                )
-                result.detail["delta"] = {"base": against, "chose": "delta", "why": why, **base.stats.view()}
-                return result
-        elif against is None:
-            why = "no copy of the served version yet"
-        try:
-            result = self._push(base.record(named_tensors), version, sync_id=sync_id, **kw)
-        except BaseException:
-            base.forget()
-            raise
-        base.commit(version)
-        pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
-        result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **refused, **base.stats.view()}
-        return result
+        return push_delta(
+            self._push,
+            self.delta_base,
+            pace,
+            named_tensors,
+            version,
+            sync_id=sync_id,
+            transport=transport,
+            delta_mode=delta_mode,
+            kw=kw,
+        )
 
     def _push(
         self,
