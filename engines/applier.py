@@ -8,7 +8,8 @@ collective broadcast); inline and shm buckets are hashed by `engines.verify.Veri
 they arrive, so that hashing overlaps the load of the bucket before. An engine exception
 becomes a typed `failed`, logged loudly; it never escapes the thread. Each sync's phases
 (hashing, waiting for it, loading, finalize, canary, and what the engine reports) go back
-with `finalized`.
+with `finalized`. The steps after the loads (finalize, commit, served, rehash) are
+`engines.postload`'s; this module receives, verifies and loads.
 """
 
 from __future__ import annotations
@@ -18,25 +19,21 @@ import queue
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from engines import postload
 from engines.base import (
     DigestsBeforeFinalize,
-    DropsWeights,
     Engine,
-    HandsToReaders,
-    LabelsOutputs,
     LoadsBuckets,
     LoadsShm,
     ReceivesCollective,
-    RehashesWeights,
-    ReportsPhases,
     TakesDigestParts,
 )
 from engines.delta import BaseStore
+from engines.postload import Rehash, Rehashed
 from engines.prefetch import Prefetcher
 from engines.session import Begin, Job, LoadJob
 from engines.verify import Verifier
@@ -50,24 +47,6 @@ from messages.errors import ErrorCode, MessageError, WeightSyncError
 log = structlog.get_logger()
 STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
 CANCELS_KEPT = 8  # aborted syncs remembered that never received a collective bucket: a few in a row
-
-
-@dataclass(frozen=True, slots=True)
-class Rehash:
-    """A job outside any sync: read the weights the engine holds and digest them again
-    (`RehashesWeights`), in order after every job queued before it."""
-
-    asked: int  # the worker's count of requests, echoed in the answer
-
-
-@dataclass(frozen=True, slots=True)
-class Rehashed:
-    """The answer to `Rehash`: the fresh digest, or why there is none."""
-
-    asked: int
-    digest: str | None
-    seconds: float
-    error: str | None = None
 
 
 class Applier(threading.Thread):
@@ -143,21 +122,6 @@ class Applier(threading.Thread):
         """Called by the main thread: digest the weights again once the jobs before run."""
         self.jobs.put(Rehash(asked))
 
-    def _do_rehash(self, job: Rehash) -> None:
-        t0 = time.perf_counter()
-        if not isinstance(self.engine, RehashesWeights):
-            self._emit(
-                Rehashed(job.asked, None, 0.0, f"a {self.engine.describe().backend} engine cannot rehash")
-            )
-            return
-        try:
-            digest = self.engine.fresh_digest()
-        except Exception as exc:  # weights mid-load or an engine bug: the answer says which
-            log.exception("rehash_failed")
-            self._emit(Rehashed(job.asked, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"))
-            return
-        self._emit(Rehashed(job.asked, digest, time.perf_counter() - t0))
-
     def _emit(self, item: schema.Message | Rehashed) -> None:
         self.out.put(item)
         os.write(self.wake_fd, b"x")
@@ -169,7 +133,7 @@ class Applier(threading.Thread):
                 self.verifier.stop()
                 return
             if isinstance(job, Rehash):  # no sync to fail: it answers for itself
-                self._do_rehash(job)
+                postload.rehash(self.engine, job, self._emit)
                 continue
             try:
                 self._run(job)
@@ -190,9 +154,9 @@ class Applier(threading.Thread):
         elif isinstance(job, schema.Finalize):
             self._do_finalize(job)
         elif isinstance(job, schema.Commit):
-            self._do_commit(job)
+            postload.commit(self.engine, job, self._emit)
         elif isinstance(job, schema.Served):
-            self._do_served(job)
+            postload.served(self.engine, job)
         elif isinstance(job, schema.Abort):
             self._do_abort(job)
         else:  # a job the engine's Syncs never makes: our bug
@@ -523,66 +487,15 @@ class Applier(threading.Thread):
                 f"{len(unfinished)} tensor(s) only partly received: {', '.join(unfinished[:4])}",
                 code=ErrorCode.INCOMPLETE_SYNC,
             )
-        t0 = time.perf_counter()
-        if self.failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
-            time.sleep(self.failpoints["finalize_sleep"])
-        digest = self.engine.finalize(msg.sync_id)
-        self.base.commit()  # what this sync loaded is the base of the next delta
-        if self.prefetcher is not None:  # the groups kept open: this sync's, one per source
-            self.prefetcher.keep_used(msg.sync_id)
-        t1 = time.perf_counter()
-        probes = self.engine.probe(msg.probes) if msg.probes else ()
-        seconds = time.perf_counter() - t0
-        phases = {**self.phases, "finalize": t1 - t0, "canary": seconds - (t1 - t0)}
-        if isinstance(self.engine, ReportsPhases):
-            phases.update(self.engine.last_phases)  # the engine's own split
-        self._emit(
-            schema.Finalized(
-                sync_id=msg.sync_id,
-                version=msg.version,
-                digest=digest,
-                finalize_count=self.engine.finalize_count,
-                probes=probes,
-                seconds=seconds,
-                phases=phases,
-                pass_bytes=dict(self.pass_bytes),
-                delta=self.base.held if self.base.enabled else None,
-            )
-        )
-        log.info(
-            "engine_finalized",
-            sync_id=msg.sync_id,
-            version=msg.version,
-            digest=digest,
-            finalize_count=self.engine.finalize_count,
-            seconds=round(seconds, 4),
-        )
-        drop_after = self.failpoints.get("drop_weights_after")
-        if drop_after == self.engine.finalize_count and isinstance(self.engine, DropsWeights):
-            self.engine.drop_weights()  # fault injection: the weights lost after serving them
-        if self.failpoints.get("finalize_twice"):  # fault injection: the bug the guard stops,
-            self.engine.finalize(msg.sync_id)  # after the first finalize's digest was reported
-
-    def _do_commit(self, msg: schema.Commit) -> None:
-        """The version is committed fleet-wide: label the outputs with it."""
-        if not isinstance(self.engine, LabelsOutputs):
-            raise WeightSyncError(
-                "commit to an engine that does not label its outputs", code=ErrorCode.INTERNAL
-            )
-        label = self.engine.set_label(str(msg.version))
-        self._emit(schema.Committed(sync_id=msg.sync_id, version=msg.version, label=label))
-        log.info("engine_labelled", sync_id=msg.sync_id, version=msg.version, label=label)
-
-    def _do_served(self, msg: schema.Served) -> None:
-        """The daemon made `version` its served version (durably): readers may have it."""
-        if not isinstance(self.engine, HandsToReaders):
-            return  # a notice this engine did not ask for (it registered without served_notice)
-        offered = self.engine.serve(msg.version, msg.digest)
-        log.info(
-            "version_served" if offered else "served_notice_ignored",
-            sync_id=msg.sync_id,
-            version=msg.version,
-            digest=msg.digest,
+        postload.finalize(
+            self.engine,
+            msg,
+            self._emit,
+            phases=self.phases,
+            pass_bytes=self.pass_bytes,
+            base=self.base,
+            prefetcher=self.prefetcher,
+            failpoints=self.failpoints,
         )
 
     def _do_abort(self, msg: schema.Abort) -> None:

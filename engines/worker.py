@@ -39,8 +39,9 @@ from typing import Any
 import structlog
 import zmq
 
-from engines.applier import Applier, Rehashed
+from engines.applier import Applier
 from engines.base import ChecksHealth, Engine, EngineInfo, HandsToReaders, LabelsOutputs, ReceivesCollective
+from engines.postload import Rehashed
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema, transports
 from messages.collective import Backend, available_backends

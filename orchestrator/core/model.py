@@ -3,7 +3,8 @@
 Rules: `Model` holds the records (engines, the running sync, the served version, the
 spool, catch-ups) and the steps several triggers take the same way: moving through the
 state table (journaled and logged once), opening a sync, closing it READY or failed,
-starting and ending a catch-up. A step changes records and appends commands to the
+starting and ending a catch-up. The collective groups kept for reuse are
+`groups.KeptGroups`'. A step changes records and appends commands to the
 outbox; it never raises on input (the trigger checked it first), never reads a clock
 (`now` is the input's) and does no I/O. The trigger modules (`sync`, `fleet`, `clock`)
 decide which steps an input takes.
@@ -22,7 +23,7 @@ from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.replies import GROUP_KEY, EngineFinal, FinishReply, Json, JsonObject
 from messages.replies import body as reply_body
-from messages.schema import MAX_SENDERS, Begin, ParamSpec, Probe
+from messages.schema import Begin, ParamSpec, Probe
 from orchestrator.core import syncs
 from orchestrator.core.commands import (
     CatchUpDone,
@@ -36,6 +37,7 @@ from orchestrator.core.commands import (
     SpoolCommit,
     SpoolDiscard,
 )
+from orchestrator.core.groups import KeptGroups
 from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupPlan, Limits, Spooled, SyncRecord
 from orchestrator.core.states import EngineState, State
 from orchestrator.core.table import Outcome, Refused, StateTable
@@ -44,8 +46,6 @@ S, E = State, EngineState
 # The core's bounded maps (messages.bounded.LRU, least recently used first):
 ENDED_KEPT = 4096  # ended sync ids: a late message is answered with its end (minutes of syncs)
 MAX_PLANS = 4  # sharded pushes' plans checked against later syncs: one per model served, and spare
-MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse: one per source a push may have
-GROUP_CONNS_KEPT = MAX_SOURCE_GROUPS + 1  # the trainer connection of each group kept (shared + sources)
 SPECS_KEPT = 256  # distinct engine specs shared between records: models served at once, with room
 
 
@@ -96,24 +96,23 @@ class Model:
         self.ended: LRU[str, tuple[str | None, str]] = LRU(ENDED_KEPT)
         for sync_id, code, reason in ended:
             self.remember_ended(sync_id, code, reason)
-        self.group: GroupPlan | None = None  # the group syncs reuse
-        # sharded pushes' sources' groups, by session
-        self.source_groups: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
-        # the trainer connection that began a group's last sync, by session: its store lives in
-        # that trainer, so the group goes when the connection closes (trainer_gone)
-        self.group_conns: LRU[str, bytes] = LRU(GROUP_CONNS_KEPT)
+        self.kept_groups = KeptGroups(run_id)  # the collective groups syncs reuse
         # A sharded push's plan as a READY sync carried it out: plan hash -> tensor -> source.
         # A sync commits only when what its sources sent hashes to the plan they declared
         # (messages.shardplan), so this is the declared assignment itself; later syncs with
         # the same plan are checked against it bucket by bucket (refused before the owner sent).
         self.plans: LRU[int, dict[str, int]] = LRU(MAX_PLANS)
-        self._groups = 0
         self._own_syncs = 0
 
     # -- queries ------------------------------------------------------------------------
     @property
     def state(self) -> State:
         return self.table.state
+
+    @property
+    def group(self) -> GroupPlan | None:
+        """The group the one sender's syncs reuse (`kept_groups`)."""
+        return self.kept_groups.shared
 
     @property
     def served_version(self) -> int | None:
@@ -343,10 +342,7 @@ class Model:
         rolled_back = self.untouched_and_was_ready()
         self.move(trigger, Outcome.CLEAN if rolled_back else Outcome.DIRTY, s, err)
         s.error = err
-        if s.group is not None and s.group is self.group:
-            self.group = None  # members may have died or hold a half-done broadcast
-        for g in s.groups.values():
-            self.source_groups.pop(g.session, None)
+        self.kept_groups.sync_failed(s)
         for eid in s.participants:
             x = self.engines[eid]
             if x.state == E.LOST:
@@ -557,39 +553,19 @@ class Model:
         return f"{kind}-{self.run_id}-{self._own_syncs}"
 
     def new_group_id(self) -> str:
-        return f"g{self._groups + 1}.{self.run_id}"[:128]
+        return self.kept_groups.new_id()
 
     def group_planned(self, plan: GroupPlan, shared: bool = True, conn: bytes = b"") -> None:
-        """`plan` carries this sync's bytes: the one sender's group (`shared`), which the
-        next sync reuses while its members stay and its trainer (`conn`, which hosts the
-        store) stays connected, or one source's of a sharded push, which that source's next
-        sharded push reuses (by its store's session)."""
-        if conn:
-            self.group_conns[plan.session] = conn
-        known = self.group if shared else self.source_groups.get(plan.session)
-        if plan is not known:
-            self._groups += 1
-        if shared:
-            self.group = plan
-        else:
-            self.source_groups[plan.session] = plan  # past the limit: sources that went away
+        self.kept_groups.planned(plan, shared, conn)
 
     def source_group(self, msg: Begin) -> GroupPlan | None:
-        """The group a sharded push's source used last (reused while its members stay)."""
-        return self.source_groups.get(msg.offer.session) if msg.offer is not None else None
+        return self.kept_groups.of_source(msg)
 
     def trainer_closed(self, conn: bytes) -> None:
         """A trainer connection closed: the groups whose store it hosted are gone with it
         (status stops showing their store), except the running sync's own, which that
         sync's end drops (a trainer may come back within --trainer-grace)."""
-        running = set(self.sync.groups.values()) if self.sync is not None else set()
-        for session in [k for k, c in self.group_conns.items() if c == conn]:  # no use counted
-            del self.group_conns[session]
-            if self.group is not None and self.group.session == session and self.group not in running:
-                self.group = None
-            sg = self.source_groups.peek(session)
-            if sg is not None and sg not in running:
-                del self.source_groups[session]
+        self.kept_groups.trainer_closed(conn, self.sync.groups.values() if self.sync is not None else ())
 
     def lose(self, engine_id: str, cause: str) -> None:
         """Count the engine lost, and say why (logged by the service)."""
@@ -600,12 +576,7 @@ class Model:
         self.leave_group(engine_id)
 
     def leave_group(self, engine_id: str) -> None:
-        g = self.group
-        if g is not None and any(eid == engine_id for eid, _, _ in g.members):
-            self.group = None  # the next sync by a group plans a new group without stale ranks
-        for session, sg in list(self.source_groups.items()):
-            if any(eid == engine_id for eid, _, _ in sg.members):
-                del self.source_groups[session]
+        self.kept_groups.leave(engine_id)
 
 
 def _blamed(err: WeightSyncError) -> list[str]:

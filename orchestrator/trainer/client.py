@@ -16,8 +16,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -30,36 +29,19 @@ from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.replies import BeginReply, FinishReply, StatusReply
-from messages.replies import body as reply_body
 from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES
 from orchestrator.trainer.connection import Connection, error_from_reply
-from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
+from orchestrator.trainer.delta import DeltaBase, DeltaChooser
+from orchestrator.trainer.deltapush import push_delta
 from orchestrator.trainer.module import push_module
+from orchestrator.trainer.results import SyncResult as SyncResult  # where trainers import it from
+from orchestrator.trainer.results import abort_reason, ended_cause, sync_result
 from orchestrator.trainer.routes import Routes, pending_cap
 from orchestrator.trainer.shard import ShardPlans
 from orchestrator.trainer.stream import Stream, window_limit
 
 log = get_logger("trainer")
-
-
-@dataclass(frozen=True, slots=True)
-class SyncResult:
-    sync_id: str
-    version: int
-    buckets: int
-    bytes: int
-    seconds: float
-    engines: list[dict[str, Any]]
-    digest: str
-    state: str = "READY"
-    retries: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def throughput(self) -> float:
-        """Bytes per second, end to end (first begin to READY)."""
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
 class TrainerClient:
@@ -326,49 +308,17 @@ class TrainerClient:
             result = self._push(named_tensors, version, sync_id=sync_id, **kw)
             pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
             return result
-        base = self.delta_base
-        reiterable = not isinstance(named_tensors, Iterator)
-        against = base.version
-        go, why = pace.choose(transport) if delta_mode == "auto" else (True, f"delta_mode {delta_mode}")
-        refused: dict[str, Any] = {}
-        if against is not None and go:
-            base.stats = DeltaStats()
-            try:
-                result = self._push(
-                    base.encode(named_tensors, delta_mode), version, sync_id=sync_id, base=against, **kw
-                )
-            except WeightSyncError as err:
-                base.rollback()
-                if err.code is not ErrorCode.STALE_BASE:
-                    raise
-                base.forget()
-                if not reiterable and base.stats.tensors:  # consumed: the caller pushes again
-                    raise
-                log.warning("delta_refused", version=version, reason=err.message)
-                why = f"the daemon refused a delta: {err.message}"
-                refused = {"refused": {"base": against, "message": err.message, **err.details}}
-                sync_id = None  # the dense push is a new sync
-            except BaseException:
-                base.rollback()
-                raise
-            else:
-                base.commit(version)
-                pace.record(
-                    transport, result.detail["transport"], "delta", result.seconds, base.stats.dense_bytes
-                )
-                result.detail["delta"] = {"base": against, "chose": "delta", "why": why, **base.stats.view()}
-                return result
-        elif against is None:
-            why = "no copy of the served version yet"
-        try:
-            result = self._push(base.record(named_tensors), version, sync_id=sync_id, **kw)
-        except BaseException:
-            base.forget()
-            raise
-        base.commit(version)
-        pace.record(transport, result.detail["transport"], "dense", result.seconds, result.bytes)
-        result.detail["delta"] = {"base": None, "chose": "dense", "why": why, **refused, **base.stats.view()}
-        return result
+        return push_delta(
+            self._push,
+            self.delta_base,
+            pace,
+            named_tensors,
+            version,
+            sync_id=sync_id,
+            transport=transport,
+            delta_mode=delta_mode,
+            kw=kw,
+        )
 
     def _push(
         self,
@@ -476,7 +426,7 @@ class TrainerClient:
                 if pushed is not None:
                     # the stream ended before the finish: raise what ended it (it names the engine)
                     raise error_from_reply(pushed) from None
-                cause = _ended_cause(err, sync_id)
+                cause = ended_cause(err, sync_id)
                 if cause is not None:  # the finish came after the sync failed: raise why it did
                     raise cause from err
                 if abort_on_error and err.state in ("LOADING_BUCKETS", "FINALIZING", None):
@@ -491,30 +441,17 @@ class TrainerClient:
         except BaseException:
             self.routes.drop_rings()  # an engine may still read a slot of the failed sync
             raise
-        seconds = time.perf_counter() - t0
-        return SyncResult(
-            sync_id=sync_id,
-            version=version,
-            buckets=streamed.buckets,
-            bytes=streamed.nbytes,
-            seconds=seconds,
-            engines=[reply_body(e) for e in done.engines],
-            digest=done.digest if world > 1 else digester.hexdigest(),
-            state=done.status,
-            retries=streamed.retries,
-            detail={
-                **reply_body(done),
-                "transport": started.transport,
-                "trainer_phases": trainer_phases,
-                "trainer_pass_bytes": streamed.pass_bytes,
-                "window": streamed.window,
-                "bucket_bytes": bucket_bytes,  # as cut (within the daemon's cap: begin reply)
-                **(
-                    {"source": rank, "sources": world, "source_digest": digester.hexdigest()}
-                    if world > 1
-                    else {}
-                ),
-            },
+        return sync_result(
+            sync_id,
+            version,
+            time.perf_counter() - t0,
+            started=started,
+            streamed=streamed,
+            done=done,
+            digester=digester,
+            trainer_phases=trainer_phases,
+            bucket_bytes=bucket_bytes,
+            source=(rank, world),
         )
 
     def push_module(
@@ -616,16 +553,11 @@ class TrainerClient:
     def _abort_quietly(self, sync_id: str, cause: BaseException) -> None:
         """Abort the sync `cause` ended, naming the cause; a WeightSyncError raised next then
         says where the daemon is after the abort, not before it."""
-        if isinstance(cause, WeightSyncError):
-            code, why = cause.code, f"{cause.code.value}: {cause.message}"
-        elif isinstance(cause, KeyboardInterrupt):
-            code, why = None, "interrupted (Ctrl-C or SIGTERM)"
-        else:
-            code, why = None, f"{type(cause).__name__}: {cause}".rstrip(": ")
+        code, reason = abort_reason(cause)
         try:
             body = self.abort(
                 sync_id,
-                reason=f"trainer error: {why}"[:500],
+                reason=reason,
                 timeout=min(self.timeout, 5.0),
                 retries=0,
                 code=code,
@@ -635,19 +567,3 @@ class TrainerClient:
             return
         if isinstance(cause, WeightSyncError) and body.get("state"):
             cause.state, cause.version = body["state"], body.get("version")
-
-
-def _ended_cause(err: WeightSyncError, sync_id: str) -> WeightSyncError | None:
-    """The failure of a sync that ended before this trainer's finish (another source of a
-    sharded push failed it, or an engine did once every bucket here was acknowledged): the
-    daemon refuses such a finish INVALID_STATE, naming the sync's own code and reason."""
-    code = err.details.get("ended_code") if err.code is ErrorCode.INVALID_STATE else None
-    if code not in ErrorCode.__members__:
-        return None
-    return make_error(
-        ErrorCode(code),
-        f"sync {sync_id!r} ended before this trainer's finish: {err.details.get('ended_reason')}",
-        state=err.state,
-        version=err.version,
-        sync_id=sync_id,
-    )
