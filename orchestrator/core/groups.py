@@ -1,4 +1,4 @@
-"""The collective groups the core keeps between syncs, for reuse: the one sender's group,
+"""The broadcast groups the core keeps between syncs, for reuse: the one sender's group,
 each sharded push's source's, and the trainer connection that hosts each group's store.
 
 Rules: a kept group is reused while its members stay and its trainer stays connected. It

@@ -3,7 +3,7 @@
 Rules: `Model` holds the records (engines, the running sync, the served version, the
 spool, catch-ups) and the steps several triggers take the same way: moving through the
 state table (journaled and logged once), opening a sync, closing it READY or failed,
-starting and ending a catch-up. The collective groups kept for reuse are
+starting and ending a catch-up. The broadcast groups kept for reuse are
 `groups.KeptGroups`'. A step changes records and appends commands to the
 outbox; it never raises on input (the trigger checked it first), never reads a clock
 (`now` is the input's) and does no I/O. The trigger modules (`sync`, `fleet`, `clock`)
@@ -96,7 +96,7 @@ class Model:
         self.ended: LRU[str, tuple[str | None, str]] = LRU(ENDED_KEPT)
         for sync_id, code, reason in ended:
             self.remember_ended(sync_id, code, reason)
-        self.kept_groups = KeptGroups(run_id)  # the collective groups syncs reuse
+        self.kept_groups = KeptGroups(run_id)  # the broadcast groups syncs reuse
         # A sharded push's plan as a READY sync carried it out: plan hash -> tensor -> source.
         # A sync commits only when what its sources sent hashes to the plan they declared
         # (messages.shardplan), so this is the declared assignment itself; later syncs with
