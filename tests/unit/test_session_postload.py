@@ -11,23 +11,7 @@ from hypothesis import strategies as st
 
 from engines.session import Submit, Syncs
 from messages import schema
-
-GROUP = schema.GroupRef(
-    id="g", host="127.0.0.1", port=2000, rank=1, world_size=2, backend="gloo", timeout=5.0
-)
-
-
-def load(sync_id: str, seq: int, version: int = 1) -> schema.Load:
-    return schema.Load(sync_id=sync_id, version=version, seq=seq, tensors=(), checksum=0)
-
-
-def finalized(sync_id: str, version: int = 1) -> schema.Finalized:
-    return schema.Finalized(sync_id=sync_id, version=version, digest="d", finalize_count=1)
-
-
-def failed(sync_id: str) -> schema.Failed:
-    return schema.Failed(sync_id=sync_id, code="ENGINE_FAILED", message="boom")
-
+from tests.unit.session_inputs import GROUP, failed, finalized, load
 
 SYNCS = ("s1", "s2")  # two: a message of the other sync supersedes often
 step = st.one_of(
