@@ -168,9 +168,9 @@ def test_with_keys_the_collective_store_is_curve_and_every_bucket_carries_a_mac(
         v = (c.status()["last_ready_version"] or 0) + 1
         w = dict(perturbed(tiny_state, v))
         r = c.push(w.items(), v, transport="collective", bucket_bytes=128 * 1024)
-        assert r.detail["transport"] == "collective" and c.group is not None
-        assert c.group.curve and c.group.mac_key(r.sync_id) is not None
-        offer = c.group.offer()
+        assert r.detail["transport"] == "collective" and c.routes.group is not None
+        assert c.routes.group.curve and c.routes.group.mac_key(r.sync_id) is not None
+        offer = c.routes.group.offer()
         assert len(offer.store_key) == 40 and len(offer.token) == 64
         status = c.status()
         assert offer.token not in json.dumps(status)  # the secret is never shown

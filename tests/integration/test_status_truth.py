@@ -22,7 +22,7 @@ from typing import Any
 from examples.tiny import perturbed
 from messages.buckets import iter_buckets
 
-from .helpers import running_daemon, wait_for, ws
+from .helpers import running_daemon, sigint_default, wait_for, ws
 
 
 def test_status_says_when_no_engine_serves_the_served_version(tmp_path, tiny_model_dir, tiny_state):
@@ -86,6 +86,7 @@ def _watch(addr: str) -> tuple[subprocess.Popen[str], Queue[dict[str, Any]]]:
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
+        preexec_fn=sigint_default,  # the test sends it SIGINT: never inherited as ignored
     )
     q: Queue[dict[str, Any]] = Queue()
 
