@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from messages import schema
 from messages.errors import ErrorCode, MessageError, make_error
-from messages.liblog import get_logger
 
 PREFIX = "weightsync"
 SEGMENT_PATTERN = re.compile(r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z")
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
 _DIR = Path("/dev/shm")
-log = get_logger("trainer")
 
 
 class ShmFull(OSError):
@@ -313,7 +311,11 @@ class ShmRings:
         try:
             self.ring = ShmRing(window, bucket_bytes)
         except ShmFull as exc:
-            log.warning("shm_full_using_inline", reason=str(exc), window=window, bucket_bytes=bucket_bytes)
+            from messages.liblog import get_logger  # noqa: PLC0415 (no logging library at import)
+
+            get_logger("trainer").warning(
+                "shm_full_using_inline", reason=str(exc), window=window, bucket_bytes=bucket_bytes
+            )
             return None
         return self.ring
 
