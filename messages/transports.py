@@ -132,11 +132,6 @@ def names() -> tuple[str, ...]:
     return tuple(t.name for t in sorted(_REGISTRY.values(), key=lambda t: -t.preference))
 
 
-def offered() -> tuple[str, ...]:
-    """What this process can use now (an engine's `register.transports`)."""
-    return tuple(n for n in names() if _REGISTRY[n].available())
-
-
 def of_kind(carries: Carrier) -> tuple[Transport, ...]:
     return tuple(t for t in sorted(_REGISTRY.values(), key=lambda t: -t.preference) if t.carries == carries)
 
