@@ -120,6 +120,7 @@ def finish(m: Model, event: FinishSync) -> None:
         cause = {"ended_code": ended[0], "ended_reason": ended[1]} if ended and ended[0] else {}
         m.admit("finish", m.ended_note(msg.sync_id), **cause)
     s = m.require_sync(msg.sync_id, "finish")
+    m.require_own(s, event.conn, "finish")
     sources.check_sender(m, s, msg.sender)
     if not sources.seat_holder(m, s, msg.sender, sources.claim(msg.seat, event.conn), "finish"):
         return

@@ -219,6 +219,18 @@ class Model:
             f"restarted, or the sync never began): begin again",
         )
 
+    def require_own(self, s: SyncRecord, conn: bytes, what: str) -> None:
+        """Refuse a trainer's `what` into a sync the daemon runs itself (a rollback: its
+        buckets and finish come from the spool, on no connection): a bucket it did not
+        plan would change what the rollback restores, and its finish would never match."""
+        if conn and s.kind != "sync":
+            raise self.error(
+                ErrorCode.INVALID_STATE,
+                f"{what} for sync {s.sync_id!r}, the daemon's own {s.kind}: only the daemon "
+                f"sends into it; wait for READY (a trainer may abort it)",
+                kind=s.kind,
+            )
+
     def ended_note(self, sync_id: str) -> str:
         ended = self.ended.get(sync_id)
         if ended is None:

@@ -327,6 +327,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"max_frame_bytes {lim.max_frame_bytes}; use smaller buckets",
         )
     s = m.require_sync(msg.sync_id, "bucket")
+    m.require_own(s, event.conn, f"bucket (seq {msg.seq})")
     if s.bucket_bytes is not None and msg.size is None and event.nbytes > s.bucket_bytes:
         raise m.error(
             ErrorCode.TOO_LARGE,

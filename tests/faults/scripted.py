@@ -43,7 +43,7 @@ class Peer:
         while True:
             m = self.recv(timeout)
             if m is None:
-                raise AssertionError(f"no {kind.__name__} within {timeout}s")
+                raise AssertionError(f"no {getattr(kind, '__name__', kind)} within {timeout}s")
             if isinstance(m, kind):
                 return m
 

@@ -72,10 +72,13 @@ class Rig:
 
     def settle(self) -> dict:
         """End whatever runs: abort a trainer sync; let a rollback finish."""
-        for _ in range(200):
+        seen: list[str] = []  # what each round found, for the failure message
+        deadline = time.monotonic() + 120  # a bound on a failure, not a wait
+        while time.monotonic() < deadline:
             self.eng.heartbeat()
-            st_ = self.c.status(timeout=1.0)
+            st_ = self.c.status(timeout=5.0)
             s = st_["sync"]
+            seen.append(f"{st_['state']} {s and (s['kind'], s['sync_id'])} pending={st_['rollback_pending']}")
             if s is None and st_["rollback_pending"]:  # the timer begins it within a tick
                 time.sleep(0.05)
                 continue
@@ -84,26 +87,27 @@ class Rig:
                 return st_
             if s["kind"] == "rollback":  # feed it: ack loads, finalize with the spool's digest
                 m = self.eng.recv(0.2)
-                if isinstance(m, schema.Load):
-                    self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, sender=m.sender))
-                elif isinstance(m, schema.Finalize):
-                    self.eng.send(
-                        schema.Finalized(
-                            sync_id=m.sync_id,
-                            version=m.version,
-                            digest=st_["digest"] or "0",
-                            finalize_count=1,
-                        )
-                    )
+                if m is not None:
+                    self._answer_rollback(m, st_["digest"])
                 continue
             self.trainer.request(schema.Abort(sync_id=s["sync_id"], reason="fuzz reset"))
-            # drop what the aborted sync left queued, but not a rollback's first messages:
-            # the daemon opens the rollback as soon as the abort lands (its clock wakes for
-            # it), so its first load may already be here; answer it as above
+            # drop what the aborted sync left queued, but not a rollback's messages: the
+            # rollback may open while this drains (within a tick of the abort), and its
+            # load, and even its finalize once the load is answered, may already be here
             while (m := self.eng.recv(0.0)) is not None:
-                if isinstance(m, schema.Load) and m.sync_id.startswith("rollback-"):
-                    self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, sender=m.sender))
-        raise AssertionError(f"could not settle: {self.c.status()}")
+                if isinstance(m, schema.Load | schema.Finalize) and m.sync_id.startswith("rollback-"):
+                    self._answer_rollback(m, st_["digest"])
+        raise AssertionError(f"could not settle: {self.c.status()}; rounds: {seen[:3]} ... {seen[-12:]}")
+
+    def _answer_rollback(self, m: schema.Message, digest: str | None) -> None:
+        """The scripted engine's part in a rollback: ack a load, finalize with `digest`
+        (the served digest the rollback restores)."""
+        if isinstance(m, schema.Load):
+            self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, sender=m.sender))
+        elif isinstance(m, schema.Finalize):
+            self.eng.send(
+                schema.Finalized(sync_id=m.sync_id, version=m.version, digest=digest or "0", finalize_count=1)
+            )
 
     def _sync_to(self, finish: bool, finalize: bool) -> None:
         self.version += 1

@@ -324,3 +324,51 @@ def test_a_bug_in_an_engine_handler_fails_the_sync_with_internal_and_the_daemon_
         assert done.body["status"] == "READY" and done.body["version"] == 2
         eng.close()
         trainer.close()
+
+
+def test_a_trainer_cannot_send_buckets_or_finish_into_the_daemons_own_rollback(tmp_path):
+    """A rollback's buckets come from the spool and its finish from the daemon: a trainer's
+    bucket there once stood as a second bucket, the daemon's finish (one bucket) never
+    matched, and the rollback hung until --bucket-timeout. Now refused, the rollback
+    unchanged and completing."""
+    c = Cluster(
+        tmp_path,
+        None,
+        engines=0,
+        min_engines=1,
+        daemon_args=["--spool", str(tmp_path / "spool"), "--log-level", "error"],
+    )
+    with c:
+        eng = ScriptedEngine(c.engine_addr)
+        trainer = Peer(c.addr)
+        for version, fails in ((1, False), (2, True)):
+            sid = f"r{version}"
+            assert isinstance(trainer.request(schema.Begin(sync_id=sid, version=version)), schema.Ok)
+            msg, frame = bucket_frames(sid, value=float(version))
+            trainer.send(msg, (frame,))
+            eng.ack_load(sync_id=sid)
+            assert isinstance(trainer.recv_type(schema.Ok), schema.Ok)
+            if fails:  # the engine fails after applying it: the fleet is dirty, a rollback opens
+                eng.send(schema.Failed(sync_id=sid, code="ENGINE_FAILED", message="test"))
+            else:
+                trainer.send(schema.Finish(sync_id=sid, buckets=1))
+                eng.finalize(digest="1f", sync_id=sid)
+                assert trainer.recv_type(schema.Ok).body["status"] == "READY"
+        load = eng.recv_type(schema.Load)  # the rollback's first (and only) spooled bucket
+        assert load.sync_id.startswith("rollback-"), load
+        before = c.status(timeout=1.0)["sync"]
+        assert before["kind"] == "rollback" and before["buckets"] == 1, before
+        msg, frame = bucket_frames(load.sync_id, seq=1, value=9.0)
+        for req, payload in ((msg, (frame,)), (schema.Finish(sync_id=load.sync_id, buckets=2), ())):
+            err = trainer.request(req, payload)
+            assert isinstance(err, schema.Error) and err.code == ErrorCode.INVALID_STATE.value, err
+            assert "the daemon's own rollback" in err.message, err.message
+        assert c.status(timeout=1.0)["sync"] == before  # nothing of it stood
+        eng.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, sender=load.sender))
+        eng.finalize(digest="1f", sync_id=load.sync_id)
+        deadline = time.monotonic() + 30  # a bound on a failure: it ends on the finalize
+        while (st := c.status(timeout=1.0))["sync"] is not None and time.monotonic() < deadline:
+            eng.heartbeat()
+        assert (st["state"], st["version"]) == ("READY", 1), st
+        eng.close()
+        trainer.close()
