@@ -62,6 +62,7 @@ class Feed:
     inflight: set[tuple[int, int]] = field(default_factory=set)
     finishing: bool = False
     hold: bool = False  # engines keep what the replay loads until it ends (`Spool.layered`)
+    refused: str | None = None  # its finish was refused and left it running: why (it is aborted)
 
     def due(self) -> list[int]:
         n: list[int] = []
@@ -165,6 +166,10 @@ class Recovery:
         return out
 
     async def _pump_rollback(self, f: Feed) -> None:
+        if f.refused is not None:  # a refused finish is not sent again: the rollback is over
+            why, f.refused = f.refused, None
+            await self.feed(ev.AbortSync(f.sync_id, f"its finish was refused: {why}", by="daemon"))
+            return
         due = self._due(f)
         if due is None:
             await self.feed(ev.AbortSync(f.sync_id, "spool unreadable", by="daemon"))
@@ -205,5 +210,8 @@ class Recovery:
                     code=err.code.value,
                     reason=err.message,
                 )
+                # A refusal that failed the sync ended the feed (`sync_closed`); one that
+                # left it running would hold it until --sync-timeout: the next pump aborts it.
+                f.refused = f"{err.code.value}: {err.message}"
 
         return done
