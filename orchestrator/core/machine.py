@@ -46,8 +46,10 @@ class Core(Model):
     `served_version`, `snapshot(now)`, `error(code, message)`."""
 
     def next_wake(self) -> float | None:
-        """When the next tick is due (`clock.next_wake`): until then, and without an input,
-        a tick would change nothing. None: no deadline runs."""
+        """The first instant at which a tick acts (`clock.next_wake`, the earliest of
+        `clock.deadlines`): before it, and without an input, a tick changes nothing; the
+        daemon sleeps until it or the next input. None: no deadline runs. Ask again after
+        every `handle`: an input may move it."""
         return clock.next_wake(self)
 
     def handle(self, event: ev.Event, now: float) -> Result:

@@ -38,7 +38,6 @@ class Settings:
     sync_timeout: float = 300.0
     bucket_timeout: float = 300.0
     finalize_timeout: float = 600.0
-    tick_interval: float = 0.2
     trainer_grace: float = 2.0  # a sync outlives its trainer's closed connection this long
     shm_dir: str = "/dev/shm"  # shared-memory segments (a private tmpfs works too)
     metrics_bind: str = ""  # HOST:PORT for Prometheus metrics over HTTP ("" = off)
@@ -84,12 +83,7 @@ def load_settings(**overrides: Any) -> Settings:
                 raise ConfigError(f"unknown setting {k!r}")
             values[k] = v
     settings = replace(base, **values)
-    if (
-        settings.min_engines < 0
-        or settings.engine_timeout <= 0
-        or settings.tick_interval <= 0
-        or settings.lost_expiry <= 0
-    ):
+    if settings.min_engines < 0 or settings.engine_timeout <= 0 or settings.lost_expiry <= 0:
         raise ConfigError("min_engines must be >= 0 and timeouts > 0")
     if min(settings.max_header_bytes, settings.max_frame_bytes, settings.max_pending) <= 0:
         raise ConfigError("max_header_bytes, max_frame_bytes and max_pending must be > 0")

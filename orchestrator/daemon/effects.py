@@ -72,6 +72,7 @@ class Effects:
         self.feed: Feed | None = None  # the service's: an event into the core, its commands run
         self.fail_internal: Callable[[str, BaseException], Awaitable[None]] | None = None
         self.publish: Callable[[], None] | None = None  # metrics' status snapshot
+        self.settled: Callable[[], None] | None = None  # a batch's task ended: the loop looks again
         self._tail: asyncio.Future[None] | None = None  # the last batch whose effects are pending
         self._tasks: set[asyncio.Task[None]] = set()
         # group id -> each engine's GroupRef in it (the latest groups; a sharded push's
@@ -136,6 +137,8 @@ class Effects:
             task = asyncio.current_task()
             if task is not None:
                 self._tasks.discard(task)
+            if self.settled is not None:
+                self.settled()
 
     async def _tell_and_reply(
         self,

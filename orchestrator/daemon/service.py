@@ -14,6 +14,7 @@ INTERNAL and the daemon serves on.
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import signal
 import socket as pysocket
@@ -49,7 +50,11 @@ from orchestrator.daemon.transport import Stats, Transport
 
 log = structlog.get_logger()
 
-IDLE_COALESCE = 0.05  # seconds an idle daemon lets messages gather between two wake-ups
+IDLE_COALESCE = 0.05  # seconds an idle daemon lets engine messages gather between two reads
+# seconds: after an input, the metrics' state snapshot is at most this old (published with
+# each tick and sync end, else at most this often while inputs come; nothing when idle)
+METRICS_REFRESH = 0.2
+STUCK_RETRY = 0.01  # seconds: a wake-up the core's tick then finds nothing due at is retried
 
 
 def _ended(journal: Journal) -> list[tuple[str, str | None, str]]:
@@ -184,6 +189,17 @@ class Service:
         self.effects.feed = self.feed
         self.effects.fail_internal = self.fail_internal
         self.effects.publish = self._publish
+        self.effects.settled = self._nudge
+        # The loop's wake-up call: a socket pair, written by `_nudge` and polled with the
+        # ZeroMQ sockets (both ends used by the loop's thread only).
+        self._nudge_w, self._nudged = pysocket.socketpair()
+        for end in (self._nudge_w, self._nudged):
+            end.setblocking(False)
+        self._nudge_pending = False
+        self._changed = False  # an input was handled since the metrics' last snapshot
+        self._published_at = 0.0
+        self._stuck_at: float | None = None
+        self.wakeups = self.ticks = 0  # the loop's wake-ups and timer ticks (debug log)
         # before any engine is connected: what the spool holds, nothing to send yet
         self.dispatch.decide(ev.SpoolChanged(self.effects.spooled()))
         scheme = self.core.scheme_error()
@@ -260,6 +276,10 @@ class Service:
             self.shutdown()
 
     async def _loop(self) -> None:
+        """Wait for an input or the next time something is due, whichever comes first;
+        handle it; ask again. No fixed tick: the wait ends at the earliest of the core's
+        next deadline (`Core.next_wake`), the quiet fleet's batch, the metrics' refresh,
+        and a nudge from a batch of effects that ended off the loop's own turn."""
         t = self.transport
         if t.trainer is None or t.engine is None or t.trainer_peers is None or t.engine_peers is None:
             raise RuntimeError("the daemon's sockets are not bound (startup first)")
@@ -275,17 +295,20 @@ class Service:
         subs_of = t.fanout  # the fan-out socket `subs` wraps (bound anew when its queue shrinks)
         if subs is not None:
             poller.register(subs, zmq.POLLIN)
-        # Quiet (no sync, no recovery): the trainer socket wakes the loop at once, the
-        # engines' (a fleet's heartbeats) are read every IDLE_COALESCE seconds in a batch,
-        # so an idle daemon does not wake once per engine message.
+        # Quiet (no sync, no recovery): the trainer socket wakes the loop at once; engine
+        # messages (a fleet's heartbeats) that arrive less than IDLE_COALESCE after the last
+        # read wait for the rest of it, polled without the engine socket, and are read in
+        # one batch, so an idle daemon does not wake once per engine message.
         quiet_poller = zmq.asyncio.Poller()
         quiet_poller.register(trainer_wait, zmq.POLLIN)
         for m in monitors:
             quiet_poller.register(m, zmq.POLLIN)
         if subs is not None:
             quiet_poller.register(subs, zmq.POLLIN)
-        tick_ms = int(self.settings.tick_interval * 1000)
-        last_tick = last_engines = time.monotonic()
+        for pl in (poller, quiet_poller):
+            pl.register(self._nudged, zmq.POLLIN)
+        last_engines = time.monotonic()
+        engines_at: float | None = None  # quiet: engine messages wait to be read at this time
         while not self._stop.is_set():
             if t.fanout is not subs_of:  # the fan-out was bound anew: poll the new socket
                 for pl in (poller, quiet_poller):
@@ -297,16 +320,24 @@ class Service:
                 for pl in (poller, quiet_poller):
                     if subs is not None:
                         pl.register(subs, zmq.POLLIN)
-            if self._quiet():
-                wait = max(0.0, last_engines + IDLE_COALESCE - time.monotonic())
-                events = dict(await quiet_poller.poll(int(min(wait * 1000, tick_ms))))
-                if trainer_wait in events or time.monotonic() - last_engines >= IDLE_COALESCE:
-                    # the batch is due, or a trainer's request must not overtake what the
-                    # engines sent before it (a registration before a begin); an empty
-                    # drain is cheap
-                    events[engine_wait] = zmq.POLLIN
-            else:
-                events = dict(await poller.poll(tick_ms))
+            quiet = self._quiet()
+            if not quiet:
+                engines_at = None  # a sync or a recovery reads every engine message at once
+            wait = self._wait_ms(time.monotonic(), engines_at)
+            events = dict(await (quiet_poller if engines_at is not None else poller).poll(wait))
+            self.wakeups += 1
+            if self._nudged.fileno() in events:  # a plain socket is reported by its fd
+                self._clear_nudge()
+            now = time.monotonic()
+            if engine_wait in events and quiet and trainer_wait not in events:
+                if now < last_engines + IDLE_COALESCE:
+                    del events[engine_wait]  # the batch is not due: they wait for it
+                    engines_at = last_engines + IDLE_COALESCE
+            if engines_at is not None and (now >= engines_at or trainer_wait in events):
+                # the batch is due, or a trainer's request must not overtake what the
+                # engines sent before it (a registration before a begin)
+                events[engine_wait] = zmq.POLLIN
+                engines_at = None
             if subs is not None and subs in events:  # engines' fan-out subscriptions
                 t.fanout_subscriptions()
             # Engines first: their acks free window slots the trainer is waiting on.
@@ -322,12 +353,48 @@ class Service:
                 await self._drain(t.trainer, self.dispatch.on_trainer, "trainer")
             if closed:
                 await self._guarded("connections", self._on_disconnects, t.trainer_peers)
+            if events:
+                self._changed = True
+            wake = self.core.next_wake()
             now = time.monotonic()
-            if now - last_tick >= self.settings.tick_interval:
-                last_tick = now
+            if wake is not None and now >= wake:
                 await self._guarded("timer", self._on_tick)
             if self.recovery is not None:
                 await self._guarded("recovery", self.recovery.pump)
+            if self._changed and now >= self._published_at + METRICS_REFRESH:
+                self._publish()
+
+    def _wait_ms(self, now: float, engines_at: float | None) -> int:
+        """How long the loop may wait for an input (ms; -1: until one comes): until the
+        core's next deadline, the quiet fleet's batch, or the metrics' refresh when an
+        input changed what they show. Rounded up: a wake-up never comes before its time."""
+        due = [x for x in (self.core.next_wake(), engines_at) if x is not None]
+        if self._changed and self.metrics.server is not None:
+            due.append(self._published_at + METRICS_REFRESH)
+        if self._stuck_at is not None and due and min(due) <= self._stuck_at:
+            # The core named a time its own tick then found nothing due at: a bug in the
+            # clock. Retried every STUCK_RETRY (logged), never a busy loop.
+            log.error("clock_wake_not_due", wake=self._stuck_at, now=now)
+            due, self._stuck_at = [now + STUCK_RETRY], None
+        if not due:
+            return -1
+        return max(0, math.ceil((min(due) - now) * 1000))
+
+    def _nudge(self) -> None:
+        """A batch of effects ended off the loop's turn (in its task, once its journal and
+        spool writes were durable): the loop looks again, for what it may have changed (a
+        deadline, a rollback to pump, a reply that freed the rollback's window)."""
+        if not self._nudge_pending:
+            self._nudge_pending = True
+            self._nudge_w.send(b"\0")
+
+    def _clear_nudge(self) -> None:
+        try:
+            while self._nudged.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._nudge_pending = False
 
     def _quiet(self) -> bool:
         r = self.recovery
@@ -352,10 +419,16 @@ class Service:
             await self._guarded(src, handler, frames[0].bytes, frames[1:])
 
     async def _on_tick(self) -> None:
-        await self.feed(ev.Tick())  # deadlines, lost engines, rollback
+        self.ticks += 1
+        log.debug("timer_tick", ticks=self.ticks, wakeups=self.wakeups)
+        res = await self.dispatch.feed(ev.Tick())  # deadlines, lost engines, rollback
+        wake = self.core.next_wake()
+        if not res.commands and wake is not None and wake <= self.core.now:
+            self._stuck_at = wake  # the tick found nothing due at the core's own wake
         self._publish()
 
     def _publish(self) -> None:
+        self._changed, self._published_at = False, time.monotonic()
         if self.metrics.server is not None:
             self.metrics.publish(self.status())
 
@@ -409,6 +482,8 @@ class Service:
                     self.effects.complete_sync(c)
         finally:
             self.transport.close()
+            self._nudge_w.close()
+            self._nudged.close()
             self.journal.close()
             self._release_locks()
             if self.transport.auth is not None:

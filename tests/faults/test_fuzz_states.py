@@ -142,7 +142,7 @@ class Rig:
             self._sync_to(finish=True, finalize=True)
             self._sync_to(finish=False, finalize=False)
             self.eng.send(schema.Failed(sync_id=self.sync_id, code="ENGINE_FAILED", message="fuzz"))
-            deadline = time.monotonic() + 10  # the daemon's timer starts it (tick: 0.2 s)
+            deadline = time.monotonic() + 10  # the daemon ticks the core at once: a rollback is due now
             while time.monotonic() < deadline:
                 s = self.c.status(timeout=1.0)["sync"]
                 if s is not None and s["kind"] == "rollback":

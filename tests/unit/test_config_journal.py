@@ -18,7 +18,7 @@ def test_flags_win_over_env_which_win_over_defaults(monkeypatch):
     assert load_settings(min_engines=5, engine_timeout=None).min_engines == 5
 
 
-@pytest.mark.parametrize("env", [{"WEIGHTSYNC_MIN_ENGINES": "x"}, {"WEIGHTSYNC_TICK_INTERVAL": "0"}])
+@pytest.mark.parametrize("env", [{"WEIGHTSYNC_MIN_ENGINES": "x"}, {"WEIGHTSYNC_ENGINE_TIMEOUT": "0"}])
 def test_bad_settings_raise_config_error(monkeypatch, env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)

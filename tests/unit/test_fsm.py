@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 from hypothesis import settings
@@ -613,8 +614,8 @@ class RandomOrders(RuleBasedStateMachine):
 
     @rule(past=st.booleans(), heartbeat=st.booleans())
     def do_tick_at_the_next_wake(self, past, heartbeat):
-        """Time driven through the core's own next wake: a tick just before it changes
-        nothing (the daemon may sleep until then), a tick just past it acts."""
+        """Time driven through the core's own next wake: a tick at the float just before it
+        changes nothing (the daemon may sleep until then), a tick exactly at it acts."""
         if heartbeat:  # without them the engines' deadline comes first every time
             for e in ENGINES:
                 self.o.handle(ev.Heartbeat(e), self.now)
@@ -624,9 +625,9 @@ class RandomOrders(RuleBasedStateMachine):
         elif not past:
             if wake <= self.now:
                 return  # due already: there is no "before"
-            t, acts = wake - 1e-6, False
+            t, acts = math.nextafter(wake, -math.inf), False
         else:
-            t, acts = max(self.now, wake) + 1e-6, True
+            t, acts = max(self.now, wake), True
         before = copy.deepcopy(self.o.snapshot())
         out: list = []
         self._run(lambda: out.append(self.o.handle(ev.Tick(), t)) or out[-1])
