@@ -259,7 +259,13 @@ class Service:
         self.locks = []
 
     def request_stop(self) -> None:
+        """Stop at the loop's next turn (a signal handler, run on the loop's thread): the
+        nudge wakes a loop that waits for a far deadline or none at all."""
         self._stop.set()
+        try:
+            self._nudge()
+        except OSError:  # the loop has ended and closed its nudge already
+            pass
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -129,3 +129,19 @@ def test_after_a_sync_the_idle_daemon_sleeps_instead_of_spinning(tmp_path):
         finally:
             eng.close()
             trainer.close()
+
+
+def test_sigterm_wakes_a_daemon_that_waits_for_no_deadline(tmp_path):
+    """With no deadline running (its one engine registered and then left), the loop waits
+    for an input only; SIGTERM must wake it. Once the signal set the stop flag and left
+    the loop asleep: the stop ran out its grace and the daemon was SIGKILLed (-9). Here it
+    exits 0 well inside the grace, and says so in its log."""
+    c = Cluster(tmp_path / "d", None, engines=0, min_engines=1, daemon_args=["--log-level", "info"])
+    with c:
+        daemon = c.daemon
+        eng = ScriptedEngine(c.engine_addr, "leaving")  # registered once this returns
+        eng.close()  # its connection closes: lost at once, no deadline runs after it
+        wait_for(lambda: _one(_events(daemon.log_path), "engine_lost"), 30, "the engine lost")
+        # the only deadline left is --lost-expiry's, an hour away
+        assert daemon.stop(grace=20.0) == 0, daemon.log_path.read_text()[-2000:]
+        assert _one(_events(daemon.log_path), "daemon_stopped") is not None
