@@ -24,7 +24,7 @@ from messages.keys import generate
 
 RECEIVER = r"""
 import json, sys, torch
-from messages.collective import Group, GroupSpec
+from messages.distgroup import Group, GroupSpec
 spec, sizes, repeats = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 g = Group(GroupSpec(**spec))
 buf = torch.empty(max(sizes), dtype=torch.uint8)
@@ -65,7 +65,7 @@ class RawBroadcast:
                     [sys.executable, "-c", RECEIVER, json.dumps(spec), json.dumps(sizes), str(repeats)]
                 )
             )
-        from messages.collective import Group, GroupSpec
+        from messages.distgroup import Group, GroupSpec
 
         self.group = Group(
             GroupSpec(gid, "127.0.0.1", self.server.port, 0, n + 1, "gloo", timeout, "127.0.0.1"),

@@ -51,7 +51,7 @@ from bench.common import machine, peak_rss_mib, reset_peak
 from examples.launch import Cluster
 from messages import schema, stream
 from messages.buckets import digest
-from messages.collective import CollectiveError
+from messages.distgroup import GroupError
 from orchestrator.trainer.group import TrainerGroup
 
 PER_PROCESS = 64  # simulated engines per simulator process
@@ -91,7 +91,7 @@ class SimGroup(TrainerGroup):
         self.pending_seq = None
         reason = give_up()  # as a real broadcast does while it waits: the daemon's error stops it
         if reason is not None:
-            raise CollectiveError(f"broadcast abandoned: {reason}")
+            raise GroupError(f"broadcast abandoned: {reason}")
 
     def fail(self) -> None:
         self.pending_seq = None

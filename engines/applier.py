@@ -3,8 +3,8 @@ here, in order, so the worker's main thread (which alone owns the socket) keeps
 heartbeats flowing while a long load or finalize runs.
 
 Rules: results go back through `out` and a wake-up pipe, never through the socket. Every
-received bucket is verified against its checksum before use (inline frame, shm slot or
-collective broadcast); inline and shm buckets are hashed by `engines.verify.Verifier` as
+received bucket is verified against its checksum before use (a frame, a referenced slot or
+a group's broadcast); frames and referenced slots are hashed by `engines.verify.Verifier` as
 they arrive, so that hashing overlaps the load of the bucket before. An engine exception
 becomes a typed `failed`, logged loudly; it never escapes the thread. Each sync's phases
 (hashing, waiting for it, loading, finalize, canary, and what the engine reports) go back
@@ -28,8 +28,8 @@ from engines.base import (
     DigestsBeforeFinalize,
     Engine,
     LoadsBuckets,
-    LoadsShm,
-    ReceivesCollective,
+    LoadsRefs,
+    ReceivesGroup,
     TakesDigestParts,
 )
 from engines.delta import BaseStore
@@ -41,12 +41,12 @@ from messages import schema, stream
 from messages.bounded import LRU
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
-from messages.collective import CollectiveError
+from messages.distgroup import GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 log = structlog.get_logger()
-STREAM_DEPTH = 2  # collective buckets received ahead of the one being applied
-CANCELS_KEPT = 8  # aborted syncs remembered that never received a collective bucket: a few in a row
+STREAM_DEPTH = 2  # group buckets received ahead of the one being applied
+CANCELS_KEPT = 8  # aborted syncs remembered that never received a group bucket: a few in a row
 
 
 class Applier(threading.Thread):
@@ -73,18 +73,18 @@ class Applier(threading.Thread):
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
         self.pass_bytes: dict[str, int] = {}  # and the bytes a phase's pass went over (checksum)
         self.collective_bind = collective_bind
-        self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first collective load
+        self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first group load
         self._spec = {p.name for p in engine.describe().spec}
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
-        # sync_id -> set when that sync's collective stream must stop (the main thread's abort);
+        # sync_id -> set when that sync's group stream must stop (the main thread's abort);
         # read and written by the main and the applier thread, under the lock
         self._cancels: LRU[str, threading.Event] = LRU(CANCELS_KEPT)
         self._cancels_lock = threading.Lock()
 
     def accept(self, msg: schema.Load, payload: Any) -> None:
-        """Called by the main thread as a `load` arrives: start hashing it (inline, shm) or
-        receiving it (collective) now, while the applier may still load earlier buckets."""
+        """Called by the main thread as a `load` arrives: start hashing it (a frame, a
+        referenced slot) or receiving it (by a group) now, while the applier may still load earlier buckets."""
         pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
         self.jobs.put(LoadJob(msg, pending))
 
@@ -94,9 +94,9 @@ class Applier(threading.Thread):
             self.pass_bytes[phase] = self.pass_bytes.get(phase, 0) + nbytes
 
     def prefetch(self, msg: schema.Load) -> Any:
-        """Start receiving a collective bucket now. None: the engine receives by itself
+        """Start receiving a group bucket now. None: the engine receives by itself
         (vLLM workers)."""
-        if isinstance(self.engine, ReceivesCollective):
+        if isinstance(self.engine, ReceivesGroup):
             return None
         if self.prefetcher is None:
             self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
@@ -192,7 +192,7 @@ class Applier(threading.Thread):
         t0 = time.perf_counter()
         try:
             if msg.group is not None:
-                self._load_collective(msg, pending)
+                self._load_group(msg, pending)
             else:
                 self._load_verified(msg, pending)
         finally:
@@ -218,7 +218,7 @@ class Applier(threading.Thread):
             return self._cancels.setdefault(sync_id, threading.Event())
 
     def _do_stream(self, msg: schema.OpenStream) -> None:
-        """Receive, verify and apply every bucket of a collective stream, then answer once
+        """Receive, verify and apply every bucket of a group stream, then answer once
         with `prepared` (buckets, bytes, the chain of their checksums, the digest)."""
         if msg.sync_id in self.failed:
             return
@@ -287,7 +287,7 @@ class Applier(threading.Thread):
         )
 
     def _stream_failed(self, exc: BaseException, received: int) -> None:
-        if isinstance(exc, CollectiveError):
+        if isinstance(exc, GroupError):
             raise WeightSyncError(f"stream, after {received} buckets: {exc}", code=exc.code)
         if isinstance(exc, MessageError):
             raise WeightSyncError(f"stream, after {received} buckets: {exc.reason}", code=exc.code)
@@ -328,19 +328,19 @@ class Applier(threading.Thread):
         if (
             msg.ref is not None
             and not msg.ref.via  # workers map shared memory themselves; another transport's is read here
-            and isinstance(self.engine, LoadsShm)
+            and isinstance(self.engine, LoadsRefs)
             and not _patched(msg.tensors)
             and not has_pieces(msg.tensors)
         ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
-            self.engine.load_shm(msg.tensors, msg.ref, msg.checksum, parts=v.parts)
+            self.engine.load_ref(msg.tensors, msg.ref, msg.checksum, parts=v.parts)
             if self.base.keeping:
                 self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
 
-    def _load_collective(self, msg: schema.Load, fut: Any) -> None:
-        buf = self._collective_bytes(msg, fut)
+    def _load_group(self, msg: schema.Load, fut: Any) -> None:
+        buf = self._group_bytes(msg, fut)
         if buf is None:  # the engine's own workers received and loaded it (vLLM)
             return
         t0 = time.perf_counter()
@@ -403,22 +403,22 @@ class Applier(threading.Thread):
         self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
 
-    def _collective_bytes(self, msg: schema.Load, fut: Any) -> Any:
+    def _group_bytes(self, msg: schema.Load, fut: Any) -> Any:
         """The bucket the prefetcher received by broadcast (None: the engine's workers
         received it themselves)."""
         group, size = msg.group, msg.size
         if group is None or size is None:  # the codec refuses such a load; for the type checker
-            raise WeightSyncError(f"bucket seq {msg.seq}: not a collective load", code=ErrorCode.INTERNAL)
+            raise WeightSyncError(f"bucket seq {msg.seq}: not a group load", code=ErrorCode.INTERNAL)
         # With keys (the store speaks CURVE) the broadcast bytes must carry this sync's MAC.
         key = stream.mac_key(group.token, msg.sync_id) if group.store_key else None
         try:
-            if isinstance(self.engine, ReceivesCollective):  # the engine's own workers receive (vLLM)
+            if isinstance(self.engine, ReceivesGroup):  # the engine's own workers receive (vLLM)
                 if key is not None and msg.mac is None:
                     raise WeightSyncError(
                         f"bucket seq {msg.seq}: no MAC, and this group needs one", code=ErrorCode.UNAUTHORIZED
                     )
                 self.base.invalidate()  # bytes this thread never sees cannot be a base
-                self.engine.load_collective(
+                self.engine.load_group(
                     msg.tensors,
                     group.to_wire(),
                     size,
@@ -430,7 +430,7 @@ class Applier(threading.Thread):
                 )
                 return None
             buf = fut.result(timeout=group.timeout + 5.0)
-        except CollectiveError as exc:
+        except GroupError as exc:
             raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=exc.code) from None
         except FutureTimeout:
             raise WeightSyncError(
@@ -445,7 +445,7 @@ class Applier(threading.Thread):
         return host
 
     def _queued_next(self, msg: schema.Load) -> dict[str, int] | None:
-        """{seq, size} of the collective load right behind `msg` in the queue (same sync and
+        """{seq, size} of the group load right behind `msg` in the queue (same sync and
         group), whose receive the vLLM workers may post before loading `msg`; else None."""
         with self.jobs.mutex:
             job: Job | LoadJob | None = self.jobs.queue[0] if self.jobs.queue else None
@@ -464,17 +464,17 @@ class Applier(threading.Thread):
         return {"seq": nxt.seq, "size": nxt.size}
 
     def _close_group(self, stop: bool = False) -> None:
-        """Leave the collective group (the daemon plans a new one); `stop`: for good."""
+        """Leave the group (the daemon plans a new one); `stop`: for good."""
         if self.prefetcher is not None:
             if stop:
                 self.prefetcher.stop()
                 self.prefetcher.join(timeout=10)
             else:
                 self.prefetcher.close_group()
-        if isinstance(self.engine, ReceivesCollective):
-            self.engine.close_collective()
+        if isinstance(self.engine, ReceivesGroup):
+            self.engine.close_group()
 
-    def shutdown_collective(self) -> None:
+    def shutdown_group(self) -> None:
         self._close_group(stop=True)
 
     def _do_finalize(self, msg: schema.Finalize) -> None:

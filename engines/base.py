@@ -8,8 +8,8 @@ is the backend's post-load step and is NOT idempotent, exactly like vLLM's
 prepares a new sync (undoes what finalize did to the checkpoint-format weights).
 Optional capabilities are protocols of their own, checked with isinstance by the
 applier: `LoadsBuckets` (takes the received bucket as is: the vLLM engine hands it to
-its workers by reference or through shared memory, without unpacking), `LoadsShm` (its
-workers read the trainer's slot), `ReceivesCollective` (receives a collective bucket
+its workers by reference or through shared memory, without unpacking), `LoadsRefs` (its
+workers read the trainer's slot), `ReceivesGroup` (receives a group's bucket
 itself: the vLLM engine's workers each join the group and receive inside vLLM, posting
 the next bucket's receive before loading this one), `TakesDigestParts` (the engine
 process hashes each bucket once, for checksum and digest) and `ReportsPhases`.
@@ -83,15 +83,15 @@ class LoadsBuckets(Protocol):
 
 
 @runtime_checkable
-class LoadsShm(Protocol):
-    def load_shm(
+class LoadsRefs(Protocol):
+    def load_ref(
         self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None: ...
 
 
 @runtime_checkable
-class ReceivesCollective(Protocol):
-    def load_collective(
+class ReceivesGroup(Protocol):
+    def load_group(
         self,
         metas: Sequence[TensorMeta],
         group: dict[str, Any],
@@ -103,7 +103,7 @@ class ReceivesCollective(Protocol):
         mac: tuple[str, int, str] | None = None,
     ) -> None: ...
 
-    def close_collective(self) -> None: ...
+    def close_group(self) -> None: ...
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""Receive collective buckets ahead of the applier, so bucket N+1 crosses the network
+"""Receive group buckets ahead of the applier, so bucket N+1 crosses the network
 while bucket N is verified and copied into the model.
 
 Rules: one thread owns the group (it alone joins, receives and closes it), receiving in
@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from messages import schema, stream
-from messages.collective import CollectiveError, Member
+from messages.distgroup import GroupError, Member
 
 
 class Prefetcher(threading.Thread):
     def __init__(self, bind: str = "", depth: int = 2, failpoints: dict[str, Any] | None = None) -> None:
-        super().__init__(name="engine-collective-receiver", daemon=True)
+        super().__init__(name="engine-group-receiver", daemon=True)
         self.member = Member(bind, slots=depth)
         self.failpoints = failpoints or {}
         self._slots = threading.Semaphore(depth)
@@ -50,7 +50,7 @@ class Prefetcher(threading.Thread):
         cancelled: threading.Event,
         free: threading.Semaphore,
     ) -> None:
-        """Receive a whole collective stream (`stream` message): each framed bucket goes to
+        """Receive a whole group stream (`stream` message): each framed bucket goes to
         `out` as ("bucket", header, metas bytes, payload view) once `free` (this stream's
         own count of free buffers, released by the applier) allows, then ("end", header);
         a failure goes as ("error", exception) and ends it. A stream given up with buckets
@@ -101,7 +101,7 @@ class Prefetcher(threading.Thread):
         cancelled: threading.Event,
         free: threading.Semaphore,
     ) -> None:
-        """The receive loop of one collective stream, on this (the group's) thread."""
+        """The receive loop of one group stream, on this (the group's) thread."""
         ref = msg.group.to_wire()
 
         def give_up() -> str | None:
@@ -120,7 +120,7 @@ class Prefetcher(threading.Thread):
                     os.kill(os.getpid(), signal.SIGKILL)
                 while not free.acquire(timeout=0.05):  # a buffer the applier released
                     if cancelled.is_set():
-                        raise CollectiveError("the sync ended here")
+                        raise GroupError("the sync ended here")
                 view = self.member.buffer(h.payload_len, g.device)  # bytes, metadata, MAC
                 work = g.start(view)
                 if self.failpoints.get("kill_in_receive", -1) == h.seq:  # fault injection:

@@ -46,7 +46,7 @@ class Phase(Enum):
     NEW = "NEW"  # no record here: a sync_id never seen, or superseded before its finalize
     PAST = "PAST"  # superseded after its finalize came (only the guard remembers it)
     LOADING = "LOADING"  # buckets arrive (sent to this engine or published to all)
-    STREAMING = "STREAMING"  # the collective stream runs on the applier
+    STREAMING = "STREAMING"  # a group's stream runs on the applier
     FINALIZING = "FINALIZING"  # the post-load step was asked for (once)
     FINALIZED = "FINALIZED"  # it ran; the digest went to the daemon
     FAILED = "FAILED"  # a step failed before its finalize came; reported
@@ -275,7 +275,7 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """What of `sync_id` stops now: its collective stream (`stream`: receiving ends, or
+    """What of `sync_id` stops now: its group stream (`stream`: receiving ends, or
     never starts), and its published buckets (`published`: the fan-out drops them)."""
 
     sync_id: str

@@ -40,11 +40,11 @@ import structlog
 import zmq
 
 from engines.applier import Applier
-from engines.base import ChecksHealth, Engine, EngineInfo, HandsToReaders, LabelsOutputs, ReceivesCollective
+from engines.base import ChecksHealth, Engine, EngineInfo, HandsToReaders, LabelsOutputs, ReceivesGroup
 from engines.postload import Rehashed
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema, transports
-from messages.collective import Backend, available_backends
+from messages.distgroup import Backend, available_backends
 from messages.errors import ErrorCode, MessageError, WeightSyncError, wrong_socket_line
 from messages.link import Link
 
@@ -89,10 +89,10 @@ class Worker:
         heartbeat_interval: float = 1.0,
         ctx: zmq.Context[Any] | None = None,
         close_engine: bool = True,
-        allow_shm: bool = True,  # offer the transports that carry references
+        allow_refs: bool = True,  # offer the transports that carry references
         keys: Any = None,
         failpoints: dict[str, float] | None = None,
-        collective: bool = True,
+        groups: bool = True,  # offer the transports that need a group
         collective_bind: str = "",
         key_label: str = "",
         delta_base: bool = False,
@@ -100,12 +100,12 @@ class Worker:
     ) -> None:
         self.engine = engine
         self.delta_base = delta_base  # keep a base copy for delta syncs (engines/delta.py)
-        self.collective = collective and any(t.needs_group for t in self._kinds(engine.describe()))
+        self.groups = groups and any(t.needs_group for t in self._kinds(engine.describe()))
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
         self.keys = keys  # messages.keys.ClientKeys for a CURVE daemon
         self.key_label = key_label  # which key that is, for the refusal message
-        self.allow_shm = allow_shm
+        self.allow_refs = allow_refs
         self.close_engine = close_engine
         self.connect = connect
         self.engine_id = engine_id
@@ -164,8 +164,8 @@ class Worker:
                 t.name
                 for t in self._kinds(self.info)
                 if t.available()
-                and (t.carries != "ref" or self.allow_shm)
-                and (t.carries != "group" or self.collective)
+                and (t.carries != "ref" or self.allow_refs)
+                and (t.carries != "group" or self.groups)
             ),
             version=self.version,
             digest=self.digest,
@@ -174,10 +174,10 @@ class Worker:
             host=pysocket.gethostname(),
             spec=self.info.spec,
             cast_ok=self.info.cast_ok,
-            collective_ranks=self.info.collective_ranks if self.collective else 0,
+            collective_ranks=self.info.collective_ranks if self.groups else 0,
             collective_backends=self._backends(),
             # the framed stream is received by this process (vLLM's workers receive per bucket)
-            collective_stream=self.collective and not isinstance(self.engine, ReceivesCollective),
+            collective_stream=self.groups and not isinstance(self.engine, ReceivesGroup),
             labels=isinstance(self.engine, LabelsOutputs),
             delta=self.delta_base,
             served_notice=isinstance(self.engine, HandsToReaders),
@@ -185,7 +185,7 @@ class Worker:
         )
 
     def _backends(self) -> tuple[Backend, ...]:
-        if not self.collective:
+        if not self.groups:
             return ()
         return available_backends()
 
@@ -307,7 +307,7 @@ class Worker:
                 health.stopped.set()  # a daemon thread: a probe in flight ends with the process
             applier.stop()
             applier.join(timeout=30)
-            applier.shutdown_collective()
+            applier.shutdown_group()
             link.close()
             self.fanout.close()
             sock.close(linger=1000)

@@ -5,7 +5,8 @@ ints and bools: MessagePack carries it; no pickle, unlike `torch.multiprocessing
 reductions, whose `_share_cuda_` / `_new_shared_cuda` pair this wraps); the engine opens
 it, copies the bytes it needs into its parameters, and drops its view before it
 acknowledges, so the trainer may reuse the slot. Only peers on the same host and device
-may use it; the orchestrator offers it like `shm` (same host), never across hosts.
+may use it; the orchestrator offers it like the segments' reference transport (same host), never
+across hosts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The collective group's rendezvous store, over ZeroMQ: bound to one address, closed to
+"""A group's rendezvous store, over ZeroMQ: bound to one address, closed to
 anyone without the group's token, encrypted and server-authenticated with CURVE when the
 deployment uses keys.
 
@@ -8,7 +8,7 @@ group that carries the model's weights. This store is a `torch.distributed.Store
 and NCCL rendezvous through it unchanged) whose server is the trainer (rank 0).
 
 Rules:
-- The server binds `tcp://HOST:0` on the trainer's collective host only. Its thread owns
+- The server binds `tcp://HOST:0` on the trainer's group host only. Its thread owns
   the socket; every request is answered, a blocking `get`/`wait` is parked until its keys
   exist or its deadline passes (then it is answered with a timeout).
 - Every request carries the token (32 random bytes, hex) the trainer offered in `begin`;
@@ -42,7 +42,7 @@ import zmq
 
 from messages.liblog import get_logger
 
-log = get_logger("collective")
+log = get_logger("group")
 
 OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete", "num_keys")
 MAX_KEY = 1024

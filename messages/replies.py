@@ -14,6 +14,7 @@ from typing import Any, TypeVar, Union
 import msgspec
 
 from messages.errors import ErrorCode, make_error
+from messages.schema import FRAMES
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -35,13 +36,13 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     state: str  # LOADING_BUCKETS (or where a repeated begin found its sync)
     kind: str = "sync"
-    transport: str = "inline"  # what the daemon chose (a transport's name, or "mixed")
+    transport: str = FRAMES  # what the daemon chose (a transport's name, or "mixed")
     engines: tuple[str, ...] = ()  # the participants
     ref_engines: tuple[str, ...] = msgspec.field(default=(), name="shm_engines")  # read by reference
     via: str = ""  # the "ref" transport those engines read (mixed: the others take frames)
     group: dict[str, Any] | None = msgspec.field(default=None, name="collective")  # the group plan
-    stream: bool = False  # collective stream: engines answer once, with `prepared`
-    spool_copy: bool = False  # collective: the trainer also sends the daemon each bucket
+    stream: bool = False  # a group's stream: engines answer once, with `prepared`
+    spool_copy: bool = False  # a group: the trainer also sends the daemon each bucket
     repeated: bool = False  # a repeated begin (its first reply was lost), answered again
     buckets: int = 0
     bytes: int = 0
@@ -109,8 +110,8 @@ class SyncSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     seconds: float
     engine_ids: list[str]  # the participants
     transport: str
-    stream: bool = False  # it travelled on the collective stream
-    group: str | None = None  # the collective group, its size and backend
+    stream: bool = False  # it travelled on a group's stream
+    group: str | None = None  # the group, its size and backend
     world_size: int | None = None
     backend: str | None = None
 

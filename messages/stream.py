@@ -1,7 +1,7 @@
-"""The collective stream's in-band framing: what travels on the group ahead of each bucket,
+"""A group stream's in-band framing: what travels on the group ahead of each bucket,
 so that engines receive a whole sync from the trainer without the daemon in the loop.
 
-Theory of operation (docs/PROTOCOL.md, "the collective stream"): the daemon opens the
+Theory of operation (docs/PROTOCOL.md, the v3 stream's section): the daemon opens the
 stream once per engine (`stream`); then the trainer broadcasts, per bucket, a fixed-size
 header and a payload (the bucket's tensor metadata, msgpack, then its bytes), and at the
 end a header of kind END that carries the bucket count, the byte count and the chain (a
@@ -110,7 +110,7 @@ def bucket_mac(key: bytes, h: Header, data: Any, metas: Any) -> bytes:
 
 
 def load_mac(key: bytes, sender: int, seq: int, data: Any) -> bytes:
-    """The tag of a per-bucket collective load (its metadata travels over the control
+    """The tag of a per-bucket group load (its metadata travels over the control
     plane; only the broadcast bytes need the MAC): over (sender, seq) and the bytes."""
     m = blake3.blake3(key=key)
     m.update(b"load\0" + sender.to_bytes(4, "little") + seq.to_bytes(8, "little"))
@@ -119,7 +119,7 @@ def load_mac(key: bytes, sender: int, seq: int, data: Any) -> bytes:
 
 
 def check_load_mac(key: bytes | None, sender: int, seq: int, data: Any, tag: bytes | None) -> None:
-    """Raise UNAUTHORIZED unless a per-bucket collective load carries the right tag."""
+    """Raise UNAUTHORIZED unless a per-bucket group load carries the right tag."""
     if key is None:
         return
     if tag is None:

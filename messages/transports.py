@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from messages import schema, shm
+from messages import schema, segments, shm
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +216,7 @@ def choose_ref(
 def _builtins() -> None:
     """The transports every weightsync process has: frames through the daemon, references
     to same-host shared memory (messages.shm), and the trainer-hosted group
-    (messages.collective)."""
+    (messages.distgroup)."""
     register(Transport(schema.FRAMES, "frame"))
     register(
         Transport(
@@ -225,9 +225,9 @@ def _builtins() -> None:
             same_host=True,
             preference=10,
             rings=shm.ShmRings,
-            reader=shm.Reader,
-            available=shm.shm_available,
-            sweep=shm.sweep_stale,
+            reader=segments.Reader,
+            available=segments.available,
+            sweep=segments.sweep_stale,
         )
     )
     register(Transport("collective", "group", preference=20))

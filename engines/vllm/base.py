@@ -4,8 +4,8 @@ tensor list, shared-memory staging, the rpc protocol of the worker extension
 
 Rules: a bucket's bytes are copied once, from where they were received into the
 parameters, by vLLM's own weight loaders. In-process workers (V1 multiprocessing off) get
-the received frame itself (`engines.vllm.extension.LOCAL_BUFFERS`); an shm bucket is
-viewed by the workers straight from the trainer's slot. Only an inline frame for workers
+the received frame itself (`engines.vllm.extension.LOCAL_BUFFERS`); a bucket sent by
+reference is viewed by the workers straight from the trainer's slot. Only a frame for workers
 in other processes (multiprocessing, the OpenAI server) is staged in shared memory first:
 that is the one extra copy, and it is counted (`staged_bytes`). The engine process has
 verified the checksum and computed every tensor's digest part (`engines.verify`) before a
@@ -34,7 +34,7 @@ from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, TensorMeta
-from messages.shm import Segment
+from messages.segments import VIA, Segment
 
 log = structlog.get_logger()
 
@@ -88,7 +88,7 @@ class VllmBase:
         self.spec = checkpoint_spec(model_dir)
         self.staging = Segment(staging_bytes, kind="vllm")
         self.finalize_count = 0
-        self.staged_bytes = 0  # inline bytes copied into staging (workers in other processes)
+        self.staged_bytes = 0  # frame bytes copied into staging (workers in other processes)
         self._phases: dict[str, float] = {}
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
@@ -158,23 +158,23 @@ class VllmBase:
             tensors=wire,
             parts=_hex(parts),
             checksum=None if parts is not None else bucket_checksum(self.staging.view(0, n), metas),
-            shm={"name": self.staging.name, "offset": 0, "size": n},
+            ref=Ref(self.staging.name, 0, n, via=VIA).to_wire(),
         )
 
-    def load_shm(
+    def load_ref(
         self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
-        """shm transport: hand the trainer's slot straight to the vLLM workers (no staging
+        """A reference transport: hand the trainer's slot straight to the vLLM workers (no staging
         copy); they copy into parameters (and verify the checksum themselves unless the
         engine process has: `parts` given)."""
         self._check(metas)
-        self._send_shm(metas, ref, bucket_checksum, parts)
+        self._send_ref(metas, ref, bucket_checksum, parts)
 
-    def _send_shm(self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts) -> None:
+    def _send_ref(self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts) -> None:
         self._timed(
             "ws_load",
             sync_id=self.sync_id,
-            shm=ref.to_wire(),
+            ref=ref.to_wire(),
             parts=_hex(parts),
             checksum=None if parts is not None else bucket_checksum,
             tensors=[m.to_wire() for m in metas],
@@ -198,7 +198,7 @@ class VllmBase:
     def _add(self, phase: str, seconds: float) -> None:
         self._phases[phase] = self._phases.get(phase, 0.0) + seconds
 
-    def load_collective(
+    def load_group(
         self,
         metas: Sequence[TensorMeta],
         group: dict[str, Any],
@@ -209,14 +209,14 @@ class VllmBase:
         next_bucket: dict[str, int] | None = None,
         mac: tuple[str, int, str] | None = None,
     ) -> None:
-        """collective transport: every vLLM worker joins the group and receives the bucket
+        """A group transport: every vLLM worker joins the group and receives the bucket
         itself (rank = group rank + worker rank), verifies it (with keys: `mac` = (key hex,
         sender, tag hex), checked by each worker on the bytes it received) and loads it;
         with `next_bucket` ({seq, size} of the load queued behind this one) the workers
         post its receive before loading this one."""
         self._check(metas)
         self._timed(
-            "ws_collective_load",
+            "ws_group_load",
             sync_id=self.sync_id,
             group=group,
             size=size,
@@ -228,8 +228,8 @@ class VllmBase:
             mac=list(mac) if mac is not None else None,
         )
 
-    def close_collective(self) -> None:
-        self.rpc("ws_collective_close")
+    def close_group(self) -> None:
+        self.rpc("ws_group_close")
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         validate_bucket(self.spec, tensors, cast_ok=True)

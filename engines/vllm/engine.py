@@ -20,9 +20,10 @@ import xxhash
 
 from engines.vllm.base import EXTENSION, Parts, VllmBase
 from engines.vllm.lora import LoraSlots, vllm_rank
+from messages import transports
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, TensorMeta
-from messages.shm import Reader, frombuffer
+from messages.segments import frombuffer
 
 log = structlog.get_logger()
 
@@ -130,7 +131,7 @@ class VllmLoraEngine(VllmEngine):
         super().__init__(model_dir, llm_args={**(llm_args or {}), **lora_args}, **options)
         self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
         self.spec.update(self.lora.spec)
-        self._reader = Reader()
+        self._readers: dict[str, transports.Reader] = {}  # per reference transport
         self._pending_begin: tuple[str, int] | None = None
         self._base_begun = False
 
@@ -151,16 +152,21 @@ class VllmLoraEngine(VllmEngine):
             self._begin_base()
             self._send_bucket(base, buf, _only(parts, base))
 
-    def load_shm(
+    def load_ref(
         self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._check(metas)
-        base = self.lora.take(metas, frombuffer(self._reader.view(ref.name, ref.offset, ref.size)))
+        reader = transports.reader_of(ref.via, self._readers)
+        if reader is None:
+            raise make_error(
+                ErrorCode.BAD_MESSAGE, f"no reference transport {transports.ref_name(ref.via)!r} here"
+            )
+        base = self.lora.take(metas, frombuffer(reader.view(ref.name, ref.offset, ref.size)))
         if base:
             self._begin_base()
-            self._send_shm(base, ref, bucket_checksum, _only(parts, base))
+            self._send_ref(base, ref, bucket_checksum, _only(parts, base))
 
-    def load_collective(
+    def load_group(
         self,
         metas: Sequence[TensorMeta],
         group: dict[str, Any],
@@ -174,11 +180,11 @@ class VllmLoraEngine(VllmEngine):
         if any(m.name in self.lora.spec for m in metas):
             raise make_error(
                 ErrorCode.BAD_MESSAGE,
-                "LoRA adapters travel inline or by shm, "
-                "not by the collective (push them with transport inline|auto)",
+                f"LoRA adapters travel as frames or by reference, not by a group (push them "
+                f"with transport {transports.FRAMES}|{transports.AUTO})",
             )
         self._begin_base()
-        super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
+        super().load_group(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
 
     def finalize(self, sync_id: str) -> str:
         parts: list[str | None] = []
@@ -205,6 +211,7 @@ class VllmLoraEngine(VllmEngine):
 
     def close(self) -> None:
         self.lora.close()
+        transports.close_readers(self._readers)
         super().close()
 
 

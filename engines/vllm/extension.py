@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from messages import transports
 from messages.buckets import Digester, hash_bucket
 from messages.checksums import bucket_checksum
-from messages.collective import Member
+from messages.distgroup import Member
 from messages.dtypes import DTYPES
 from messages.schema import TensorMeta
-from messages.shm import Reader
+from messages.segments import frombuffer
 
 
 def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
@@ -56,7 +57,7 @@ def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, Any], str, t
 
 def keep_pending_weights(flat: torch.Tensor) -> int:
     """Copy out the weights vLLM still holds from `flat` when a bucket's load returns
-    (`pending_weights`): `flat` (a receive buffer or the trainer's shm slot) is about to
+    (`pending_weights`): `flat` (a receive buffer or a reference transport's slot) is about to
     be reused. Those, and only those, are cloned; returns how many."""
     kept = 0
     for args, key, value in list(pending_weights(flat)):
@@ -133,7 +134,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
         parts=True,
     )
     if got != expected:
-        raise WorkerError("CHECKSUM_MISMATCH", "collective bucket arrived corrupted")
+        raise WorkerError("CHECKSUM_MISMATCH", "a group bucket arrived corrupted")
     return parts or {}
 
 
@@ -161,7 +162,7 @@ LOCAL_BUFFERS: dict[str, memoryview] = {}
 @dataclass
 class WorkerReload:
     """One vLLM worker's side of the syncs (this process only): the reload running, the
-    finalize guard, what it loaded and holds, and its collective member."""
+    finalize guard, what it loaded and holds, and its group member."""
 
     sync_id: str | None = None
     version: int | None = None
@@ -170,12 +171,22 @@ class WorkerReload:
     finalize_count: int = 0
     digester: Digester = field(default_factory=Digester)  # a new one at each begin
     digest: str | None = None
-    reader: Reader = field(default_factory=Reader)
+    readers: dict[str, transports.Reader] = field(default_factory=dict)  # per reference transport
     loaded: int = 0
     mode: str | None = None  # layerwise, or process_weights_after_loading
     kept: int = 0
-    member: Member | None = None  # this worker's collective group member
+    member: Member | None = None  # this worker's group member
     posted: tuple[tuple[Any, Any, Any], Any] | None = None  # a receive posted ahead
+
+
+def _view(st: WorkerReload, ref: dict[str, Any]) -> memoryview:
+    """The bytes a reference names, read by its transport's reader (one per transport,
+    kept by this worker)."""
+    via = ref.get("via", "")
+    reader = transports.reader_of(via, st.readers)
+    if reader is None:
+        raise RuntimeError(f"no reference transport {transports.ref_name(via)!r} in this worker")
+    return reader.view(ref["name"], ref["offset"], ref["size"])
 
 
 class WeightSyncExtension:
@@ -218,7 +229,7 @@ class WeightSyncExtension:
                 return self.ws_info()  # repeated begin of the same sync
             self._ws_end_reload()  # an abandoned sync: leave reload mode before the next
         if st.posted is not None:  # a receive left posted by an ended sync: leave that group
-            self.ws_collective_close()
+            self.ws_group_close()
         model = self._ws_model()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -242,21 +253,19 @@ class WeightSyncExtension:
         return st
 
     def ws_load(self, arg: str) -> dict[str, Any]:
-        """arg: {sync_id, shm: {name, offset, size} | local: token, checksum | null, parts |
+        """arg: {sync_id, ref: {name, offset, size, via} | local: token, checksum | null, parts |
         null, tensors: [{name, dtype, shape, offset, nbytes}]}; returns {loaded, seconds,
         phases}. checksum null: the engine process verified these bytes (and sent `parts`)."""
         t0 = time.perf_counter()
         a = json.loads(arg)
         st = self._ws_running(a, "ws_load")
-        from messages.shm import frombuffer
-
         if a.get("local") is not None:
             mv = memoryview(LOCAL_BUFFERS[a["local"]])
             where = "the engine's frame"
         else:
-            ref = a["shm"]
-            mv = st.reader.view(ref["name"], ref["offset"], ref["size"])
-            where = f"shared-memory bucket {ref['name']}"
+            ref = a["ref"]
+            mv = _view(st, ref)
+            where = f"bucket {ref['name']} (by {transports.ref_name(ref.get('via', ''))})"
         phases: dict[str, float] = {}
         if a.get("checksum") is not None:
             if bucket_checksum(mv, _metas(a["tensors"])) != a["checksum"]:
@@ -265,7 +274,7 @@ class WeightSyncExtension:
         self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
         return {"loaded": st.loaded, "seconds": time.perf_counter() - t0, "phases": phases}
 
-    def ws_collective_load(self, arg: str) -> dict[str, Any]:
+    def ws_group_load(self, arg: str) -> dict[str, Any]:
         """arg: {sync_id, group: GroupRef, seq, size, checksum, tensors, bind, next: {seq,
         size} | null}: this worker joins the group (rank = group rank + its vLLM rank) and
         receives the bucket by broadcast into its own buffer; no tensor crosses
@@ -274,7 +283,7 @@ class WeightSyncExtension:
         the network meanwhile; the next call finds it posted."""
         t0 = time.perf_counter()
         a = json.loads(arg)
-        st = self._ws_running(a, "ws_collective_load")
+        st = self._ws_running(a, "ws_group_load")
         member = st.member
         if member is None:
             member = st.member = Member(a.get("bind", ""), rank_offset=getattr(self, "rank", 0), slots=2)
@@ -282,7 +291,7 @@ class WeightSyncExtension:
         posted, st.posted = st.posted, None
         if posted is not None and posted[0] != key:
             member.close()  # a receive posted for another bucket would take this one's bytes
-            raise RuntimeError(f"collective bucket {key} arrived, but {posted[0]} was posted")
+            raise RuntimeError(f"group bucket {key} arrived, but {posted[0]} was posted")
         buf = member.wait(
             posted[1] if posted is not None else member.post(a["group"], a["size"], sync=a.get("sync_id"))
         )
@@ -309,7 +318,7 @@ class WeightSyncExtension:
             return {"native": False}
         return {"native": True, **engine.info()}
 
-    def ws_collective_close(self, arg: str = "{}") -> str:
+    def ws_group_close(self, arg: str = "{}") -> str:
         st = self._ws()
         member, st.posted, st.member = st.member, None, None  # the posted receive goes with the group
         if member is not None:
@@ -372,7 +381,8 @@ class WeightSyncExtension:
 
             process_weights_after_loading(model, model_config, self.device)
         st.reloading = False
-        st.reader.prune()  # drop mappings of slots the trainer unlinked; keep the rest
+        for r in st.readers.values():
+            r.prune()  # drop mappings of slots the trainer unlinked; keep the rest
 
     # -- for tests: the hazard this project exists for ----------------------------------
     def ws_unsafe_process_after_loading(self, arg: str = "{}") -> str:
@@ -383,13 +393,9 @@ class WeightSyncExtension:
         return "ok"
 
     def ws_unsafe_load_weights(self, arg: str) -> str:
-        """Plain `load_weights` from a shared-memory descriptor, outside any reload."""
+        """Plain `load_weights` from a reference (`schema.Ref` wire form), outside any reload."""
         a = json.loads(arg)
-        from messages.shm import frombuffer
-
-        st = self._ws()
-        ref = a["shm"]
-        flat = frombuffer(st.reader.view(ref["name"], ref["offset"], ref["size"]))
+        flat = frombuffer(_view(self._ws(), a["ref"]))
         tensors = [
             (
                 m["name"],

@@ -10,11 +10,11 @@ Probes run after `resume` (a paused server cannot generate), so between resume a
 orchestrator's READY the server already answers with the new, finalized weights.
 
 vLLM's own weight-transfer API: a server started with `--weight-transfer-config
-'{"backend": "weightsync"}'` (engines.vllm_transfer) takes collective syncs through its
+'{"backend": "weightsync"}'` (engines.vllm_transfer) takes syncs by a group through its
 routes instead: `/start_weight_update`, one `/update_weights` per bucket (each worker
 receives the bucket by broadcast), `/finish_weight_update`. Which path a sync takes is
-decided by its first bucket (collective or not), so begin is deferred until then; inline,
-shm, rollback and catch-up buckets keep the extension's path.
+decided by its first bucket (by a group or not), so begin is deferred until then; frames,
+references, rollback and catch-up buckets keep the extension's path.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class VllmServerEngine(VllmBase):
         staging_bytes: int = 64 << 20,
         bind: str = "",
     ) -> None:
-        self.bind = bind  # this host's address for the collective group's sockets
+        self.bind = bind  # this host's address for the group's sockets
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.url = url.rstrip("/")
@@ -153,13 +153,13 @@ class VllmServerEngine(VllmBase):
         self._start("extension")
         super().load_bucket(metas, buf, parts)
 
-    def load_shm(
+    def load_ref(
         self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._start("extension")
-        super().load_shm(metas, ref, bucket_checksum, parts)
+        super().load_ref(metas, ref, bucket_checksum, parts)
 
-    def load_collective(
+    def load_group(
         self,
         metas: Sequence[TensorMeta],
         group: dict[str, Any],
@@ -172,7 +172,7 @@ class VllmServerEngine(VllmBase):
     ) -> None:
         if not self.native:
             self._start("extension")
-            super().load_collective(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
+            super().load_group(metas, group, size, bucket_checksum, bind, seq, next_bucket, mac)
             return
         self._check(metas)
         self._start("native")
@@ -209,9 +209,9 @@ class VllmServerEngine(VllmBase):
         self._digest = digests.pop()
         return self._digest
 
-    def close_collective(self) -> None:
+    def close_group(self) -> None:
         if not self.native:
-            super().close_collective()
+            super().close_group()
 
     def rpc(self, method: str, arg: str = "{}") -> list[Any]:
         out = self._http("POST", "/collective_rpc", {"method": method, "args": [arg]})

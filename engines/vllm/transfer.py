@@ -3,7 +3,7 @@
 A vLLM server started with `--weight-transfer-config '{"backend": "weightsync"}'` takes
 updates through its own routes: `/init_weight_transfer_engine`, `/start_weight_update`,
 `/update_weights` (one call per bucket), `/finish_weight_update`. The bytes of each bucket
-come by broadcast from the trainer over the collective group the orchestrator planned
+come by broadcast from the trainer over the group the orchestrator planned
 (`update_info.group`), into one receive buffer per worker; nothing but metadata crosses
 HTTP. The orchestrator still decides begin, finalize-once, commit and rollback: vLLM's
 own guard refuses a `finish` without a `start`, and the digest is read back through the
@@ -69,7 +69,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.seconds = 0.0
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
-        from messages.collective import Member
+        from messages.distgroup import Member
 
         self.bind = init_info.bind
         self.member = Member(self.bind, rank_offset=int(getattr(self.parallel_config, "rank", 0) or 0))

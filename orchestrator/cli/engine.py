@@ -13,6 +13,7 @@ from orchestrator.cli.util import (
     EXIT_STARTUP,
     KeyName,
     LogLevel,
+    SegmentDir,
     _check_endpoint,
     _client_keys,
     _config_error,
@@ -48,8 +49,10 @@ def engine(
         "keep", help="vllm-server: what happens to in-flight requests during a sync"
     ),
     heartbeat_interval: Optional[float] = typer.Option(None),
-    shm: bool = typer.Option(True, "--shm/--no-shm", help="offer the shared-memory transport"),
-    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    shm: bool = typer.Option(
+        True, "--shm/--no-shm", help="offer the transports that carry references to shared memory"
+    ),
+    shm_dir: SegmentDir = None,
     lora_rank: int = typer.Option(
         0,
         min=0,
@@ -60,12 +63,13 @@ def engine(
     ),
     lora_targets: str = typer.Option("", help="comma-separated module names for LoRA, e.g. q_proj,v_proj"),
     collective: bool = typer.Option(
-        True, "--collective/--no-collective", help="offer the collective transport (torch.distributed)"
+        True,
+        "--collective/--no-collective",
+        help="offer the transports that broadcast in a torch.distributed group",
     ),
     collective_host: str = typer.Option(
         "",
-        help="this host's address for the collective group's "
-        "sockets [default: the route to the trainer's store]",
+        help="this host's address for a group's sockets [default: the route to the trainer's store]",
     ),
     keys: Optional[Path] = typer.Option(
         None, help="CURVE keys directory (needs server.key, NAME.key_secret)"
@@ -98,9 +102,9 @@ def engine(
         heartbeat_interval=heartbeat_interval, log_level=log_level, log_json=log_json, shm_dir=shm_dir
     )
     configure_logging(s.log_level, s.log_json)
-    from messages import shm as shm_mod
+    from messages import segments
 
-    shm_mod.configure(s.shm_dir)
+    segments.configure(s.shm_dir)
     _check_endpoint(connect, "--connect")
     curve = _client_keys(keys, key_name)
     try:
@@ -133,10 +137,10 @@ def engine(
         connect,
         engine_id or f"{socket.gethostname()}-{os.getpid()}",
         heartbeat_interval=s.heartbeat_interval,
-        allow_shm=shm,
+        allow_refs=shm,
         keys=curve,
         failpoints=failpoints,
-        collective=collective,
+        groups=collective,
         collective_bind=collective_host,
         key_label=f"{key_name!r} in {keys}" if keys is not None else "",
         delta_base=delta_base,

@@ -22,6 +22,7 @@ from orchestrator.cli.util import (
     Addr,
     BucketBytes,
     KeyName,
+    SegmentDir,
     TrainerKeys,
     _client,
     _fail,
@@ -69,7 +70,8 @@ def push(
         "auto", callback=transport_name, help="auto, or a transport's name (--transport-modules may add some)"
     ),
     collective_host: str = typer.Option(
-        "", help="collective: this host's address for the group's store [default: the route to the daemon]"
+        "",
+        help="a group transport: this host's address for the group's store [default: the route to the daemon]",
     ),
     partial: bool = typer.Option(
         False, "--partial", help="the checkpoint is a subset of the engines' tensors on purpose"
@@ -77,7 +79,7 @@ def push(
     engines_wait: float = typer.Option(
         0.0, min=0.0, help="seconds to wait for engines to register (default: fail at once)"
     ),
-    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    shm_dir: SegmentDir = None,
     probes: Optional[Path] = typer.Option(
         None,
         exists=True,
@@ -99,10 +101,10 @@ def push(
     """Push a safetensors checkpoint to every engine as VERSION."""
     import signal
 
-    from messages import shm
+    from messages import segments
     from messages.checkpoint import Checkpoint, CheckpointError, iter_safetensors
 
-    shm.configure(_settings(shm_dir=shm_dir).shm_dir)
+    segments.configure(_settings(shm_dir=shm_dir).shm_dir)
     canaries = _read_probes(probes) if probes is not None else []
     try:
         iter_safetensors(checkpoint)  # refuse an unreadable checkpoint before connecting

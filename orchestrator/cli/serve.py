@@ -17,6 +17,7 @@ from orchestrator.cli.util import (
     EXIT_STARTUP,
     EXIT_USAGE,
     LogLevel,
+    SegmentDir,
     _check_bind,
     _config_error,
     _settings,
@@ -87,7 +88,7 @@ def serve(
         min=0.0,
         help=f"seconds a sync outlives its trainer's closed connection (default {_default('trainer_grace')})",
     ),
-    shm_dir: Optional[str] = typer.Option(None, help="shared-memory directory (default /dev/shm)"),
+    shm_dir: SegmentDir = None,
     metrics_bind: Optional[str] = typer.Option(
         None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
     ),
@@ -132,11 +133,11 @@ def serve(
     _check_bind(s.engine_bind, "--engine-bind")
     _check_bind(s.fanout_bind, "--fanout-bind")
     configure_logging(s.log_level, s.log_json)
-    from messages import shm
+    from messages import segments
     from messages.keys import KeysError
     from orchestrator.daemon.locks import StateInUse
 
-    shm.configure(s.shm_dir)
+    segments.configure(s.shm_dir)
     service = None
     try:
         service = Service(s)

@@ -14,6 +14,7 @@ from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
+from messages.replies import GROUP_KEY
 from orchestrator.daemon.config import columns_set
 
 SUMMARY_AFTER = 16  # a larger fleet is shown grouped by state, version and digest
@@ -97,7 +98,7 @@ def _engines_table(st: dict[str, Any]) -> Table:
     scheme = st.get("digest_scheme_error")
     if scheme:  # an older daemon's state database or spool: the operator's next step
         title += f"\n[bold red]{scheme['code']}[/bold red]: {scheme['message']}"
-    group = st.get("collective")
+    group = st.get(GROUP_KEY)
     if group:
         title += (
             f"\ncollective group {group['group']}: {group['backend']}, world size "

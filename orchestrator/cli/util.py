@@ -31,6 +31,10 @@ Addr = Annotated[str, typer.Option(help="daemon trainer socket")]
 TrainerKeys = Annotated[Optional[Path], typer.Option(help="CURVE keys directory")]
 KeyName = Annotated[str, typer.Option(help="identity in the keys directory")]
 BucketBytes = Annotated[int, typer.Option(min=4096, max=2**40, help="bytes per bucket")]
+# the directory of this process's shared-memory segments (daemon, engine, push alike)
+SegmentDir = Annotated[
+    Optional[str], typer.Option(help=f"shared-memory directory (default {Settings.shm_dir})")
+]
 
 
 def _config_error(exc: Exception) -> NoReturn:

@@ -105,7 +105,7 @@ FAILPOINTS = {
     "caused by this message type (begin, finish, loaded, ...) are durable",
     "kill_after_told": "daemon: SIGKILL itself once the engines were told of that batch, before any reply",
     "kill_in_broadcast": "engine: SIGKILL itself as it joins the broadcast of bucket seq N "
-    "(collective transport; on the stream: its header read, its receive not yet posted), "
+    "(a group transport; on the stream: its header read, its receive not yet posted), "
     "leaving the trainer mid-broadcast",
     "kill_in_receive": "engine: SIGKILL itself with the receive of stream bucket seq N posted "
     "(blocked inside the broadcast)",

@@ -30,7 +30,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    # The library's own lines (messages.liblog: trainer client, collective group) at the
+    # The library's own lines (messages.liblog: trainer client, group members) at the
     # same level, on stderr.
     lib = logging.getLogger(liblog.ROOT)
     handler = logging.StreamHandler(sys.stderr)

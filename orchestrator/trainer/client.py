@@ -46,8 +46,8 @@ log = get_logger("trainer")
 
 class TrainerClient:
     """A trainer's handle on the daemon: a `Connection` (socket, link, resends), a `Stream`
-    (the bucket pipeline), its shared-memory ring and, for the collective transport, its
-    group (rank 0)."""
+    (the bucket pipeline), its slots for the reference transports and, for a group
+    transport, its group (rank 0)."""
 
     def __init__(
         self,
@@ -66,7 +66,7 @@ class TrainerClient:
         self.collective_host = collective_host  # this host's address for the group's store
         self.finish_timeout = finish_timeout
         self.sender = sender
-        self.curve = keys is not None  # with keys, the collective plane is keyed too
+        self.curve = keys is not None  # with keys, the group's plane is keyed too
         self.conn = Connection(
             addr,
             timeout=timeout,
@@ -142,15 +142,17 @@ class TrainerClient:
         plan: int | None = None,
         expected_buckets: int | None = None,
         probes: Sequence[schema.Probe] = (),
-        transport: str = "inline",
-        collective: schema.CollectiveOffer | None = None,
+        transport: str = transports.FRAMES,
+        group_offer: schema.CollectiveOffer | None = None,
         base: int | None = None,
         bucket_bytes: int | None = None,
     ) -> BeginReply:
         """Start a sync (`base`: a delta sync against that served version; `bucket_bytes`:
-        the size its buckets are cut to, which the daemon sizes its fan-out for). `transport` "shm"/"auto" offers shared memory, "collective" (with
-        `collective`, this trainer's store) a torch.distributed group; the reply's
-        `transport` says what the daemon chose ("inline", "shm", "mixed" or "collective").
+        the size its buckets are cut to, which the daemon sizes its fan-out for). `transport`:
+        a registered transport's name or "auto" (`messages.transports`); a group transport
+        needs `group_offer` (this trainer's store). The reply's `transport` says what the
+        daemon chose (a transport's name, or "mixed": references for some engines, frames
+        for the rest).
         A sharded push's source (`sender` of `senders`, with the sources' `plan` hash) may be
         told to join a sync another source opened: the reply's `sync_id` is the one to use."""
         sync_id = sync_id or uuid.uuid4().hex
@@ -168,7 +170,7 @@ class TrainerClient:
                 probes=tuple(probes),
                 host=host,
                 transport=transport,
-                offer=collective,
+                offer=group_offer,
                 base=base,
                 bucket_bytes=bucket_bytes,
                 seat=self.seat,
@@ -251,11 +253,14 @@ class TrainerClient:
     ) -> SyncResult:
         """Stream `named_tensors` to every engine as `version`; return when READY.
 
-        transport: "auto" uses shared memory for the engines on this host that can read it
-        (one write here, one read per engine) and inline frames otherwise; "inline" and
-        "shm" force a choice ("shm" still falls back where the daemon says so);
-        "collective" broadcasts each bucket to the engines over a torch.distributed group
-        (the daemon only sees metadata; inline where some engine cannot join).
+        transport: "auto" or a registered transport's name (`messages.transports.names()`;
+        docs/PROTOCOL.md lists the built-in ones). "auto" picks by capability: references
+        to same-host memory for the engines on this host that can read them (one write
+        here, one read per engine), frames through the daemon otherwise. A name forces a
+        choice (a reference transport still falls back to frames where the daemon says
+        so); a group transport broadcasts each bucket to the engines over a
+        torch.distributed group (the daemon only sees metadata; frames where some engine
+        cannot join).
         window: buckets unacknowledged at a time; None sizes it from measurements (enough
         buckets in flight to cover one round trip at the measured ack rate, 2 to 8, at
         most 128 MiB); the size reached is in the result's `detail["window"]`.
@@ -280,8 +285,8 @@ class TrainerClient:
         the first begin opens the sync, the others join it). The daemon refuses a tensor two
         sources send (DUPLICATE_TENSOR) and, at the last finish, one no source sent
         (INCOMPLETE_SYNC); every engine finalizes once, after the last bucket of the last
-        source; any source failing fails the sync for all. Every transport: over the
-        collective each source broadcasts from a group of its own. `plan`: the sources' assignment hash, which the
+        source; any source failing fails the sync for all. Every transport: over a
+        group each source broadcasts from a group of its own. `plan`: the sources' assignment hash, which the
         daemon checks every source agrees on (`push_module(sharded=True)` sets it). The result's
         `digest` is the version's, over every source's tensors."""
         if source is not None:
@@ -531,7 +536,7 @@ class TrainerClient:
                     sync_id,
                     probes=probes,
                     transport=transport,
-                    collective=offer,
+                    group_offer=offer,
                     base=base,
                     bucket_bytes=bucket_bytes,
                     sender=source[0],

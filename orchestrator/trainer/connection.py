@@ -135,7 +135,7 @@ class Connection:
 
     def pushed_error(self, sync_id: str, wait: float = 0.0) -> schema.Error | None:
         """An error the daemon sent unasked (id 0) about `sync_id`, waiting up to `wait`
-        seconds for it: how a sync on the collective stream, which has no request in
+        seconds for it: how a sync on a group's stream, which has no request in
         flight, hears of its failure (the push follows the failure's journal write, so a
         refusal answered at once can overtake it)."""
         deadline = time.monotonic() + wait

@@ -45,14 +45,15 @@ class DeltaChooser:
 
     Encoding a delta costs a pass over every tensor (comparison, digest) on the trainer;
     it pays where the link is slower than that pass (through the daemon, between hosts)
-    and not where the link outruns it (shared memory, a fast collective on one host). A
+    and not where the link outruns it (shared memory, a fast group on one host). A
     delta push over a transport whose delta pushes took longer per model byte than its
     dense pushes goes dense (the copy kept as usual), trying delta again every
     RETRY_DELTA pushes in case that changed; the result says which was chosen and why.
 
     Measurements are keyed by the transport the daemon chose for the push (its begin's
-    answer: "inline", "shm", "mixed", "collective"), never by the one asked for: "auto"
-    or a fallback ("shm" answered inline) would otherwise mix links of different speeds.
+    answer: a transport's name or "mixed"), never by the one asked for: "auto" or a
+    fallback (a reference transport answered with frames) would otherwise mix links of
+    different speeds.
     A push asks by what it requests; the chooser looks up what the daemon last chose for
     that request."""
 

@@ -1,7 +1,7 @@
-"""The trainer's side of the collective transport: rank 0 of the group.
+"""The trainer's side of a group transport: rank 0 of the group.
 
 Rules: the trainer hosts the group's rendezvous store (messages/rendezvous.py: bound to its
-collective host only, token-gated, CURVE with keys) for as long as its client lives (one store,
+group host only, token-gated, CURVE with keys) for as long as its client lives (one store,
 one session id; each group the daemon plans gets its own key prefix in it). The daemon
 plans the group at `begin` and says so in its reply; the trainer joins lazily, after it
 has announced the first bucket (the engines join when the daemon forwards that bucket,
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from messages import schema, stream
-from messages.collective import (
-    CollectiveError,
+from messages.distgroup import (
     Group,
+    GroupError,
     GroupSpec,
     Started,
     available_backends,
@@ -82,7 +82,7 @@ class TrainerGroup:
         return stream.mac_key(self._server.token, sync_id)
 
     def plan(self, view: dict[str, Any]) -> None:
-        """The daemon's group for this sync (its begin reply's `collective`)."""
+        """The daemon's group for this sync (its begin reply's group plan)."""
         if self.group is not None and (self.group.spec.id != view["group"] or self.group.broken):
             self.group.close()
             self.group = None
@@ -94,7 +94,7 @@ class TrainerGroup:
         the previous broadcast must have been waited for."""
         v = self.planned
         if v is None:
-            raise CollectiveError("no collective group planned for this sync")
+            raise GroupError("no group planned for this sync")
         if self.group is None:
             spec = GroupSpec(
                 id=v["group"],

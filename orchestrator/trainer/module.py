@@ -100,7 +100,7 @@ def module_tensors(
     gathered lazily; with `dtype`, floating tensors come as `Cast` (cast while packed;
     `.materialize()` gives the tensor). Every rank of a sharded model must consume it in
     lockstep. `only(name)`: yield just those tensors (every DTensor is still gathered, on
-    every rank: the gather is collective)."""
+    every rank takes part in the gather)."""
     for name, t in _entries(model, filter):
         if hasattr(t, "full_tensor"):  # DTensor (FSDP2): the whole tensor, on every rank
             t = t.full_tensor()

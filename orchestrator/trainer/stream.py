@@ -3,7 +3,7 @@
 `Connection`, on the thread that owns its socket.
 
 Rules: a bucket's slot is reused only after that bucket was acknowledged by every engine
-(through the daemon). On the collective path the bucket's metadata goes to the daemon
+(through the daemon). On a group's path the bucket's metadata goes to the daemon
 first, then its bytes go to the engines by broadcast; replies that arrive while a
 broadcast runs are kept, in order, for the stream, and an error for this sync stops the
 broadcast at once.
@@ -22,7 +22,7 @@ import torch
 
 from messages import schema
 from messages.buckets import Digester, PackedBucket, iter_buckets
-from messages.collective import CollectiveError
+from messages.distgroup import GroupError
 from messages.errors import ErrorCode, make_error
 from messages.liblog import get_logger
 from messages.link import Reconnected
@@ -90,7 +90,7 @@ class WindowSizer:
 @dataclass(slots=True)
 class Streamed:
     """What `_stream` did: buckets, bytes, resends, the trainer's phases, the window reached
-    (and, on the collective stream, the chain over the buckets' checksums)."""
+    (and, on a group's stream, the chain over the buckets' checksums)."""
 
     buckets: int
     nbytes: int
@@ -176,7 +176,7 @@ class Stream:
             if bucket is not None:
                 seq = bucket.seq
                 coll.start(bucket.data, bucket.seq, give_up=take_replies)
-        except CollectiveError as exc:
+        except GroupError as exc:
             deadline = time.monotonic() + 5.0
             while not failure and time.monotonic() < deadline:
                 self.conn.sock.poll(50)
@@ -205,7 +205,7 @@ class Stream:
         digester: Digester | None = None,
         partial: bool = False,
     ) -> Streamed:
-        """The collective stream (protocol v3): each bucket is framed (a fixed header, then
+        """A group's stream (protocol v3): each bucket is framed (a fixed header, then
         its bytes followed by its tensor metadata) and broadcast to the engines; the
         daemon hears nothing until `finish`, which carries the chain. A bucket's slot is
         reused once its broadcast completed (its bytes left this process), so two slots

@@ -368,7 +368,7 @@ def test_hostile_collective_fields_get_typed_errors_and_the_daemon_serves_on(clu
             assert ei.value.code is ErrorCode.BAD_MESSAGE and words in ei.value.message, ei.value
         client.abort(sid)
         offer = client._collective_offer()
-        sid = client.begin(v, transport="collective", collective=offer).sync_id
+        sid = client.begin(v, transport="collective", group_offer=offer).sync_id
         with pytest.raises(WeightSyncError) as ei:
             client.send_bucket(sid, b)  # bytes inline in a collective sync
         assert ei.value.code is ErrorCode.BAD_MESSAGE and "collective" in ei.value.message

@@ -459,7 +459,7 @@ def leaked_processes(workdir: Path) -> int:
 def run(
     syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = True, engine_failpoint: str = ""
 ) -> dict[str, Any]:
-    from messages.shm import list_segments
+    from messages.segments import list_segments
 
     shm_before = set(list_segments())
     with tempfile.TemporaryDirectory(prefix="weightsync-soak-") as tmp:

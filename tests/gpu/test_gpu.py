@@ -19,7 +19,7 @@ pytestmark = [
 
 RANK = r"""
 import json, sys, time, torch
-from messages.collective import Group, GroupSpec
+from messages.distgroup import Group, GroupSpec
 from messages.rendezvous import StoreServer
 spec = json.loads(sys.argv[1]); n = int(sys.argv[2]); reps = int(sys.argv[3])
 torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from messages.shm import list_segments
+from messages.segments import list_segments
 from tests.faults.soak import ours_or_orphaned
 
 pytestmark = pytest.mark.slow

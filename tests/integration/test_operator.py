@@ -122,11 +122,11 @@ def test_1_the_automatic_window_gets_the_ring_a_small_shm_has_room_for(tmp_path,
     """16 MiB buckets: the automatic window would like 8 slots (128 MiB), the 64 MiB tmpfs
     holds at most 4; the push goes by shm with the smaller ring and a window within it,
     READY, and the slots are released when the client closes."""
-    from messages import shm
+    from messages import segments
 
     spec = synthetic_spec(96 << 20, tensor_bytes=16 << 20)
     model = write_spec(tmp_path / "sink", spec)
-    monkeypatch.setattr(shm, "_DIR", Path(small_shm))
+    monkeypatch.setattr(segments, "_DIR", Path(small_shm))
     c = Cluster(
         tmp_path / "d",
         model,

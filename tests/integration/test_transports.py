@@ -15,7 +15,7 @@ from examples.tiny import perturbed
 from messages import schema
 from messages.buckets import digest, iter_buckets
 from messages.errors import ErrorCode, PeerError, WeightSyncError
-from messages.shm import list_segments
+from messages.segments import list_segments
 
 from .helpers import STALLING_TRAINER, running_daemon
 
@@ -86,7 +86,7 @@ def test_shm_bucket_without_negotiation_is_refused(cluster, tiny_state):
 
 
 def test_corrupted_shm_slot_fails_the_sync_with_checksum_mismatch(cluster, tiny_state):
-    from messages.shm import Segment
+    from messages.segments import Segment
 
     with cluster.client(timeout=20.0) as client:
         v = (client.status()["last_ready_version"] or 0) + 1

@@ -140,7 +140,7 @@ def test_progress_is_cumulative_and_coalesced(harness, tiny_state):
 )
 def test_corrupted_frame_is_refused_by_the_engine(harness, tiny_state, transport, bucket_bytes):
     from engines.verify import THREAD_MIN_BYTES
-    from messages.shm import Segment
+    from messages.segments import Segment
 
     orch, _, eng, _ = harness
     b = next(iter(iter_buckets(dict(perturbed(tiny_state, 1)).items(), bucket_bytes)))

@@ -272,7 +272,7 @@ def test_every_message_type_has_a_direction_and_each_receiver_refuses_the_others
 
 
 def test_a_collective_failure_has_one_code_for_engines_and_trainers():
-    from messages.collective import CollectiveError
+    from messages.distgroup import GroupError
 
-    assert CollectiveError("deadline", timed_out=True).code is ErrorCode.TIMEOUT
-    assert CollectiveError("peer closed").code is ErrorCode.ENGINE_FAILED
+    assert GroupError("deadline", timed_out=True).code is ErrorCode.TIMEOUT
+    assert GroupError("peer closed").code is ErrorCode.ENGINE_FAILED

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from messages.collective import CollectiveError, Member
+from messages.distgroup import GroupError, Member
 
 REF = {
     "id": "g1.run",
@@ -36,7 +36,7 @@ def test_a_failed_or_closed_group_is_refused_at_once(how):
     if how == "closed":
         m.close()
     t0 = time.monotonic()
-    with pytest.raises(CollectiveError, match="not joined again"):
+    with pytest.raises(GroupError, match="not joined again"):
         m.ensure(REF)
     assert time.monotonic() - t0 < 1.0 and g.closed == [1] and m.group is None
 
@@ -57,7 +57,7 @@ def test_each_store_keeps_its_own_group_and_a_new_group_of_a_store_replaces_its_
     assert m.ensure({**REF, "id": "ga", "port": 1}) is a and m.ensure({**REF, "id": "gb", "port": 2}) is b
     assert a.closed == b.closed == [] and m.group is b
     m._dead.add("gb2")  # (so that no real join is tried below)
-    with pytest.raises(CollectiveError, match="not joined again"):
+    with pytest.raises(GroupError, match="not joined again"):
         m.ensure({**REF, "id": "gb2", "port": 2})  # store 2's next group
     assert b.closed == [1] and a.closed == [] and list(m.groups) == [("127.0.0.1", 1)]
     m.close()
@@ -67,10 +67,10 @@ def test_each_store_keeps_its_own_group_and_a_new_group_of_a_store_replaces_its_
 @pytest.fixture
 def three_groups(monkeypatch):
     """Members that keep 3 groups open, joining fakes (no real rendezvous)."""
-    import messages.collective as collective
+    import messages.distgroup as distgroup
 
-    monkeypatch.setattr(collective, "MAX_GROUPS", 3)
-    monkeypatch.setattr(collective, "Group", lambda spec, give_up=None: fake_group(spec.id, broken=False))
+    monkeypatch.setattr(distgroup, "MAX_GROUPS", 3)
+    monkeypatch.setattr(distgroup, "Group", lambda spec, give_up=None: fake_group(spec.id, broken=False))
     return [{**REF, "id": f"g{p}", "port": p} for p in range(6)]
 
 
@@ -112,5 +112,5 @@ def test_a_finished_sync_keeps_only_its_own_groups_open(three_groups):
     assert m.keep_used("s2") == 1
     assert g1.closed == [1] and g0.closed == g2.closed == []
     assert set(m.groups) == {("127.0.0.1", 0), ("127.0.0.1", 2)}
-    with pytest.raises(CollectiveError, match="not joined again"):
+    with pytest.raises(GroupError, match="not joined again"):
         m.ensure(ref[1], sync="s3")  # a closed group is never joined again

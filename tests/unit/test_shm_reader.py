@@ -3,7 +3,7 @@ page faults again on the next push), dropped once the trainer unlinked it."""
 
 from __future__ import annotations
 
-from messages.shm import Reader, Segment
+from messages.segments import Reader, Segment
 
 
 def test_prune_keeps_live_slots_mapped_and_drops_unlinked_ones():

@@ -74,7 +74,7 @@ weights = dict(perturbed(state, 20))
 b0 = next(b for b in iter_buckets(weights.items(), 256 * 1024)
           if any(m.name.endswith("mlp.up_proj.weight") for m in b.tensors))
 e.staging.write(b0.frame())
-desc = json.dumps({"shm": {"name": e.staging.name, "offset": 0, "size": b0.nbytes},
+desc = json.dumps({"ref": {"name": e.staging.name, "offset": 0, "size": b0.nbytes},
                    "tensors": [m.to_wire() for m in b0.tensors]})
 out = {}
 try:

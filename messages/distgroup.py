@@ -1,15 +1,15 @@
-"""The collective data plane: one torch.distributed group per membership, built beside
+"""The group data plane: one torch.distributed group per membership, built beside
 (never as) the default group, so it lives next to vLLM's own groups in the same process.
 
 Rules:
 - Rank 0 is the trainer. It hosts the group's rendezvous store (`messages.rendezvous`:
-  bound to the trainer's collective host only, token-gated, CURVE with keys) for as long
+  bound to the trainer's group host only, token-gated, CURVE with keys) for as long
   as its client lives; every group gets its own key prefix in that store
   (`weightsync/<group id>/`), so a rebuilt group never meets the keys of the last one.
 - The process group object is created directly (`ProcessGroupGloo` / `ProcessGroupNCCL`
   on a `PrefixStore`), never through `init_process_group`, and each member binds its gloo
   device to the address it was given (no guessing of interfaces on multi-homed hosts).
-- Every collective call has a deadline (the group's timeout). `broadcast` polls while it
+- Every call on the group has a deadline (the group's timeout). `broadcast` polls while it
   waits, so its caller can give up early when the control plane says the sync is over;
   giving up shuts the group down, which releases the peers blocked in the same call.
 - A group that failed once is never reused: `broken` is set and the owner builds anew.
@@ -38,7 +38,7 @@ from messages.liblog import get_logger
 from messages.rendezvous import StoreClient
 from messages.schema import MAX_COLLECTIVE_SOURCES
 
-log = get_logger("collective")
+log = get_logger("group")
 
 # torch.distributed's store classes (TCPStore, PrefixStore) are not in its type stubs.
 Store = Any
@@ -50,8 +50,8 @@ PREFIX = "weightsync"
 ROOT_KEY = "root"  # set by rank 0 as it joins a group
 
 
-class CollectiveError(RuntimeError):
-    """A collective call failed or passed its deadline (a member died, hung or left)."""
+class GroupError(RuntimeError):
+    """A call on the group failed or passed its deadline (a member died, hung or left)."""
 
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)
@@ -136,14 +136,14 @@ class Group:
             )
             with joining:
                 self.pg = self._make_pg(prefixed, td)
-        except CollectiveError:
+        except GroupError:
             if own:
                 base.close()
             raise
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
             if own:
                 base.close()
-            raise CollectiveError(
+            raise GroupError(
                 f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
                 f"join ({type(exc).__name__}: {_short(exc)})",
                 timed_out=_timed_out(exc),
@@ -173,7 +173,7 @@ class Group:
     def broadcast(
         self, tensor: torch.Tensor, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
     ) -> None:
-        """Broadcast `tensor` from rank 0 (in place on the others). Raises CollectiveError
+        """Broadcast `tensor` from rank 0 (in place on the others). Raises GroupError
         when a member fails, after the group's timeout, or as soon as `give_up()` returns a
         reason; in each case the group is shut down and marked broken."""
         self.wait(self.start(tensor), give_up=give_up, poll=poll)
@@ -182,7 +182,7 @@ class Group:
         """Begin a broadcast and return at once (gloo/NCCL progress it on their own
         threads): the caller may pack the next bucket meanwhile, then `wait`."""
         if self.broken:
-            raise CollectiveError(f"group {self.spec.id} is broken; build a new one")
+            raise GroupError(f"group {self.spec.id} is broken; build a new one")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
@@ -191,7 +191,7 @@ class Group:
             return (work, time.monotonic() + self.spec.timeout)
         except Exception as exc:
             self.close()
-            raise CollectiveError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
+            raise GroupError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
 
     def wait(
         self, started: Started, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
@@ -210,12 +210,12 @@ class Group:
                 f"broadcast passed its {self.spec.timeout}s deadline",
             )
             work.wait()  # raises the member's failure, if that is how it completed
-        except CollectiveError:
+        except GroupError:
             self.close()
             raise
         except Exception as exc:
             self.close()
-            raise CollectiveError(
+            raise GroupError(
                 f"broadcast in group {self.spec.id} failed: {_short(exc)}", timed_out=_timed_out(exc)
             ) from None
 
@@ -256,7 +256,7 @@ def _bury(pg: object) -> None:
     global _reaper
     with _reaper_lock:
         if _reaper is None:
-            _reaper = threading.Thread(target=_reap, name="collective-reaper", daemon=True)
+            _reaper = threading.Thread(target=_reap, name="group-reaper", daemon=True)
             _reaper.start()
     _graves.put(pg)
 
@@ -283,14 +283,14 @@ def _until(
     abandoned: Callable[[str], str],
     late: str,
 ) -> None:
-    """Poll `done` until it holds; CollectiveError(`abandoned(reason)`) as soon as
-    `give_up()` says why, CollectiveError(`late`, timed_out) past `deadline`."""
+    """Poll `done` until it holds; GroupError(`abandoned(reason)`) as soon as
+    `give_up()` says why, GroupError(`late`, timed_out) past `deadline`."""
     while not done():
         reason = give_up()
         if reason is not None:
-            raise CollectiveError(abandoned(reason))
+            raise GroupError(abandoned(reason))
         if time.monotonic() > deadline:
-            raise CollectiveError(late, timed_out=True)
+            raise GroupError(late, timed_out=True)
         time.sleep(poll)
 
 
@@ -363,7 +363,7 @@ class Member:
             g.close()
             del self.groups[store]
         if ref["id"] in self._dead:  # its root left it: joining again would wait out the timeout
-            raise CollectiveError(f"group {ref['id']} failed or was closed here; it is not joined again")
+            raise GroupError(f"group {ref['id']} failed or was closed here; it is not joined again")
         spec = GroupSpec(
             id=ref["id"],
             host=ref["host"],
