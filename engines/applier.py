@@ -18,10 +18,14 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn, TypeAlias, cast
 
 import structlog
+import torch
 
 from engines import postload
 from engines.base import (
@@ -29,14 +33,15 @@ from engines.base import (
     Engine,
     LoadsBuckets,
     LoadsRefs,
+    Parts,
     ReceivesGroup,
     TakesDigestParts,
 )
 from engines.delta import BaseStore
 from engines.postload import Rehash, Rehashed
-from engines.prefetch import Prefetcher
-from engines.session import Begin, Job, LoadJob
-from engines.verify import Verifier
+from engines.prefetch import Prefetcher, StreamItem
+from engines.session import Begin, Job
+from engines.verify import Verifier, Verifying
 from messages import schema, stream
 from messages.bounded import LRU
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
@@ -44,9 +49,28 @@ from messages.checksums import bucket_hash
 from messages.distgroup import GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from messages.codec import Frame
+
 log = structlog.get_logger()
 STREAM_DEPTH = 2  # group buckets received ahead of the one being applied
 CANCELS_KEPT = 8  # aborted syncs remembered that never received a group bucket: a few in a row
+
+# What `accept` started for a bucket (a `LoadJob`'s payload): for a group load, its receive
+# by the prefetcher (None: the engine's workers receive it themselves); for any other, its
+# hashing by the verifier.
+Received: TypeAlias = "Future[torch.Tensor] | None"
+Pending: TypeAlias = "Received | Verifying"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """A bucket for the applier, with what `Applier.accept` started for it."""
+
+    msg: schema.Load
+    payload: Pending
 
 
 class Applier(threading.Thread):
@@ -73,7 +97,7 @@ class Applier(threading.Thread):
         self.phases: dict[str, float] = {}  # this sync's seconds per phase
         self.pass_bytes: dict[str, int] = {}  # and the bytes a phase's pass went over (checksum)
         self.collective_bind = collective_bind
-        self.prefetcher: Any = None  # engines.prefetch.Prefetcher, made on the first group load
+        self.prefetcher: Prefetcher | None = None  # made on the first group load
         self._spec = {p.name for p in engine.describe().spec}
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
@@ -82,10 +106,10 @@ class Applier(threading.Thread):
         self._cancels: LRU[str, threading.Event] = LRU(CANCELS_KEPT)
         self._cancels_lock = threading.Lock()
 
-    def accept(self, msg: schema.Load, payload: Any) -> None:
+    def accept(self, msg: schema.Load, payload: Frame | None) -> None:
         """Called by the main thread as a `load` arrives: start hashing it (a frame, a
         referenced slot) or receiving it (by a group) now, while the applier may still load earlier buckets."""
-        pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
+        pending: Pending = self.prefetch(msg) if msg.group is not None else self.verifier.submit(msg, payload)
         self.jobs.put(LoadJob(msg, pending))
 
     def _add(self, phase: str, seconds: float, nbytes: int | None = None) -> None:
@@ -93,7 +117,7 @@ class Applier(threading.Thread):
         if nbytes is not None:
             self.pass_bytes[phase] = self.pass_bytes.get(phase, 0) + nbytes
 
-    def prefetch(self, msg: schema.Load) -> Any:
+    def prefetch(self, msg: schema.Load) -> Received:
         """Start receiving a group bucket now. None: the engine receives by itself
         (vLLM workers)."""
         if isinstance(self.engine, ReceivesGroup):
@@ -103,12 +127,13 @@ class Applier(threading.Thread):
             self.prefetcher.start()
         return self.prefetcher.submit(msg, self._cancelled(msg.sync_id))
 
-    def _release(self, fut: Any) -> None:
+    def _release(self, fut: Received) -> None:
         """The bucket's buffer may be reused once its receive ended and we are done with it."""
-        if fut is not None and self.prefetcher is not None:
-            fut.add_done_callback(lambda _f: self.prefetcher.release())
+        prefetcher = self.prefetcher  # made once, never replaced
+        if fut is not None and prefetcher is not None:
+            fut.add_done_callback(lambda _f: prefetcher.release())
 
-    def submit(self, job: Job, payload: Any = None) -> None:
+    def submit(self, job: Job, payload: Frame | None = None) -> None:
         """A job from the engine's `Syncs`, run in order (a bucket through `accept`)."""
         if isinstance(job, schema.Load):
             self.accept(job, payload)
@@ -183,21 +208,23 @@ class Applier(threading.Thread):
 
     def _do_load(self, job: LoadJob) -> None:
         msg, pending = job.msg, job.payload
+        # `accept` chose the payload's kind by the same test: msg.group
+        received = cast("Received", pending) if msg.group is not None else None
         if msg.sync_id in self.failed:
             if msg.group is not None:
-                self._release(pending)
+                self._release(received)
             return  # already reported; the orchestrator is aborting this sync
         if msg.hold:  # a replay of base + deltas: keep what it loads until it ends
             self.base.hold()
         t0 = time.perf_counter()
         try:
             if msg.group is not None:
-                self._load_group(msg, pending)
+                self._load_group(msg, received)
             else:
-                self._load_verified(msg, pending)
+                self._load_verified(msg, cast("Verifying", pending))
         finally:
             if msg.group is not None:
-                self._release(pending)
+                self._release(received)
         seconds = time.perf_counter() - t0
         self._add("load", seconds)
         self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender, seconds=seconds))
@@ -225,7 +252,7 @@ class Applier(threading.Thread):
         if self.prefetcher is None:
             self.prefetcher = Prefetcher(self.collective_bind, depth=STREAM_DEPTH, failpoints=self.failpoints)
             self.prefetcher.start()
-        out: queue.Queue[Any] = queue.Queue()
+        out: queue.Queue[StreamItem] = queue.Queue()
         cancelled = self._cancelled(msg.sync_id)
         if cancelled.is_set():
             return  # aborted before its stream began
@@ -239,19 +266,21 @@ class Applier(threading.Thread):
             while True:
                 t0 = time.perf_counter()
                 try:
-                    kind, h, raw, view = out.get(timeout=0.5)
+                    item = out.get(timeout=0.5)
                 except queue.Empty:
                     if cancelled.is_set():
                         return  # superseded or aborted while the receiver was elsewhere
                     continue
                 finally:
                     self._add("receive_wait", time.perf_counter() - t0)
-                if kind == "error":
+                if item[0] == "error":
                     if cancelled.is_set():
                         return  # aborted by the daemon: it knows, nothing to report
-                    self._stream_failed(h, chain.buckets)
-                if kind == "end":
+                    self._stream_failed(item[1], chain.buckets)
+                if item[0] == "end":
+                    h = item[1]
                     break
+                _, h, raw, view = item
                 try:
                     self._stream_bucket(h, raw, view, chain, names, key)
                 finally:
@@ -286,7 +315,7 @@ class Applier(threading.Thread):
             )
         )
 
-    def _stream_failed(self, exc: BaseException, received: int) -> None:
+    def _stream_failed(self, exc: BaseException, received: int) -> NoReturn:
         if isinstance(exc, GroupError):
             raise WeightSyncError(f"stream, after {received} buckets: {exc}", code=exc.code)
         if isinstance(exc, MessageError):
@@ -294,7 +323,13 @@ class Applier(threading.Thread):
         raise exc
 
     def _stream_bucket(
-        self, h: Any, raw: bytes, view: Any, chain: stream.Chain, names: set[str], key: bytes | None = None
+        self,
+        h: stream.Header,
+        raw: bytes,
+        view: torch.Tensor,
+        chain: stream.Chain,
+        names: set[str],
+        key: bytes | None = None,
     ) -> None:
         """raw: the payload past the bucket's bytes (metadata, then the MAC if any)."""
         if h.seq != chain.buckets:
@@ -303,7 +338,7 @@ class Applier(threading.Thread):
             )
         meta_raw, tag = raw[: h.meta_len], raw[h.meta_len :]
         t0 = time.perf_counter()
-        buf = (view if view.device.type == "cpu" else view.cpu()).numpy()
+        buf = _numpy(view if view.device.type == "cpu" else view.cpu())
         try:
             stream.check_mac(key, h, buf, meta_raw, tag)  # before anything is decoded or applied
             metas = stream.decode_metas(h, meta_raw)
@@ -319,7 +354,7 @@ class Applier(threading.Thread):
         chain.add(h.checksum, h.data_len)
         names.update(t.name for t in metas)
 
-    def _load_verified(self, msg: schema.Load, fut: Any) -> None:
+    def _load_verified(self, msg: schema.Load, fut: Verifying) -> None:
         """A bucket by frame or reference, once the verifier has matched its checksum."""
         t0 = time.perf_counter()
         v = self.verifier.result(fut)  # raises CHECKSUM_MISMATCH / the reference's refusal
@@ -339,7 +374,7 @@ class Applier(threading.Thread):
             return
         self._apply(msg, v.buf, v.parts)
 
-    def _load_group(self, msg: schema.Load, fut: Any) -> None:
+    def _load_group(self, msg: schema.Load, fut: Received) -> None:
         buf = self._group_bytes(msg, fut)
         if buf is None:  # the engine's own workers received and loaded it (vLLM)
             return
@@ -350,10 +385,10 @@ class Applier(threading.Thread):
         self._add("checksum", time.perf_counter() - t0, hashed)
         self._apply(msg, buf)
 
-    def _apply(self, msg: schema.Load, buf: Any, parts: Any = None) -> None:
+    def _apply(self, msg: schema.Load, buf: Buffer, parts: Parts = None) -> None:
         self._apply_metas(msg.tensors, buf, parts)
 
-    def _apply_metas(self, metas: Any, buf: Any, parts: Any = None) -> None:
+    def _apply_metas(self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts = None) -> None:
         """Hand verified bytes to the engine: whole (`load_bucket`) or as tensor views.
         Delta patches are rebuilt on the base first (engines/delta.py); every loaded
         tensor is staged as the next base when the engine keeps one. A piece of a tensor
@@ -403,7 +438,7 @@ class Applier(threading.Thread):
         self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
 
-    def _group_bytes(self, msg: schema.Load, fut: Any) -> Any:
+    def _group_bytes(self, msg: schema.Load, fut: Received) -> Buffer | None:
         """The bucket the prefetcher received by broadcast (None: the engine's workers
         received it themselves)."""
         group, size = msg.group, msg.size
@@ -429,6 +464,8 @@ class Applier(threading.Thread):
                     mac=None if key is None or msg.mac is None else (key.hex(), msg.sender, msg.mac.hex()),
                 )
                 return None
+            if fut is None:  # `prefetch` started one for every group load the engine leaves to it
+                raise WeightSyncError(f"bucket seq {msg.seq}: no receive started", code=ErrorCode.INTERNAL)
             buf = fut.result(timeout=group.timeout + 5.0)
         except GroupError as exc:
             raise WeightSyncError(f"bucket seq {msg.seq}: {exc}", code=exc.code) from None
@@ -437,7 +474,7 @@ class Applier(threading.Thread):
                 f"bucket seq {msg.seq}: not received within {group.timeout + 5.0}s",
                 code=ErrorCode.TIMEOUT,
             ) from None
-        host = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+        host = _numpy(buf if buf.device.type == "cpu" else buf.cpu())
         try:
             stream.check_load_mac(key, msg.sender, msg.seq, host, msg.mac)
         except MessageError as exc:
@@ -509,10 +546,15 @@ class Applier(threading.Thread):
             log.info("sync_aborted", sync_id=msg.sync_id)
 
 
-def _buffer(t: Any) -> Any:
-    """A CPU tensor's bytes as a buffer (numpy arrays are buffers; their stubs say not)."""
-    return memoryview(t.numpy())
+def _numpy(t: torch.Tensor) -> Buffer:
+    """A CPU tensor's numpy array: a buffer (numpy's stubs say so for Python >= 3.12 only)."""
+    return cast("Buffer", t.numpy())
 
 
-def _patched(metas: Any) -> bool:
+def _buffer(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes as a buffer."""
+    return memoryview(_numpy(t))
+
+
+def _patched(metas: Iterable[schema.TensorMeta]) -> bool:
     return any(m.patch is not None for m in metas)

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Required, TypedDict, runtime_checkable
 
 import torch
 
 from messages.dtypes import dtype_name
 from messages.errors import make_error
 from messages.schema import ParamSpec, Probe, Ref, TensorMeta, spec_refusal
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from messages.replies import JsonObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +41,22 @@ class EngineInfo:
     transports: tuple[str, ...] | None = None  # None: every transport registered (messages.transports)
     cast_ok: bool = False
     collective_ranks: int = 1  # group members it brings (a vLLM engine: one per TP/PP worker)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=dict)  # backend details, JSON-shaped
+
+
+class EngineOptions(TypedDict, total=False):
+    """What `weightsync engine` hands a backend's `make_engine`
+    (engines.worker.ENGINE_FACTORIES); each backend reads the options it knows."""
+
+    model: Required[str]  # the checkpoint directory
+    threads: int | None  # torch: intra-op threads
+    vllm_mp: bool  # vllm: V1 multiprocessing
+    llm_args: JsonObject  # vllm: keyword arguments of vllm.LLM (--vllm-arg, parsed as JSON)
+    url: str | None  # vllm-server: the server's base URL
+    pause_mode: str  # vllm-server: keep | wait | abort
+    collective_host: str  # this host's address for a group's sockets
+    lora_rank: int
+    lora_targets: list[str]
 
 
 @runtime_checkable
@@ -79,7 +99,7 @@ Parts = dict[str, bytes] | None  # per-tensor digest parts from `engines.verify`
 
 @runtime_checkable
 class LoadsBuckets(Protocol):
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None: ...
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Buffer, parts: Parts = None) -> None: ...
 
 
 @runtime_checkable
@@ -94,7 +114,7 @@ class ReceivesGroup(Protocol):
     def load_group(
         self,
         metas: Sequence[TensorMeta],
-        group: dict[str, Any],
+        group: JsonObject,  # the group's wire form (`GroupRef.to_wire()`)
         size: int,
         bucket_checksum: int,
         bind: str,

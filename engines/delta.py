@@ -17,12 +17,14 @@ Used by the applier thread only.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from messages import delta
 from messages.buckets import as_bytes, copy_bytes, flat_bytes, unpack
+from messages.checksums import Bytes
+from messages.schema import TensorMeta
 
 
 class BaseStore:
@@ -116,7 +118,7 @@ class BaseStore:
         self._base, self.clean = {}, False
 
     def rebuild(
-        self, metas: Any, buf: Any, skip_same: bool = False
+        self, metas: Sequence[TensorMeta], buf: Bytes, skip_same: bool = False
     ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, bytes], set[str]]:
         """Every tensor of a verified bucket, patches rebuilt on the base: (name, tensor)
         in order to load, the rebuilt tensors' digest parts, and the names staged here.

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +40,11 @@ from engines.worker import Worker
 from messages.checkpoint import checkpoint_spec
 from messages.errors import ErrorCode, make_error
 from messages.schema import MAX_ID_LEN, ParamSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from engines.worker import WorkerOptions
 
 
 class HoldingEngine(SinkEngine):
@@ -167,7 +172,7 @@ class HoldingReceiver:
         name: str = "holding",
         rank: int | None = None,
         timeout: float = 600.0,
-        **worker_options: Any,
+        **worker_options: Unpack[WorkerOptions],
     ) -> None:
         spec = list(checkpoint_spec(model_dir).values())
         self.engine = HoldingEngine(model_dir, spec, timeout=timeout)

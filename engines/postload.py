@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import structlog
 
@@ -23,8 +23,12 @@ from engines.delta import BaseStore
 from messages import schema
 from messages.errors import ErrorCode, WeightSyncError
 
+if TYPE_CHECKING:
+    from engines.prefetch import Prefetcher
+
 log = structlog.get_logger()
-Emit = Callable[[Any], None]  # the applier's: a report to the worker, which it wakes
+# the applier's: a report to the worker (a message for its Syncs, or a rehash's answer), which it wakes
+Emit: TypeAlias = "Callable[[schema.Message | Rehashed], None]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +71,7 @@ def finalize(
     phases: dict[str, float],
     pass_bytes: dict[str, int],
     base: BaseStore,
-    prefetcher: Any,
+    prefetcher: Prefetcher | None,
     failpoints: dict[str, float],
 ) -> None:
     """Run the post-load step and the canaries; the report carries the sync's phases

@@ -16,21 +16,39 @@ import queue
 import signal
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Literal, TypeAlias
 
 import torch
 
 from messages import schema, stream
 from messages.distgroup import GroupError, Member
 
+# What a stream's receiver hands the applier, in order: each bucket (its header, the
+# payload past its bytes: metadata then the MAC if any, and a view of its bytes in the
+# receive buffer), then the end (its header); or the failure that ended it.
+StreamItem: TypeAlias = (
+    "tuple[Literal['bucket'], stream.Header, bytes, torch.Tensor]"
+    " | tuple[Literal['end'], stream.Header, None, None]"
+    " | tuple[Literal['error'], BaseException, None, None]"
+)
+# The group thread's jobs, in order: receive an announced bucket, receive a whole stream,
+# close the groups, keep only those a sync used.
+_Job: TypeAlias = (
+    "tuple[Literal['receive'], tuple[schema.Load, threading.Event | None], Future[torch.Tensor]]"
+    " | tuple[Literal['stream'], tuple[schema.OpenStream, queue.Queue[StreamItem], threading.Event,"
+    " threading.Semaphore], None]"
+    " | tuple[Literal['close'], None, None]"
+    " | tuple[Literal['keep'], str, None]"
+)
+
 
 class Prefetcher(threading.Thread):
-    def __init__(self, bind: str = "", depth: int = 2, failpoints: dict[str, Any] | None = None) -> None:
+    def __init__(self, bind: str = "", depth: int = 2, failpoints: dict[str, float] | None = None) -> None:
         super().__init__(name="engine-group-receiver", daemon=True)
         self.member = Member(bind, slots=depth)
         self.failpoints = failpoints or {}
         self._slots = threading.Semaphore(depth)
-        self._jobs: queue.Queue[tuple[str, Any, Future[Any] | None] | None] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
 
     def submit(self, msg: schema.Load, cancelled: threading.Event | None = None) -> Future[torch.Tensor]:
         """Receive this announced bucket (a `load` with `group`) as soon as a buffer is free;
@@ -46,7 +64,7 @@ class Prefetcher(threading.Thread):
     def submit_stream(
         self,
         msg: schema.OpenStream,
-        out: queue.Queue[Any],
+        out: queue.Queue[StreamItem],
         cancelled: threading.Event,
         free: threading.Semaphore,
     ) -> None:
@@ -69,27 +87,29 @@ class Prefetcher(threading.Thread):
 
     def run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            kind, msg, fut = job
-            if kind == "stream":
-                self._stream(*msg)
+            if job[0] == "stream":
+                self._stream(*job[1])
                 continue
-            if kind == "keep":
-                self.member.keep_used(msg)
+            if job[0] == "keep":
+                self.member.keep_used(job[1])
                 continue
-            if kind == "close" or fut is None:
+            if job[0] == "close" or job[2] is None:
                 self.member.close()
                 continue
-            msg, cancelled = msg
+            (msg, cancelled), fut = job[1], job[2]
             self._slots.acquire()
 
             def give_up(ev: threading.Event | None = cancelled) -> str | None:
                 return "the sync ended here" if ev is not None and ev.is_set() else None
 
             try:
+                group, size = msg.group, msg.size
+                if group is None or size is None:  # the applier submits group loads only (typing)
+                    raise GroupError(f"bucket seq {msg.seq}: not a group load")
                 if self.failpoints.get("kill_in_broadcast", -1) == msg.seq:  # fault injection
-                    self.member.ensure(msg.group.to_wire())
+                    self.member.ensure(group.to_wire())
                     os.kill(os.getpid(), signal.SIGKILL)
-                fut.set_result(self.member.receive(msg.group.to_wire(), msg.size, give_up, msg.sync_id))
+                fut.set_result(self.member.receive(group.to_wire(), size, give_up, msg.sync_id))
             except BaseException as exc:  # handed to the applier, which reports it typed
                 fut.set_exception(exc)
         self.member.close()
@@ -97,7 +117,7 @@ class Prefetcher(threading.Thread):
     def _stream(
         self,
         msg: schema.OpenStream,
-        out: queue.Queue[Any],
+        out: queue.Queue[StreamItem],
         cancelled: threading.Event,
         free: threading.Semaphore,
     ) -> None:

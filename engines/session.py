@@ -35,11 +35,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from messages import schema
 from messages.errors import ErrorCode, WeightSyncError
 from messages.progress import Progress
+
+if TYPE_CHECKING:
+    from messages.codec import Frame
 
 
 class Phase(Enum):
@@ -249,14 +252,6 @@ class Begin:
     version: int
 
 
-@dataclass(frozen=True, slots=True)
-class LoadJob:
-    """A bucket for the applier, with what `Applier.accept` started for it."""
-
-    msg: schema.Load
-    payload: Any
-
-
 Job = Begin | schema.Load | schema.OpenStream | schema.Finalize | schema.Commit | schema.Served | schema.Abort
 
 
@@ -265,7 +260,7 @@ class Submit:
     """Give `job` to the applier (a `schema.Load` goes through `Applier.accept`)."""
 
     job: Job
-    payload: Any = None
+    payload: Frame | None = None  # a bucket's payload frame (a `schema.Load` sent as a frame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +328,7 @@ class Syncs:
                 return In.QUEUED
         return inp
 
-    def feed(self, msg: schema.Message, payload: Any = None) -> list[Action]:
+    def feed(self, msg: schema.Message, payload: Frame | None = None) -> list[Action]:
         """A message from the daemon (a `schema.Load`'s first frame is `payload`)."""
         return self._take(msg, payload)
 
@@ -342,7 +337,7 @@ class Syncs:
         a prepare, a finalize, a label and a failure go to the daemon."""
         return self._take(msg, None)
 
-    def _take(self, msg: schema.Message, payload: Any) -> list[Action]:
+    def _take(self, msg: schema.Message, payload: Frame | None) -> list[Action]:
         sync_id: str = getattr(msg, "sync_id", "")
         inp = self.input_of(msg)
         row = decide(self.phase_of(sync_id), inp)
@@ -360,7 +355,9 @@ class Syncs:
             s.phase = row.to
         return out
 
-    def _effect(self, do: Do, msg: schema.Message, sync_id: str, payload: Any, out: list[Action]) -> None:
+    def _effect(
+        self, do: Do, msg: schema.Message, sync_id: str, payload: Frame | None, out: list[Action]
+    ) -> None:
         s = self._of(sync_id)
         if do is Do.OPEN:
             if self.current is not None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from engines.base import EngineInfo, validate_bucket
+from engines.base import EngineInfo, EngineOptions, validate_bucket
 from messages.buckets import Digester, as_bytes, copy_hashing
 from messages.dtypes import ITEMSIZE, Dtype, torch_dtype
 from messages.errors import ErrorCode, make_error
@@ -125,5 +124,5 @@ class SinkEngine:
         self.params.clear()
 
 
-def make_engine(options: dict[str, Any]) -> SinkEngine:
+def make_engine(options: EngineOptions) -> SinkEngine:
     return SinkEngine(options["model"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from engines.base import EngineInfo, validate_bucket
+from engines.base import EngineInfo, EngineOptions, validate_bucket
 from messages.buckets import Digester
 from messages.canary import greedy
 from messages.dtypes import dtype_name
@@ -257,7 +256,7 @@ class TorchEngine:
         return {n: t.data_ptr() for n, t in self.params.items()}
 
 
-def make_engine(options: dict[str, Any]) -> TorchEngine:
+def make_engine(options: EngineOptions) -> TorchEngine:
     return TorchEngine(
         options["model"],
         threads=options.get("threads"),

@@ -14,16 +14,23 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+import zmq
 
 from messages import schema, transports
 from messages.buckets import hash_bucket
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from messages.codec import Frame
+
 
 @dataclass(slots=True)
 class Verified:
-    buf: Any  # the bucket's bytes: the received frame's buffer or a view of the trainer's slot
+    buf: Buffer  # the bucket's bytes: the received frame's buffer or a view of the trainer's slot
     parts: dict[str, bytes] | None  # per-tensor digest parts, when the engine asked for them
     seconds: float  # hashing time on the verifier thread
     hashed: int  # the bytes that hashing read (counted by messages.checksums.bucket_hash)
@@ -33,6 +40,9 @@ class Verified:
 # than handing it to another thread and back (tiny buckets are control-path bound).
 THREAD_MIN_BYTES = 1 << 20
 
+# A bucket being verified: hashing on the verifier thread, or a small frame left to `result`.
+Verifying: TypeAlias = "Future[Verified] | tuple[schema.Load, Frame]"
+
 
 class Verifier:
     def __init__(self, parts: bool = False) -> None:
@@ -40,22 +50,23 @@ class Verifier:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-verify")
         self._readers: dict[str, transports.Reader] = {}  # per "ref" transport, this thread's only
 
-    def submit(self, msg: schema.Load, frame: Any) -> Future[Verified] | tuple[schema.Load, Any]:
+    def submit(self, msg: schema.Load, frame: Frame | None) -> Verifying:
         """Hash `msg`'s bucket (its `frame`, or the bytes its reference names) on the
         verifier thread; a small frame is left to `result` (the applier)."""
         if msg.ref is None and frame is not None and len(frame) < THREAD_MIN_BYTES:
             return (msg, frame)
         return self._pool.submit(self._verify, msg, frame)
 
-    def result(self, pending: Future[Verified] | tuple[schema.Load, Any]) -> Verified:
+    def result(self, pending: Verifying) -> Verified:
         """The verified bucket (raises CHECKSUM_MISMATCH, or the reference's refusal)."""
         if isinstance(pending, tuple):
             return self._verify(*pending)
         return pending.result()
 
-    def _verify(self, msg: schema.Load, frame: Any) -> Verified:
+    def _verify(self, msg: schema.Load, frame: Frame | None) -> Verified:
         t0 = time.perf_counter()
         ref = msg.ref
+        buf: Buffer
         if ref is not None:
             try:
                 reader = transports.reader_of(ref.via, self._readers)
@@ -66,8 +77,10 @@ class Verifier:
                 buf = reader.view(ref.name, ref.offset, ref.size)
             except MessageError as exc:
                 raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
+        elif frame is None:  # the codec refuses such a load (one payload frame); for the type checker
+            raise WeightSyncError(f"bucket seq {msg.seq}: no payload frame", code=ErrorCode.BAD_MESSAGE)
         else:
-            buf = frame.buffer if hasattr(frame, "buffer") else frame
+            buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
         got, parts, hashed = hash_bucket(buf, msg.tensors, self.parts)
         if got != msg.checksum:
             raise WeightSyncError(f"bucket seq {msg.seq} arrived corrupted", code=ErrorCode.CHECKSUM_MISMATCH)

@@ -34,19 +34,31 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import structlog
 import zmq
 
 from engines.applier import Applier
-from engines.base import ChecksHealth, Engine, EngineInfo, HandsToReaders, LabelsOutputs, ReceivesGroup
+from engines.base import (
+    ChecksHealth,
+    Engine,
+    EngineInfo,
+    EngineOptions,
+    HandsToReaders,
+    LabelsOutputs,
+    ReceivesGroup,
+)
 from engines.postload import Rehashed
 from engines.session import Action, Send, Submit, Syncs
 from messages import codec, fanout, replies, schema, transports
 from messages.distgroup import Backend, available_backends
 from messages.errors import ErrorCode, MessageError, WeightSyncError, wrong_socket_line
 from messages.link import Link
+
+if TYPE_CHECKING:
+    from messages.codec import Frame
+    from messages.keys import ClientKeys
 
 log = structlog.get_logger()
 
@@ -79,6 +91,22 @@ class HealthProbe(threading.Thread):
             self.stopped.wait(self.interval)
 
 
+class WorkerOptions(TypedDict, total=False):
+    """`Worker`'s keyword options, for those who pass them through (engines.holding)."""
+
+    heartbeat_interval: float
+    ctx: zmq.Context[zmq.SyncSocket] | None
+    close_engine: bool
+    allow_refs: bool
+    keys: ClientKeys | None
+    failpoints: dict[str, float] | None
+    groups: bool
+    collective_bind: str
+    key_label: str
+    delta_base: bool
+    digest_file: Path | None
+
+
 class Worker:
     def __init__(
         self,
@@ -87,10 +115,10 @@ class Worker:
         engine_id: str,
         *,
         heartbeat_interval: float = 1.0,
-        ctx: zmq.Context[Any] | None = None,
+        ctx: zmq.Context[zmq.SyncSocket] | None = None,
         close_engine: bool = True,
         allow_refs: bool = True,  # offer the transports that carry references
-        keys: Any = None,
+        keys: ClientKeys | None = None,
         failpoints: dict[str, float] | None = None,
         groups: bool = True,  # offer the transports that need a group
         collective_bind: str = "",
@@ -103,7 +131,7 @@ class Worker:
         self.groups = groups and any(t.needs_group for t in self._kinds(engine.describe()))
         self.collective_bind = collective_bind  # this host's address for the group's sockets
         self.failpoints = failpoints or {}  # fault injection for tests (`--failpoint`)
-        self.keys = keys  # messages.keys.ClientKeys for a CURVE daemon
+        self.keys = keys  # for a CURVE daemon
         self.key_label = key_label  # which key that is, for the refusal message
         self.allow_refs = allow_refs
         self.close_engine = close_engine
@@ -120,7 +148,7 @@ class Worker:
         self.registered = False
         self.refused: str | None = None  # the daemon refused this engine for good (exit 3)
         self._reregister_sent = False
-        self._outq: deque[list[Any]] = deque()
+        self._outq: deque[list[Frame]] = deque()
         self._last_report = 0.0
         self.fanout = fanout.Receiver(self.ctx, self.engine_id, self.keys)
         self.poller = zmq.Poller()
@@ -323,7 +351,7 @@ class Worker:
                 finalize_count=self.engine.finalize_count,
             )
 
-    def _send(self, msg: schema.Message, payload: tuple[Any, ...] = ()) -> None:
+    def _send(self, msg: schema.Message, payload: tuple[Frame, ...] = ()) -> None:
         """Queue and send without blocking: with no live connection (no daemon yet, a
         refused CURVE key) a DEALER has nowhere to put a message, and a blocking send would
         stop heartbeats, logs and SIGTERM handling. The loop flushes what is queued."""
@@ -414,12 +442,12 @@ class Worker:
             self._last_report = now
             self._send(loaded)
 
-    def _on_load(self, msg: schema.Load, payload: list[Any], applier: Applier) -> None:
+    def _on_load(self, msg: schema.Load, payload: list[Frame], applier: Applier) -> None:
         """A bucket, sent to this engine or published to all."""
         log.debug("bucket_received", sync_id=msg.sync_id, sender=msg.sender, seq=msg.seq)
         self._do(self.state.feed(msg, payload[0] if payload else None), applier)
 
-    def _on_message(self, frames: list[Any], applier: Applier) -> None:
+    def _on_message(self, frames: list[zmq.Frame], applier: Applier) -> None:
         try:
             decoded = codec.decode(frames, allowed=schema.TO_ENGINE)
         except MessageError as err:
@@ -484,10 +512,10 @@ ENGINE_FACTORIES: dict[str, str] = {
 }
 
 
-def make_engine(backend: str, options: dict[str, Any]) -> Engine:
+def make_engine(backend: str, options: EngineOptions) -> Engine:
     target = ENGINE_FACTORIES.get(backend)
     if target is None:
         raise ValueError(f"unknown backend {backend!r} (known: {', '.join(ENGINE_FACTORIES)})")
     module, func = target.split(":")
-    factory: Callable[[dict[str, Any]], Engine] = getattr(importlib.import_module(module), func)
+    factory: Callable[[EngineOptions], Engine] = getattr(importlib.import_module(module), func)
     return factory(options)

@@ -3,7 +3,7 @@
 Rules: decoding is the trust boundary. `msgspec.msgpack` decodes the header straight into
 the struct of `schema.py`, checking every field's type and constraint on the way; the few
 checks that span fields or frames (tensor bytes inside the frame, nbytes = numel x
-itemsize, one payload frame per bucket) run right after, here. Any violation raises
+itemsize, one payload frame per bucket) run right after, here. Every violation raises
 `MessageError(code, reason)` naming the field; nothing is asserted, nothing unpickled.
 Payload frames are passed through untouched (zmq.Frame, bytes or memoryview): tensor
 bytes never enter MessagePack. Limits are explicit arguments so the service can set them.
@@ -54,7 +54,7 @@ def _bad(reason: str) -> MessageError:
 
 
 @cache
-def _decoder(allowed: tuple[str, ...]) -> msgspec.msgpack.Decoder[Any]:
+def _decoder(allowed: tuple[str, ...]) -> msgspec.msgpack.Decoder[Message]:
     types = tuple(MESSAGE_TYPES[t] for t in allowed if t != "ok") or (Ok,)
     return msgspec.msgpack.Decoder(Union[types] if len(types) > 1 else types[0])
 
@@ -65,7 +65,7 @@ def _raw_bytes(raw: Frame) -> bytes | bytearray | memoryview:
     return raw.buffer
 
 
-def _envelope(buf: Any, allowed: tuple[str, ...]) -> _Envelope:
+def _envelope(buf: bytes | bytearray | memoryview, allowed: tuple[str, ...]) -> _Envelope:
     """`v`, `type` and `id`, checked before the message itself: protocol first."""
     try:
         env = _ENVELOPE.decode(buf)

@@ -40,8 +40,8 @@ from messages.schema import MAX_COLLECTIVE_SOURCES
 
 log = get_logger("group")
 
-# torch.distributed's store classes (TCPStore, PrefixStore) are not in its type stubs.
-Store = Any
+# A rendezvous store: ours (`messages.rendezvous.StoreClient`) or any other of torch's.
+Store = dist.Store
 Backend = Literal["gloo", "nccl"]
 # A broadcast begun (`Group.start`): its work and the monotonic deadline it must meet.
 Started = tuple[dist.Work, float]
@@ -115,14 +115,12 @@ class Group:
         )
         td = datetime.timedelta(seconds=spec.timeout)
         t0 = time.perf_counter()
-        own = store is None
-        base = (
-            store
-            if store is not None
-            else StoreClient(
+        own: StoreClient | None = None  # the store's client when this member opens it (and closes it)
+        if store is None:
+            store = own = StoreClient(
                 spec.host, spec.port, spec.token, spec.store_key, timeout=spec.timeout, source=spec.bind
             )
-        )
+        base = store
         try:
             prefixed = dist.PrefixStore(f"{PREFIX}/{spec.id}/", base)
             if spec.rank == 0:
@@ -137,12 +135,12 @@ class Group:
             with joining:
                 self.pg = self._make_pg(prefixed, td)
         except GroupError:
-            if own:
-                base.close()
+            if own is not None:
+                own.close()
             raise
         except Exception as exc:  # rendezvous failed: a member never came, or the store is gone
-            if own:
-                base.close()
+            if own is not None:
+                own.close()
             raise GroupError(
                 f"group {spec.id}: rank {spec.rank} of {spec.world_size} could not "
                 f"join ({type(exc).__name__}: {_short(exc)})",
@@ -236,8 +234,8 @@ class Group:
         if pending:
             _bury(self.pg)
         self.pg = None
-        if self._own_store:
-            self._store.close()
+        if self._own_store is not None:
+            self._own_store.close()
         log.info("group_closed", group=self.spec.id, rank=self.spec.rank)
 
 

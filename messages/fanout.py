@@ -34,7 +34,8 @@ Torch-free: the engine worker and the fleet benchmark's simulated engines use `R
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import zmq
 
@@ -42,6 +43,9 @@ from messages import codec, schema
 from messages.bounded import LRU
 from messages.errors import MessageError
 from messages.schema import REPORT_INTERVAL
+
+if TYPE_CHECKING:
+    from messages.keys import ClientKeys
 
 DATA = b"F"  # the topic of every published message
 LIVE = b"E"  # LIVE + engine id: "this engine's subscription is in place"
@@ -141,11 +145,11 @@ class Receiver:
     """One engine's SUB socket on the daemon's fan-out, and which published buckets it
     takes. Used by the thread that owns the engine's other sockets."""
 
-    def __init__(self, ctx: zmq.Context[Any], engine_id: str, keys: Any = None) -> None:
+    def __init__(self, ctx: zmq.SyncContext, engine_id: str, keys: ClientKeys | None = None) -> None:
         self.ctx = ctx
         self.engine_id = engine_id
-        self.keys = keys  # messages.keys.ClientKeys, or None
-        self.sock: zmq.Socket[Any] | None = None
+        self.keys = keys
+        self.sock: zmq.SyncSocket | None = None
         self.addr = ""
         self.intervals: dict[str, float] = {}  # sync id -> its report interval (the open's)
         # sync id -> what it takes; its interval goes with it
@@ -155,7 +159,7 @@ class Receiver:
         self.dropped = 0  # published buckets this engine does not take
         self.last_dropped: tuple[str, int, int, str] | None = None  # (sync, sender, seq, why)
 
-    def open(self, announced: str, daemon: str, poller: zmq.Poller) -> zmq.Socket[Any] | None:
+    def open(self, announced: str, daemon: str, poller: zmq.Poller) -> zmq.SyncSocket | None:
         """Subscribe at the announced fan-out, polled by `poller` (the old socket leaves
         it); a new socket only if the address changed. Returns the socket when it is new,
         else None."""
@@ -165,7 +169,7 @@ class Receiver:
         if self.sock is not None:
             poller.unregister(self.sock)
         self.close()
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.SUB)
+        sock: zmq.SyncSocket = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
@@ -191,7 +195,7 @@ class Receiver:
         if sync_id not in self.ended:
             self.ended.append(sync_id)
 
-    def take(self, frames: list[Any]) -> tuple[schema.Load, list[Any]] | None:
+    def take(self, frames: Sequence[codec.Frame]) -> tuple[schema.Load, list[codec.Frame]] | None:
         """A published message -> the bucket to apply (a `load`), or None (an open,
         recorded; a bucket this engine does not take; something that does not decode)."""
         try:
@@ -221,10 +225,10 @@ class Receiver:
             return None
         return msg, decoded.payload
 
-    def recv_all(self, budget: int = 256) -> list[tuple[schema.Load, list[Any]]]:
+    def recv_all(self, budget: int = 256) -> list[tuple[schema.Load, list[codec.Frame]]]:
         """The buckets waiting on the socket that this engine takes (at most `budget`
         messages read)."""
-        out: list[tuple[schema.Load, list[Any]]] = []
+        out: list[tuple[schema.Load, list[codec.Frame]]] = []
         if self.sock is None:
             return out
         for _ in range(budget):

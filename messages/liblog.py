@@ -14,11 +14,12 @@ import logging
 from typing import Any
 
 import structlog
+from structlog.typing import EventDict, Processor, ProcessorReturnValue, WrappedLogger
 
 ROOT = "weightsync"
 
 # The rendering chain every library logger runs (changed in place by `use`).
-_CHAIN: list[Any] = [
+_CHAIN: list[Processor] = [
     structlog.processors.format_exc_info,
     structlog.dev.ConsoleRenderer(colors=False, pad_event_to=0),
 ]
@@ -40,17 +41,23 @@ def use(json: bool, colors: bool = False) -> None:
         ]
 
 
-def _render(logger: Any, method: str, event: Any) -> Any:
+def _render(logger: WrappedLogger, method: str, event: EventDict) -> ProcessorReturnValue:
+    # Each processor takes what the one before it returned (an event dict; the last one
+    # renders it to a str): a hand-over structlog's types cannot state, so it is untyped.
+    out: Any = event
     for proc in _CHAIN:
-        event = proc(logger, method, event)
-    return event
+        out = proc(logger, method, out)
+    rendered: ProcessorReturnValue = out
+    return rendered
 
 
-def get_logger(name: str) -> Any:
-    """A structlog logger over stdlib logger `weightsync.<name>`."""
-    return structlog.wrap_logger(
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    """A structlog logger over stdlib logger `weightsync.<name>`: a lazy proxy that binds
+    a `structlog.stdlib.BoundLogger` on first use and answers as one."""
+    logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
         logging.getLogger(f"{ROOT}.{name}"),
         processors=[structlog.stdlib.filter_by_level, _render],
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
+    return logger

@@ -50,6 +50,9 @@ MAX_VALUE = 1 << 20
 MAX_KEYS = 1 << 16
 MAX_WAIT = 86400.0  # seconds a request may wait for its keys
 
+# What an answer carries: an op's result (`StoreServer._apply`) or, with another status, why.
+Answer = bytes | int | bool | str | None
+
 
 class StoreError(RuntimeError):
     """A store request failed (refused, timed out, or the server is gone)."""
@@ -104,7 +107,7 @@ class StoreServer:
         finally:
             sock.close(linger=0)
 
-    def _reply(self, sock: zmq.SyncSocket, route: list[bytes], status: str, value: Any = None) -> None:
+    def _reply(self, sock: zmq.SyncSocket, route: list[bytes], status: str, value: Answer = None) -> None:
         sock.send_multipart([*route, msgspec.msgpack.encode([status, value])])
 
     def _handle(self, sock: zmq.SyncSocket, frames: list[bytes]) -> None:
@@ -138,7 +141,8 @@ class StoreServer:
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             return self._reply(sock, route, "error", f"bad request: {exc}")
 
-    def _apply(self, op: str, keys: list[str], arg: Any) -> Any:
+    def _apply(self, op: str, keys: list[str], arg: Any) -> bytes | int | bool | None:
+        # `arg`: whatever the request decoded to, unchecked (a wrong one raises, answered as an error)
         d, key = self._data, keys[0]
         if op in ("set", "add", "compare_set"):
             self._changed = True  # parked requests may be answerable now
@@ -184,7 +188,7 @@ class StoreServer:
         self._parked = keep
 
 
-def _value(v: Any) -> bytes:
+def _value(v: object) -> bytes:
     if isinstance(v, bytes):
         if len(v) > MAX_VALUE:
             raise ValueError("value too large")
@@ -255,7 +259,13 @@ class StoreClient(dist.Store):
         finally:
             self._local.give_up = before
 
-    def _call(self, op: str, key: Any, arg: Any = None, wait: float | None = None) -> Any:
+    def _call(
+        self,
+        op: str,
+        key: str | list[str],
+        arg: bytes | int | list[bytes] | None = None,
+        wait: float | None = None,
+    ) -> Any:  # the answer as decoded, unchecked: each caller converts it
         timeout = self._timeout if wait is None else wait
         sock = self._socket()
         sock.send(msgspec.msgpack.encode([self.token, op, key, arg, timeout]))
@@ -292,7 +302,7 @@ class StoreClient(dist.Store):
             s.close(linger=0)
 
     # -- torch.distributed.Store ------------------------------------------------------------
-    def set(self, key: str, value: Any) -> None:
+    def set(self, key: str, value: str | bytes | list[int]) -> None:
         self._call("set", key, _value(value))
 
     def get(self, key: str) -> bytes:
@@ -307,7 +317,9 @@ class StoreClient(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._call("wait", list(keys), None, None if timeout is None else timeout.total_seconds())
 
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+    def compare_set(
+        self, key: str, expected: str | bytes | list[int], desired: str | bytes | list[int]
+    ) -> bytes:
         return bytes(self._call("compare_set", key, [_value(expected), _value(desired)]))
 
     def delete_key(self, key: str) -> bool:

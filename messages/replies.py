@@ -9,19 +9,16 @@ BAD_MESSAGE, never a KeyError deep in the reader. Fields a newer daemon adds are
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import msgspec
 
 from messages.errors import ErrorCode, make_error
 from messages.schema import FRAMES
+from messages.schema import Json as Json  # where readers import them from
+from messages.schema import JsonObject as JsonObject
 
 R = TypeVar("R", bound=msgspec.Struct)
-
-# A JSON value: what status views, journal rows and reply bodies are made of.
-Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
-JsonObject = dict[str, Json]
-
 
 # the key of a status view (and a begin reply) that holds the group plan of the transport
 # that needs one (its wire name, kept since protocol v2)

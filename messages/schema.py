@@ -11,13 +11,17 @@ messages.protocol_doc`) and a test keeps them equal.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
 
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
+
+# A JSON value: what status views, journal rows and reply bodies are made of.
+Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
+JsonObject = dict[str, Json]
 
 PROTOCOL_VERSION = 7
 """Major version of the wire protocol, checked on every message (independent of the package)."""
@@ -129,9 +133,10 @@ Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}"
 
 
 class _Wire(msgspec.Struct, frozen=True):
-    def to_wire(self) -> dict[str, Any]:
-        """Plain MessagePack-able data (spool manifests, tests)."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
+    def to_wire(self) -> JsonObject:
+        """Plain MessagePack-able data (spool manifests, tests): JSON-shaped (bytes as
+        base64; tuples stay tuples, JSON arrays once encoded)."""
+        out: JsonObject = msgspec.to_builtins(self)
         return out
 
 

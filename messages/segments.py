@@ -27,14 +27,15 @@ import stat
 import uuid
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from messages.errors import ErrorCode, MessageError
 
 PREFIX = "weightsync"
 SEGMENT_PATTERN = re.compile(r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z")
 if TYPE_CHECKING:
-    pass
+    import torch
+    from typing_extensions import Buffer
 
 _DIR = Path("/dev/shm")
 
@@ -158,7 +159,7 @@ class Segment:
         self._mm = mmap.mmap(self._fd, size)
         self.size = size
 
-    def write(self, data: Any, offset: int = 0) -> int:
+    def write(self, data: Buffer, offset: int = 0) -> int:
         """Copy `data` (buffer protocol) at `offset`; returns its length."""
         mv = memoryview(data).cast("B")
         n = mv.nbytes
@@ -185,7 +186,7 @@ class Segment:
     def __enter__(self) -> Segment:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -233,7 +234,7 @@ class Reader:
         self._maps.clear()
 
 
-def frombuffer(mv: memoryview) -> Any:
+def frombuffer(mv: memoryview) -> torch.Tensor:
     """uint8 tensor over a (possibly read-only) buffer, without copying."""
     import torch  # noqa: PLC0415 (the daemon reads segments without torch)
 

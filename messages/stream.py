@@ -26,7 +26,7 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import blake3
 import msgspec
@@ -34,6 +34,14 @@ import xxhash
 
 from messages.errors import ErrorCode, MessageError
 from messages.schema import MAX_TENSORS_PER_BUCKET, TensorMeta
+
+if TYPE_CHECKING:
+    import numpy as np
+    from typing_extensions import Buffer
+
+# The bytes a MAC covers: a buffer, or a CPU tensor's `.numpy()` array (a buffer too, but
+# numpy's stubs say so only for Python 3.12 and later).
+MacBytes: TypeAlias = "Buffer | np.ndarray[tuple[int, ...], np.dtype[np.generic]]"
 
 MAGIC = b"WSS1"
 BUCKET, END = 1, 2
@@ -100,25 +108,30 @@ def mac_key(token: str, sync_id: str) -> bytes:
     return blake3.blake3(b"weightsync stream mac\0" + sync_id.encode(), key=bytes.fromhex(token)).digest()
 
 
-def bucket_mac(key: bytes, h: Header, data: Any, metas: Any) -> bytes:
+def _buffer(data: MacBytes) -> Buffer:
+    """`data` as the buffer it is (numpy arrays included: see MacBytes)."""
+    return cast("Buffer", data)
+
+
+def bucket_mac(key: bytes, h: Header, data: MacBytes, metas: Buffer) -> bytes:
     """The tag over a bucket's header, bytes and metadata (buffers, no copy)."""
     m = blake3.blake3(key=key)
     m.update(h.encode())
-    m.update(data)
+    m.update(_buffer(data))
     m.update(metas)
     return m.digest(MAC_BYTES)
 
 
-def load_mac(key: bytes, sender: int, seq: int, data: Any) -> bytes:
+def load_mac(key: bytes, sender: int, seq: int, data: MacBytes) -> bytes:
     """The tag of a per-bucket group load (its metadata travels over the control
     plane; only the broadcast bytes need the MAC): over (sender, seq) and the bytes."""
     m = blake3.blake3(key=key)
     m.update(b"load\0" + sender.to_bytes(4, "little") + seq.to_bytes(8, "little"))
-    m.update(data)
+    m.update(_buffer(data))
     return m.digest(MAC_BYTES)
 
 
-def check_load_mac(key: bytes | None, sender: int, seq: int, data: Any, tag: bytes | None) -> None:
+def check_load_mac(key: bytes | None, sender: int, seq: int, data: MacBytes, tag: bytes | None) -> None:
     """Raise UNAUTHORIZED unless a per-bucket group load carries the right tag."""
     if key is None:
         return
@@ -128,7 +141,7 @@ def check_load_mac(key: bytes | None, sender: int, seq: int, data: Any, tag: byt
         raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {seq}: wrong MAC (forged or corrupted)")
 
 
-def check_mac(key: bytes | None, h: Header, data: Any, metas: Any, tag: Any) -> None:
+def check_mac(key: bytes | None, h: Header, data: MacBytes, metas: Buffer, tag: Buffer) -> None:
     """Raise UNAUTHORIZED unless the bucket carries the right tag (`key` None: no MAC due;
     a tag that is there is then not checked: nothing to check it with)."""
     if key is None:

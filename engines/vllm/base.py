@@ -21,7 +21,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import structlog
@@ -35,6 +35,12 @@ from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, TensorMeta
 from messages.segments import VIA, Segment
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from engines.vllm.extension import FinalizeAnswer
+    from messages.replies import Json, JsonObject
 
 log = structlog.get_logger()
 
@@ -57,7 +63,8 @@ class WorkerLoad(msgspec.Struct, frozen=True):
 EXTENSION = "engines.vllm.extension.WeightSyncExtension"
 
 
-def _arg(**kw: Any) -> str:
+def _arg(**kw: object) -> str:
+    """An rpc's argument: `kw` (JSON-able) as a JSON string."""
     return json.dumps(kw, separators=(",", ":"))
 
 
@@ -93,10 +100,12 @@ class VllmBase:
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
 
-    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+    def rpc(self, method: str, arg: str = "{}") -> list[Json]:
+        """Call `method` of the extension on every vLLM worker: their answers, JSON-like
+        (engines.vllm.extension says each method's shape)."""
         raise NotImplementedError
 
-    def _extra(self) -> dict[str, Any]:
+    def _extra(self) -> JsonObject:
         return {}
 
     def describe(self) -> EngineInfo:
@@ -128,7 +137,7 @@ class VllmBase:
         """Names and shapes against the checkpoint's, before any worker sees the bucket."""
         validate_bucket(self.spec, [(m.name, _meta_tensor(m)) for m in metas], cast_ok=True)
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Buffer, parts: Parts = None) -> None:
         self._check(metas)
         self._send_bucket(metas, buf, parts)
 
@@ -136,7 +145,7 @@ class VllmBase:
         """Do the workers run in this process (and can take a buffer by reference)?"""
         return False
 
-    def _send_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts) -> None:
+    def _send_bucket(self, metas: Sequence[TensorMeta], buf: Buffer, parts: Parts) -> None:
         wire = [m.to_wire() for m in metas]
         if self._local():
             from engines.vllm.extension import LOCAL_BUFFERS
@@ -180,7 +189,7 @@ class VllmBase:
             tensors=[m.to_wire() for m in metas],
         )
 
-    def _timed(self, method: str, **kw: Any) -> list[Any]:
+    def _timed(self, method: str, **kw: object) -> list[Json]:
         """Run a load rpc (one `WorkerLoad` per worker); raise the first worker's typed
         refusal; add the workers' own split of its time to this sync's phases."""
         results = self.rpc(method, _arg(**kw))
@@ -201,7 +210,7 @@ class VllmBase:
     def load_group(
         self,
         metas: Sequence[TensorMeta],
-        group: dict[str, Any],
+        group: JsonObject,
         size: int,
         bucket_checksum: int,
         bind: str,
@@ -237,18 +246,19 @@ class VllmBase:
             self.load_bucket(b.tensors, b.frame())
 
     def finalize(self, sync_id: str) -> str:
-        results = self.rpc("ws_finalize", _arg(sync_id=sync_id))
+        results = cast("list[FinalizeAnswer]", self.rpc("ws_finalize", _arg(sync_id=sync_id)))
         if any(r.get("duplicate") for r in results):
             raise make_error(ErrorCode.INVALID_STATE, f"vLLM workers refused a second finalize of {sync_id}")
         digests = {r["digest"] for r in results}
-        if len(digests) != 1:
+        digest = next(iter(digests)) if len(digests) == 1 else None
+        if digest is None:  # they disagree (a finalize that ran always reports its digest)
             raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
         t0 = time.perf_counter()
         self._after_finalize()
         self._add("prefix_reset", time.perf_counter() - t0)
         self.finalize_count = min(r["finalize_count"] for r in results)
-        self._digest = digests.pop()
-        return self._digest
+        self._digest = digest
+        return digest
 
     def _after_finalize(self) -> None:
         raise NotImplementedError

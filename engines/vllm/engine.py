@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 import xxhash
 
+from engines.base import EngineOptions
 from engines.vllm.base import EXTENSION, Parts, VllmBase
 from engines.vllm.lora import LoraSlots, vllm_rank
 from messages import transports
@@ -25,7 +26,17 @@ from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, TensorMeta
 from messages.segments import frombuffer
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+    from vllm.lora.request import LoRARequest
+
+    from messages.replies import Json, JsonObject
+
 log = structlog.get_logger()
+
+# Keyword arguments of `vllm.LLM` (--vllm-arg: JSON values): vLLM takes them as it likes
+# (it is untyped here), and `_workers` reads its parallel sizes with int().
+LlmArgs: TypeAlias = "dict[str, Any]"
 
 
 class VllmEngine(VllmBase):
@@ -36,12 +47,12 @@ class VllmEngine(VllmBase):
         model_dir: str | Path,
         *,
         multiprocessing: bool = False,
-        llm_args: dict[str, Any] | None = None,
+        llm_args: LlmArgs | None = None,
         staging_bytes: int = 64 << 20,
     ) -> None:
         from vllm import LLM
 
-        args = {
+        args: LlmArgs = {
             "dtype": "float32",
             "enforce_eager": True,
             "max_model_len": 256,
@@ -55,7 +66,7 @@ class VllmEngine(VllmBase):
         self.llm_args = args
         self.multiprocessing = multiprocessing
         self._setup(model_dir, staging_bytes)
-        self.lora_request: Any = None  # the adapter generations use (VllmLoraEngine)
+        self.lora_request: LoRARequest | None = None  # the adapter generations use (VllmLoraEngine)
         log.info(
             "vllm_started",
             model=self.model_dir,
@@ -64,7 +75,7 @@ class VllmEngine(VllmBase):
             args=args,
         )
 
-    def _extra(self) -> dict[str, Any]:
+    def _extra(self) -> JsonObject:
         return {"llm_args": self.llm_args, "multiprocessing": self.multiprocessing}
 
     def _workers(self) -> int:
@@ -72,7 +83,7 @@ class VllmEngine(VllmBase):
             self.llm_args.get("pipeline_parallel_size", 1)
         )
 
-    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+    def rpc(self, method: str, arg: str = "{}") -> list[Json]:
         return list(self.llm.collective_rpc(method, args=(arg,)))
 
     def _after_finalize(self) -> None:
@@ -124,11 +135,17 @@ class VllmLoraEngine(VllmEngine):
         *,
         lora_rank: int,
         lora_targets: Sequence[str] = (),
-        llm_args: dict[str, Any] | None = None,
-        **options: Any,
+        llm_args: LlmArgs | None = None,
+        multiprocessing: bool = False,
+        staging_bytes: int = 64 << 20,
     ) -> None:
         lora_args = {"enable_lora": True, "max_lora_rank": vllm_rank(lora_rank), "max_loras": 1}
-        super().__init__(model_dir, llm_args={**(llm_args or {}), **lora_args}, **options)
+        super().__init__(
+            model_dir,
+            llm_args={**(llm_args or {}), **lora_args},
+            multiprocessing=multiprocessing,
+            staging_bytes=staging_bytes,
+        )
         self.lora = LoraSlots(self.model_dir, self.spec, lora_rank, lora_targets)
         self.spec.update(self.lora.spec)
         self._readers: dict[str, transports.Reader] = {}  # per reference transport
@@ -145,7 +162,7 @@ class VllmLoraEngine(VllmEngine):
             super().begin(*self._pending_begin)
             self._base_begun = True
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Buffer, parts: Parts = None) -> None:
         self._check(metas)
         base = self.lora.take(metas, frombuffer(memoryview(buf)))
         if base:
@@ -169,7 +186,7 @@ class VllmLoraEngine(VllmEngine):
     def load_group(
         self,
         metas: Sequence[TensorMeta],
-        group: dict[str, Any],
+        group: JsonObject,
         size: int,
         bucket_checksum: int,
         bind: str,
@@ -219,13 +236,17 @@ def _only(parts: Parts, metas: Sequence[TensorMeta]) -> Parts:
     return None if parts is None else {m.name: parts[m.name] for m in metas}
 
 
-def make_engine(options: dict[str, Any]) -> VllmEngine:
-    common: dict[str, Any] = {
-        "multiprocessing": bool(options.get("vllm_mp", False)),
-        "llm_args": options.get("llm_args") or {},
-    }
+def make_engine(options: EngineOptions) -> VllmEngine:
+    multiprocessing = bool(options.get("vllm_mp", False))
+    llm_args = options.get("llm_args") or {}
     rank = int(options.get("lora_rank") or 0)
     if rank:
         targets = tuple(options.get("lora_targets") or ())
-        return VllmLoraEngine(options["model"], lora_rank=rank, lora_targets=targets, **common)
-    return VllmEngine(options["model"], **common)
+        return VllmLoraEngine(
+            options["model"],
+            lora_rank=rank,
+            lora_targets=targets,
+            multiprocessing=multiprocessing,
+            llm_args=llm_args,
+        )
+    return VllmEngine(options["model"], multiprocessing=multiprocessing, llm_args=llm_args)

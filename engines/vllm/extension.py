@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, Required, TypeAlias, TypedDict
 
 import torch
 
@@ -33,8 +33,147 @@ from messages.dtypes import DTYPES
 from messages.schema import TensorMeta
 from messages.segments import frombuffer
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
-def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    from messages.distgroup import Posted
+    from messages.dtypes import Dtype
+    from messages.replies import Json, JsonObject
+
+
+# -- the rpc arguments (JSON strings, decoded here) and answers (JSON-like dicts) --------
+class TensorWire(TypedDict):
+    """A tensor of a load rpc (`TensorMeta.to_wire()`): the fields a worker reads."""
+
+    name: str
+    dtype: Dtype
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class RefWire(TypedDict):
+    """A reference (`Ref.to_wire()`; `via` left out when it is the first transport)."""
+
+    name: str
+    offset: int
+    size: int
+    via: NotRequired[str]
+
+
+# With keys: [key hex, sender, tag hex] (engines.vllm.base.load_group): a JSON array of a
+# str, an int and a str, which no list type spells.
+MacWire: TypeAlias = "list[Any]"
+
+
+class SyncArg(TypedDict):
+    sync_id: str
+
+
+class BeginArg(SyncArg):
+    version: int
+
+
+class LoadArg(SyncArg):
+    """`ws_load`: the bucket by reference (`ref`) or as the engine's frame (`local`)."""
+
+    tensors: list[TensorWire]
+    ref: NotRequired[RefWire]
+    local: NotRequired[str | None]
+    checksum: NotRequired[int | None]  # null: the engine process verified the bytes
+    parts: NotRequired[dict[str, str] | None]  # tensor -> digest part, hex
+
+
+class NextBucket(TypedDict):
+    seq: int
+    size: int
+
+
+class GroupLoadArg(SyncArg):
+    """`ws_group_load`: a bucket this worker receives by broadcast."""
+
+    group: JsonObject  # the group's wire form (`GroupRef.to_wire()`)
+    size: int
+    checksum: int
+    tensors: list[TensorWire]
+    bind: NotRequired[str]
+    seq: NotRequired[int | None]
+    next: NotRequired[NextBucket | None]
+    mac: NotRequired[MacWire | None]
+
+
+class UnsafeLoadArg(TypedDict):
+    ref: RefWire
+    tensors: list[TensorWire]
+
+
+class WorkerInfo(TypedDict):
+    """`ws_info` (and `ws_begin`, `ws_abort`): this worker's reload."""
+
+    sync_id: str | None
+    version: int | None
+    reloading: bool
+    finalize_count: int
+    digest: str | None
+    rank: int
+    mode: str | None
+    loaded: int
+    kept: int
+
+
+class FinalizeAnswer(WorkerInfo):
+    duplicate: bool
+    seconds: NotRequired[float]
+
+
+class FailureWire(TypedDict):
+    code: str  # an ErrorCode value
+    message: str
+
+
+class LoadAnswer(TypedDict, total=False):
+    """A load rpc's answer (engines.vllm.base.WorkerLoad): what loaded, or the refusal."""
+
+    loaded: int
+    seconds: float
+    phases: dict[str, float]
+    error: FailureWire
+
+
+class TransferInfo(TypedDict):
+    """What the weight-transfer backend holds (engines.vllm.transfer)."""
+
+    digest: str | None
+    finalize_count: int
+    loaded: int
+    seconds: float
+    backend: str
+
+
+class NativeInfo(TypedDict, total=False):
+    """`ws_native_info`: whether the weight-transfer backend runs, and then what it holds."""
+
+    native: Required[bool]
+    digest: str | None
+    finalize_count: int
+    loaded: int
+    seconds: float
+    backend: str
+
+
+class _ModelRunner(Protocol):
+    """What the extension uses of vLLM's model runner."""
+
+    def get_model(self) -> torch.nn.Module: ...
+
+
+class _VllmConfig(Protocol):
+    """What the extension uses of vLLM's config: handed back to vLLM's loaders."""
+
+    model_config: object
+
+
+def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, object], str, torch.Tensor]]:
     """The weights vLLM's layerwise reload still holds as views of `flat`: (the loader
     call's bound arguments, the argument's name, the view).
 
@@ -69,11 +208,11 @@ def keep_pending_weights(flat: torch.Tensor) -> int:
 def load_into(
     model: torch.nn.Module,
     flat: torch.Tensor,
-    metas: list[dict[str, Any]],
+    metas: list[TensorWire],
     digester: Digester,
     *,
     layerwise: bool,
-    parts: dict[str, Any] | None = None,
+    parts: Mapping[str, bytes | str] | None = None,
     phases: dict[str, float] | None = None,
 ) -> int:
     """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
@@ -116,15 +255,15 @@ class WorkerError(ValueError):
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> LoadAnswer:
         return {"error": {"code": self.code, "message": self.message}}
 
 
-def _metas(wire: list[dict[str, Any]]) -> list[TensorMeta]:
+def _metas(wire: list[TensorWire]) -> list[TensorMeta]:
     return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"]) for m in wire]
 
 
-def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: int) -> dict[str, bytes]:
+def verify_received(buf: torch.Tensor, metas: list[TensorWire], expected: int) -> dict[str, bytes]:
     """Check a bucket received by broadcast against its checksum and return every tensor's
     digest part, in one pass over the bytes; a mismatch raises (nothing is loaded)."""
     host = buf if buf.device.type == "cpu" else buf.cpu()
@@ -138,7 +277,7 @@ def verify_received(buf: torch.Tensor, metas: list[dict[str, Any]], expected: in
     return parts or {}
 
 
-def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
+def verify_mac(buf: torch.Tensor, seq: int, mac: MacWire | None) -> None:
     """With keys (`mac` = [key hex, sender, tag hex]): the trainer's tag over exactly the
     bytes this worker received, checked before anything is loaded."""
     if not mac:
@@ -156,7 +295,7 @@ def verify_mac(buf: torch.Tensor, seq: int, mac: list[Any] | None) -> None:
 
 # In-process workers only: the engine puts a received frame here for the duration of one
 # `ws_load` call, keyed by the token it passes, so the worker loads from the frame itself.
-LOCAL_BUFFERS: dict[str, memoryview] = {}
+LOCAL_BUFFERS: dict[str, Buffer] = {}
 
 
 @dataclass
@@ -176,10 +315,11 @@ class WorkerReload:
     mode: str | None = None  # layerwise, or process_weights_after_loading
     kept: int = 0
     member: Member | None = None  # this worker's group member
-    posted: tuple[tuple[Any, Any, Any], Any] | None = None  # a receive posted ahead
+    # a receive posted ahead: (group id, seq, size) of its bucket, and the receive
+    posted: tuple[tuple[Json, int | None, int], Posted] | None = None
 
 
-def _view(st: WorkerReload, ref: dict[str, Any]) -> memoryview:
+def _view(st: WorkerReload, ref: RefWire) -> memoryview:
     """The bytes a reference names, read by its transport's reader (one per transport,
     kept by this worker)."""
     via = ref.get("via", "")
@@ -193,9 +333,9 @@ class WeightSyncExtension:
     """Mixed into vLLM's Worker class; `self.model_runner` and `self.vllm_config` exist."""
 
     # set by vLLM's Worker, which this class is mixed into
-    model_runner: Any
-    vllm_config: Any
-    device: Any
+    model_runner: _ModelRunner
+    vllm_config: _VllmConfig
+    device: torch.device
 
     def _ws(self) -> WorkerReload:
         st: WorkerReload | None = getattr(self, "_ws_state", None)
@@ -207,7 +347,7 @@ class WeightSyncExtension:
         model: torch.nn.Module = self.model_runner.get_model()
         return model
 
-    def ws_info(self, arg: str = "{}") -> dict[str, Any]:
+    def ws_info(self, arg: str = "{}") -> WorkerInfo:
         st = self._ws()
         return {
             "sync_id": st.sync_id,
@@ -221,8 +361,8 @@ class WeightSyncExtension:
             "kept": st.kept,
         }
 
-    def ws_begin(self, arg: str) -> dict[str, Any]:
-        a = json.loads(arg)
+    def ws_begin(self, arg: str) -> WorkerInfo:
+        a: BeginArg = json.loads(arg)
         st = self._ws()
         if st.reloading:
             if st.sync_id == a["sync_id"]:
@@ -242,7 +382,7 @@ class WeightSyncExtension:
         st.digester, st.digest, st.loaded, st.kept = Digester(), None, 0, 0
         return self.ws_info()
 
-    def _ws_running(self, a: dict[str, Any], method: str) -> WorkerReload:
+    def _ws_running(self, a: SyncArg, method: str) -> WorkerReload:
         """The worker's state, if `a`'s sync is the reload running here."""
         st = self._ws()
         if not st.reloading or st.sync_id != a["sync_id"]:
@@ -252,15 +392,16 @@ class WeightSyncExtension:
             )
         return st
 
-    def ws_load(self, arg: str) -> dict[str, Any]:
+    def ws_load(self, arg: str) -> LoadAnswer:
         """arg: {sync_id, ref: {name, offset, size, via} | local: token, checksum | null, parts |
         null, tensors: [{name, dtype, shape, offset, nbytes}]}; returns {loaded, seconds,
         phases}. checksum null: the engine process verified these bytes (and sent `parts`)."""
         t0 = time.perf_counter()
-        a = json.loads(arg)
+        a: LoadArg = json.loads(arg)
         st = self._ws_running(a, "ws_load")
-        if a.get("local") is not None:
-            mv = memoryview(LOCAL_BUFFERS[a["local"]])
+        local = a.get("local")
+        if local is not None:
+            mv = memoryview(LOCAL_BUFFERS[local])
             where = "the engine's frame"
         else:
             ref = a["ref"]
@@ -274,7 +415,7 @@ class WeightSyncExtension:
         self._ws_apply(frombuffer(mv), a["tensors"], a.get("parts"), phases)
         return {"loaded": st.loaded, "seconds": time.perf_counter() - t0, "phases": phases}
 
-    def ws_group_load(self, arg: str) -> dict[str, Any]:
+    def ws_group_load(self, arg: str) -> LoadAnswer:
         """arg: {sync_id, group: GroupRef, seq, size, checksum, tensors, bind, next: {seq,
         size} | null}: this worker joins the group (rank = group rank + its vLLM rank) and
         receives the bucket by broadcast into its own buffer; no tensor crosses
@@ -282,7 +423,7 @@ class WeightSyncExtension:
         load) the receive of that bucket is posted before this one loads, so it crosses
         the network meanwhile; the next call finds it posted."""
         t0 = time.perf_counter()
-        a = json.loads(arg)
+        a: GroupLoadArg = json.loads(arg)
         st = self._ws_running(a, "ws_group_load")
         member = st.member
         if member is None:
@@ -311,7 +452,7 @@ class WeightSyncExtension:
         self._ws_apply(buf, a["tensors"], parts, phases)
         return {"loaded": st.loaded, "seconds": time.perf_counter() - t0, "phases": phases}
 
-    def ws_native_info(self, arg: str = "{}") -> dict[str, Any]:
+    def ws_native_info(self, arg: str = "{}") -> NativeInfo:
         """What vLLM's weight-transfer engine (backend weightsync) holds: digest, count."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "info"):
@@ -328,8 +469,8 @@ class WeightSyncExtension:
     def _ws_apply(
         self,
         flat: torch.Tensor,
-        metas: list[dict[str, Any]],
-        parts: dict[str, Any] | None = None,
+        metas: list[TensorWire],
+        parts: Mapping[str, bytes | str] | None = None,
         phases: dict[str, float] | None = None,
     ) -> None:
         st = self._ws()
@@ -344,8 +485,8 @@ class WeightSyncExtension:
         )
         st.loaded += len(metas)
 
-    def ws_finalize(self, arg: str) -> dict[str, Any]:
-        a = json.loads(arg)
+    def ws_finalize(self, arg: str) -> FinalizeAnswer:
+        a: SyncArg = json.loads(arg)
         st = self._ws()
         if a["sync_id"] in st.finalized:
             return {**self.ws_info(), "duplicate": True}
@@ -360,8 +501,8 @@ class WeightSyncExtension:
         st.digest = st.digester.hexdigest()
         return {**self.ws_info(), "duplicate": False, "seconds": time.perf_counter() - t0}
 
-    def ws_abort(self, arg: str) -> dict[str, Any]:
-        a = json.loads(arg)
+    def ws_abort(self, arg: str) -> WorkerInfo:
+        a: SyncArg = json.loads(arg)
         st = self._ws()
         if st.reloading and st.sync_id == a["sync_id"]:
             self._ws_end_reload()  # mixed weights, but the model is runnable again
@@ -394,7 +535,7 @@ class WeightSyncExtension:
 
     def ws_unsafe_load_weights(self, arg: str) -> str:
         """Plain `load_weights` from a reference (`schema.Ref` wire form), outside any reload."""
-        a = json.loads(arg)
+        a: UnsafeLoadArg = json.loads(arg)
         flat = frombuffer(_view(self._ws(), a["ref"]))
         tensors = [
             (

@@ -17,12 +17,16 @@ import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from messages.buckets import Digester
 from messages.schema import ParamSpec, TensorMeta
+
+if TYPE_CHECKING:  # vLLM is untyped here (mypy skips it): these are Any to the type checker
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -70,7 +74,7 @@ class LoraSlots:
                 base.append(m)
         return base
 
-    def activate(self, llm: Any, version: int) -> Any:
+    def activate(self, llm: LLM, version: int) -> LoRARequest:
         """Write the adapter received in this sync and make it the one requests use."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest

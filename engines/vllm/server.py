@@ -25,13 +25,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
+from engines.base import EngineOptions
 from engines.vllm.base import Parts, VllmBase
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, TensorMeta
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from engines.vllm.extension import NativeInfo, WorkerInfo
+    from messages.replies import Json, JsonObject
 
 log = structlog.get_logger()
 
@@ -61,7 +68,7 @@ class VllmServerEngine(VllmBase):
         models = self._http("GET", "/v1/models")
         self.served_model = models["data"][0]["id"]
         try:
-            self.workers = self.rpc("ws_info")
+            self.workers = cast("list[WorkerInfo]", self.rpc("ws_info"))
         except RuntimeError as exc:
             raise RuntimeError(
                 f"{self.url} does not run the weightsync extension ({exc}); start it with "
@@ -83,7 +90,9 @@ class VllmServerEngine(VllmBase):
             pause_mode=pause_mode,
         )
 
-    def _http(self, method: str, path: str, body: Any = None) -> Any:
+    def _http(self, method: str, path: str, body: object = None) -> Any:
+        """The route's JSON answer (None when empty), as `json.loads` gives it: each caller
+        reads the shape its route answers with."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -112,7 +121,7 @@ class VllmServerEngine(VllmBase):
             return f"{self.url}/health: {type(exc).__name__}: {exc}"
         return None
 
-    def _extra(self) -> dict[str, Any]:
+    def _extra(self) -> JsonObject:
         return {
             "url": self.url,
             "served_model": self.served_model,
@@ -126,7 +135,7 @@ class VllmServerEngine(VllmBase):
 
     def _init_native(self) -> bool:
         """True when the server runs vLLM's weight-transfer engine with our backend."""
-        infos = self.rpc("ws_native_info")
+        infos = self._native_infos()
         if not infos or not all(i.get("native") for i in infos):
             return False
         self._http("POST", "/init_weight_transfer_engine", {"init_info": {"bind": self.bind}})
@@ -149,7 +158,7 @@ class VllmServerEngine(VllmBase):
         else:
             super().begin(sync_id, version)
 
-    def load_bucket(self, metas: Sequence[TensorMeta], buf: memoryview, parts: Parts = None) -> None:
+    def load_bucket(self, metas: Sequence[TensorMeta], buf: Buffer, parts: Parts = None) -> None:
         self._start("extension")
         super().load_bucket(metas, buf, parts)
 
@@ -162,7 +171,7 @@ class VllmServerEngine(VllmBase):
     def load_group(
         self,
         metas: Sequence[TensorMeta],
-        group: dict[str, Any],
+        group: JsonObject,
         size: int,
         bucket_checksum: int,
         bind: str,
@@ -176,21 +185,16 @@ class VllmServerEngine(VllmBase):
             return
         self._check(metas)
         self._start("native")
-        self._http(
-            "POST",
-            "/update_weights",
-            {
-                "update_info": {
-                    "sync_id": self.sync_id,
-                    "group": group,
-                    "size": size,
-                    "checksum": bucket_checksum,
-                    "tensors": [m.to_wire() for m in metas],
-                    "seq": seq or 0,
-                    "mac": list(mac) if mac is not None else None,
-                }
-            },
-        )
+        update_info: dict[str, object] = {  # engines.vllm.transfer.WeightSyncUpdateInfo
+            "sync_id": self.sync_id,
+            "group": group,
+            "size": size,
+            "checksum": bucket_checksum,
+            "tensors": [m.to_wire() for m in metas],
+            "seq": seq or 0,
+            "mac": list(mac) if mac is not None else None,
+        }
+        self._http("POST", "/update_weights", {"update_info": update_info})
 
     def finalize(self, sync_id: str) -> str:
         self._start("extension")  # a sync with no bucket (all-partial) still finalizes once
@@ -199,23 +203,28 @@ class VllmServerEngine(VllmBase):
             self.finalize_count += self._native_finalizes  # the worker counts only its own path
             return digest
         self._http("POST", "/finish_weight_update", {})
-        infos = self.rpc("ws_native_info")
+        infos = self._native_infos()
         digests = {i["digest"] for i in infos}
-        if len(digests) != 1 or None in digests:
+        agreed = next(iter(digests)) if len(digests) == 1 else None
+        if agreed is None:
             raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
         self._after_finalize()
         self._native_finalizes = min(i["finalize_count"] for i in infos)
         self.finalize_count += 1
-        self._digest = digests.pop()
-        return self._digest
+        self._digest = agreed
+        return agreed
 
     def close_group(self) -> None:
         if not self.native:
             super().close_group()
 
-    def rpc(self, method: str, arg: str = "{}") -> list[Any]:
+    def rpc(self, method: str, arg: str = "{}") -> list[Json]:
         out = self._http("POST", "/collective_rpc", {"method": method, "args": [arg]})
         return list((out or {}).get("results", []))
+
+    def _native_infos(self) -> list[NativeInfo]:
+        """Every worker's `ws_native_info` (engines.vllm.extension)."""
+        return cast("list[NativeInfo]", self.rpc("ws_native_info"))
 
     def _pause(self) -> None:
         if not self.paused:
@@ -273,12 +282,13 @@ class VllmServerEngine(VllmBase):
         return tuple(out)
 
 
-def make_engine(options: dict[str, Any]) -> VllmServerEngine:
-    if not options.get("url"):
+def make_engine(options: EngineOptions) -> VllmServerEngine:
+    url = options.get("url")
+    if not url:
         raise ValueError("--backend vllm-server needs --url http://HOST:PORT")
     return VllmServerEngine(
         options["model"],
-        options["url"],
+        url,
         pause_mode=options.get("pause_mode") or "keep",
         bind=options.get("collective_host") or "",
     )

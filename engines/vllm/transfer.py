@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -27,6 +27,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from messages.buckets import Digester
+
+if TYPE_CHECKING:
+    from engines.vllm.extension import MacWire, TensorWire, TransferInfo
+    from messages.distgroup import Member
+    from messages.replies import JsonObject
 
 BACKEND = "weightsync"
 
@@ -45,12 +50,12 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """Body of one `/update_weights`: a bucket announced by the orchestrator."""
 
     sync_id: str = ""
-    group: dict[str, Any] = field(default_factory=dict)
+    group: JsonObject = field(default_factory=dict)  # the group's wire form (`GroupRef.to_wire()`)
     size: int = 0
     checksum: int = 0
-    tensors: list[dict[str, Any]] = field(default_factory=list)
+    tensors: list[TensorWire] = field(default_factory=list)
     seq: int = 0
-    mac: list[Any] | None = None  # with keys: [key hex, sender, tag hex] (engines/vllm/extension.py)
+    mac: MacWire | None = None  # with keys: [key hex, sender, tag hex] (engines/vllm/extension.py)
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):  # type: ignore[misc]
@@ -60,7 +65,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.member: Any = None
+        self.member: Member | None = None
         self.bind = ""
         self.digester: Digester | None = None
         self.digest: str | None = None
@@ -80,7 +85,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         initialize_layerwise_reload(self.model)
         self.digester, self.digest, self.loaded = Digester(), None, 0
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: JsonObject) -> None:
         # The base class ends with torch.accelerator.synchronize(); on a CPU-only build there
         # is no accelerator to wait for (the broadcast already completed), so skip it there.
         self.receive_weights(self.parse_update_info(update_info))
@@ -115,7 +120,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.digest = self.digester.hexdigest() if self.digester is not None else None
         self.digester = None
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> TransferInfo:
         return {
             "digest": self.digest,
             "finalize_count": self.finalize_count,

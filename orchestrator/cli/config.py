@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_origin
 
 from orchestrator.daemon.config import Settings
+
+if TYPE_CHECKING:
+    from typer.core import TyperOption
 
 ENV_PREFIX = "WEIGHTSYNC_"
 SETTINGS_DEFAULTS = {f.name: f.default for f in fields(Settings)}
@@ -27,11 +30,23 @@ SKIP = {"help", "config"}
 
 
 # Typer carries its own copy of click (typer._click), so this module goes by what click's
-# objects have (`commands`, `param_type_name`, `make_context`), not by their classes.
+# objects have (`commands`, `param_type_name`, `make_context`), not by their classes. A
+# command: typer's TyperCommand, or a TyperGroup (one with `commands`), which click's
+# declared types (`Context.command: Command`) cannot tell apart.
 Command = Any
 
 
-def key_of(p: Any) -> str:
+class RootContext(Protocol):
+    """What `show` reads of the root command's context (click's `Context`)."""
+
+    @property
+    def command(self) -> Command: ...
+
+    @property
+    def default_map(self) -> Mapping[str, object] | None: ...
+
+
+def key_of(p: TyperOption) -> str:
     """The option's name for env and config: its long flag, e.g. `log_json`, `json`."""
     longs = [o for o in p.opts if o.startswith("--")]
     return (longs[0][2:] if longs else p.name or "").replace("-", "_")
@@ -45,7 +60,7 @@ def commands(group: Command, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tup
             yield (*prefix, name), cmd
 
 
-def options(cmd: Command) -> list[Any]:
+def options(cmd: Command) -> list[TyperOption]:
     return [
         p
         for p in cmd.params
@@ -72,7 +87,7 @@ def load(path: Path) -> dict[str, Any]:
         raise ConfigFileError(f"config file {path}: {exc}") from None
 
 
-def _convert(cmd: Command, p: Any, value: Any, where: str, from_env: bool = False) -> None:
+def _convert(cmd: Command, p: TyperOption, value: Any, where: str, from_env: bool = False) -> None:
     """Refuse a value the option itself refuses (its type, its range), saying where the
     value came from: click's own conversion, as a run would do it."""
     if isinstance(value, dict) or (isinstance(value, list) and not p.multiple):
@@ -93,7 +108,7 @@ def _convert(cmd: Command, p: Any, value: Any, where: str, from_env: bool = Fals
         raise ConfigFileError(f"{where}: {message}") from None
 
 
-def _takes_text(p: Any) -> bool:
+def _takes_text(p: TyperOption) -> bool:
     """The option's value is a string, a path or one of named strings (not a number)."""
     ann = getattr(getattr(p, "type_descriptor", None), "annotation", None)
     return ann is str or ann is Path or get_origin(ann) is Literal
@@ -147,13 +162,14 @@ def default_map(cfg: dict[str, Any], group: Command, source: str = "config") -> 
     sections: set[str] = set()
     for path, cmd in commands(group):
         by_key = {key_of(p): p.name for p in options(cmd)}
-        section: Any = cfg
+        section: object = cfg
         for part in path:
             section = section.get(part, {}) if isinstance(section, dict) else {}
         if isinstance(section, dict) and section is not cfg:
             sections.add(".".join(path))
         values = {}
         params = {p.name: p for p in options(cmd)}
+        name: str | None
         for k, v in common.items():
             if k.replace("-", "_") in by_key:
                 name = by_key[k.replace("-", "_")]
@@ -178,16 +194,16 @@ def default_map(cfg: dict[str, Any], group: Command, source: str = "config") -> 
     return out
 
 
-def show(root: Any, only: tuple[str, ...], as_json: bool) -> None:
+def show(root: RootContext, only: tuple[str, ...], as_json: bool) -> None:
     """Every option of every command (or of `only`), its effective value and its source."""
     group = root.command
     check_env(group, tuple(n for n in only) if only else ())
-    rows = []
+    rows: list[dict[str, Any]] = []  # an option's value is of any type
     for path, cmd in commands(group):
         name = " ".join(path)
         if path[0] == "config" or (only and name not in only and path[0] not in only):
             continue
-        dm: Any = root.default_map or {}
+        dm: object = root.default_map or {}
         for part in path:
             dm = dm.get(part, {}) if isinstance(dm, dict) else {}
         ctx = cmd.make_context(path[-1], [], parent=root, default_map=dm or None, resilient_parsing=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 import sys
+from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import typer
 
@@ -98,14 +99,35 @@ app.command()(demo)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(bench)
 
 
-def command() -> Any:
+class Runnable(Protocol):
+    """What `main` calls on the click command typer builds (typer's click or click's own)."""
+
+    def main(self, *, args: list[str] | None, prog_name: str, standalone_mode: bool) -> object: ...
+
+
+class UsageContext(Protocol):
+    """What a usage error's message reads of its click context."""
+
+    @property
+    def command_path(self) -> str: ...
+
+    def get_parameter_source(self, name: str) -> Enum | None: ...
+
+
+class UsageMessage(Protocol):
+    """A click usage error, as far as its one line is concerned."""
+
+    def format_message(self) -> str: ...
+
+
+def command() -> Runnable:
     """The click command behind `weightsync`, each option wired to its WEIGHTSYNC_* variable."""
     cmd = typer.main.get_command(app)
     cliconfig.wire_envvars(cmd)
     return cmd
 
 
-def _usage_text(exc: Any, ctx: Any) -> str:
+def _usage_text(exc: UsageMessage, ctx: UsageContext | None) -> str:
     """click's message on one line; "(env var: ...)" only when the value came from there."""
     text = " ".join(exc.format_message().split())
     param = getattr(exc, "param", None)
@@ -125,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rv = command().main(args=argv, prog_name="weightsync", standalone_mode=False)
     except _CLICK["UsageError"] as exc:
-        ctx: Any = getattr(exc, "ctx", None)
+        ctx: UsageContext | None = getattr(exc, "ctx", None)
         if type(exc).__name__ == "NoArgsIsHelpError":  # `weightsync`, `weightsync keys`: the help
             print(exc.format_message())
             sys.exit(EXIT_OK)

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -36,10 +36,15 @@ from orchestrator.daemon.config import (
     DEFAULT_ADDR,
 )
 
+if TYPE_CHECKING:
+    from messages.replies import JsonObject
+    from messages.schema import Probe
+    from orchestrator.trainer.client import TrainerClient
+
 INT63 = 2**63 - 1
 
 
-def _read_probes(path: Path) -> list[Any]:
+def _read_probes(path: Path) -> list[Probe]:
     """A probes file, checked against the wire schema (the constraints the daemon applies)."""
     import msgspec
 
@@ -239,7 +244,7 @@ def watch(
         return
     if pattern is not None and pattern.groups != 1:
         _usage(f"--version-from {version_from!r}: needs exactly one group (the version)")
-    bad: list[dict[str, Any]] = []
+    bad: list[JsonObject] = []
 
     def emit(event: dict[str, Any]) -> None:
         if event["event"] in ("refused", "gave_up"):
@@ -268,7 +273,7 @@ def watch(
 
     stopping = False
 
-    def on_signal(*_: Any) -> None:
+    def on_signal(*_: object) -> None:
         nonlocal stopping
         stopping = True
 
@@ -327,7 +332,7 @@ def _why_dense(d: dict[str, Any], delta_from: Path | None, served: int | None) -
     return str(d.get("why"))
 
 
-def _settle(c: Any, err: WeightSyncError, wait: float) -> None:
+def _settle(c: TrainerClient, err: WeightSyncError, wait: float) -> None:
     """A failed push reports the state the daemon settles in: a dirty daemon with a spool
     rolls the engines back right after the failure, so the state in the error (IDLE,
     version None) is not what the fleet serves a moment later. Waits up to `wait` seconds

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Literal, NoReturn, Optional, TypedDict, Unpack
 
 import typer
 from rich.console import Console
@@ -20,6 +20,11 @@ from rich.markup import escape
 from messages import transports
 from messages.errors import ErrorCode, WeightSyncError
 from orchestrator.daemon.config import ConfigError, Settings, load_settings
+
+if TYPE_CHECKING:
+    from messages.keys import ClientKeys
+    from messages.replies import JsonObject
+    from orchestrator.trainer.client import TrainerClient
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 EXIT_OK, EXIT_USAGE, EXIT_STARTUP, EXIT_SYNC, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
@@ -43,7 +48,7 @@ def _config_error(exc: Exception) -> NoReturn:
     raise typer.Exit(EXIT_USAGE) from None
 
 
-def _settings(**kw: Any) -> Settings:
+def _settings(**kw: object) -> Settings:
     try:
         return load_settings(**kw)
     except ConfigError as exc:
@@ -66,7 +71,7 @@ def _fail(err: WeightSyncError, what: str, as_json: bool = False, version: int |
     raise typer.Exit(EXIT_USAGE if err.code is ErrorCode.WRONG_SOCKET else EXIT_SYNC)
 
 
-def _usage(message: str) -> None:
+def _usage(message: str) -> NoReturn:
     """A bad argument, file or address: one line, exit 2."""
     err_console.print(f"[red]error:[/red] {escape(' '.join(message.split()))}")
     raise typer.Exit(EXIT_USAGE)
@@ -80,7 +85,16 @@ def transport_name(value: str) -> str:
     return value
 
 
-def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Any) -> Any:
+class _ClientArgs(TypedDict, total=False):
+    """The `TrainerClient` options the commands set (besides its address and keys)."""
+
+    timeout: float
+    retries: int
+    connect_timeout: float
+    collective_host: str
+
+
+def _client(addr: str, keys: Optional[Path], key_name: str, **kw: Unpack[_ClientArgs]) -> TrainerClient:
     from orchestrator.daemon.logs import configure_logging
     from orchestrator.trainer.client import TrainerClient
 
@@ -114,7 +128,7 @@ def _check_endpoint(addr: str, flag: str) -> None:
 
     from messages.link import address_hint
 
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.SyncSocket = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(addr)
     except zmq.ZMQError as exc:
@@ -133,7 +147,7 @@ def _check_bind(addr: str, flag: str) -> None:
         _usage(f"{flag} {addr!r} is not a ZeroMQ address (no scheme); {address_hint(addr, bind=True)}")
 
 
-def _client_keys(directory: Optional[Path], name: str) -> Any:
+def _client_keys(directory: Optional[Path], name: str) -> ClientKeys | None:
     if directory is None:
         return None
     from messages.keys import KeysError, client_keys
@@ -144,8 +158,8 @@ def _client_keys(directory: Optional[Path], name: str) -> Any:
         _config_error(exc)
 
 
-def _parse_kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _parse_kv(items: list[str]) -> JsonObject:
+    out: JsonObject = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:

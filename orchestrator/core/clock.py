@@ -305,8 +305,8 @@ def _expire_catchups(m: Model, late: list[str]) -> None:
 
 def trainer_gone(m: Model, event: TrainerGone) -> None:
     """A trainer's connection closed. Mid-sync: the sync fails after `trainer_grace`
-    unless the trainer comes back (any message of it clears this). Any time: the group
-    whose store that trainer hosted is forgotten (the next push by a group plans one)."""
+    unless the trainer comes back (any message of it clears this). In every state: the
+    group whose store that trainer hosted is forgotten (the next push by a group plans one)."""
     s = m.sync
     if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
         s.lost.setdefault(event.sender, m.now)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages.errors import WeightSyncError
+from messages.replies import JsonObject
 from messages.schema import Probe
 from orchestrator.core.records import GroupPlan
 
@@ -117,7 +118,7 @@ class CompleteSync:
     sync_id: str
     body: dict[str, Any] | None  # ok body, or None with `error`
     error: WeightSyncError | None = None
-    summary: dict[str, Any] | None = None  # the sync's record as `status.last_sync` shows it
+    summary: JsonObject | None = None  # the sync's record as `status.last_sync` shows it
     state: str = ""  # the daemon's state after it
     dirty: bool = False
 
@@ -125,7 +126,7 @@ class CompleteSync:
 @dataclass(frozen=True, slots=True)
 class Journal:
     kind: str  # "transition" | "sync"
-    data: dict[str, Any]
+    data: JsonObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,7 @@ class Result:
     once its commands, which ended the sync it disturbed, persisted), or none (the input
     gets no answer)."""
 
-    reply: dict[str, Any] | None
+    reply: JsonObject | None
     commands: list[Command] = field(default_factory=list)
     later: bool = False
     refusal: WeightSyncError | None = None

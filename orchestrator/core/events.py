@@ -10,7 +10,7 @@ carried here, and the core decides what they mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from messages.errors import ErrorCode
 from messages.schema import Begin, Bucket, Committed, Failed, Finalized, Finish, Prepared, Register
@@ -26,7 +26,7 @@ class Event:
 class OfMessage(Event):
     """An event carrying a decoded message: its sync is the message's."""
 
-    msg: Any
+    msg: Begin | Bucket | Finish | Finalized | Committed | Prepared | Failed  # each subclass: its own
 
     @property
     def sync_id(self) -> str:

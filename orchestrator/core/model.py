@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 
@@ -81,10 +80,10 @@ class Model:
         # bucket is checked once per model, not once per engine
         self.specs: LRU[tuple[ParamSpec, ...], dict[str, ParamSpec]] = LRU(SPECS_KEPT)
         self.sync: SyncRecord | None = None
-        self.last_sync: dict[str, Any] | None = None
-        self.history: deque[dict[str, Any]] = deque(history, maxlen=self.limits.history)
+        self.last_sync: JsonObject | None = None
+        self.history: deque[JsonObject] = deque(history, maxlen=self.limits.history)
         self.outbox: list[Command] = []
-        self.reply: dict[str, Any] | None = None  # this input's answer now (Result.reply)
+        self.reply: JsonObject | None = None  # this input's answer now (Result.reply)
         self.later = False  # its answer comes with a later command (Result.later)
         self.refusal: WeightSyncError | None = None  # refused, having ended the sync (Result.refusal)
         self.now = now
@@ -306,7 +305,7 @@ class Model:
             self.dirty = True
         elif dest is State.READY:
             self.dirty = False
-        entry: dict[str, Any] = {
+        entry: JsonObject = {
             "from": src.value,
             "to": dest.value,
             "trigger": trigger,

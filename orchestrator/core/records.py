@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from messages import transports
 from messages.checksums import DIGEST_SCHEME
@@ -170,7 +169,7 @@ class SyncRecord:
     group: GroupPlan | None = None  # the group this sync's bytes are broadcast in
     groups: dict[int, GroupPlan] = field(default_factory=dict)  # each source's (a sharded push)
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
-    rollback_of: dict[str, Any] | None = None  # the failed sync a rollback repairs
+    rollback_of: JsonObject | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)
     # tensor name -> the sender (source) that sent it: completeness over the union of the
     # sources, and a tensor two sources send is refused (DUPLICATE_TENSOR)

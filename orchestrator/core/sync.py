@@ -13,12 +13,10 @@ changed nothing), then acts: records, commands, reply. Read top to bottom per tr
 
 from __future__ import annotations
 
-from typing import Any
-
 from messages import transports
 from messages.errors import ErrorCode
 from messages.fanout import max_bucket
-from messages.replies import BeginReply, BucketAck
+from messages.replies import BeginReply, BucketAck, JsonObject
 from messages.replies import body as reply_body
 from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
 from orchestrator.core import completion, sources, syncs
@@ -235,7 +233,7 @@ def _reply_running(m: Model, s: SyncRecord, sender: int) -> None:
 def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> None:
     """A source of a sharded push begins the version another source opened: it takes part
     in that sync (its reply names the sync_id), once its count and plan agree and its seat
-    is free or its own. Any disagreement fails the sync for every source (`sources.conflict`)."""
+    is free or its own. Every disagreement fails the sync for every source (`sources.conflict`)."""
     if msg.senders != s.senders:
         sources.conflict(
             m, s, msg.sender, f"began with {msg.senders} sources", f"{s.senders} sources", "senders"
@@ -280,7 +278,7 @@ def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> Non
 
 def _begin_reply(
     m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None, sender: int = 0
-) -> dict[str, Any]:
+) -> JsonObject:
     """The begin reply (messages.replies.BeginReply), built here only: the sync as opened
     and the limits each sender's window keeps within (its share of max_pending and, with a
     fan-out, of the fan-out's per-connection budget: messages.fanout.window_cap)."""

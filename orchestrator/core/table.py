@@ -14,9 +14,9 @@ test keeps the two equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from transitions import EventData, Machine, MachineError
 
@@ -293,7 +293,7 @@ GATES: dict[str, Gate] = {
 }
 
 
-def _outcome_is(outcome: Outcome) -> Any:
+def _outcome_is(outcome: Outcome) -> Callable[[EventData], bool]:
     def cond(e: EventData) -> bool:
         return bool(e.kwargs.get("outcome") is outcome)
 

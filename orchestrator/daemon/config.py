@@ -51,7 +51,7 @@ class Settings:
     log_json: bool | None = None  # None: JSON when stderr is not a TTY
 
 
-def _parse(value: str, default: Any, name: str) -> Any:
+def _parse(value: str, default: object, name: str) -> bool | int | float | str:
     kind = type(default)
     try:
         if (
@@ -69,10 +69,10 @@ def _parse(value: str, default: Any, name: str) -> Any:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={value!r} is not a valid {kind.__name__}") from None
 
 
-def load_settings(**overrides: Any) -> Settings:
+def load_settings(**overrides: object) -> Settings:
     """Flags (non-None overrides) win over WEIGHTSYNC_* variables, which win over defaults."""
     base = Settings()
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # each of its field's type (`_parse`)
     for f in fields(Settings):
         env = os.environ.get(ENV_PREFIX + f.name.upper())
         if env is not None:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
+import zmq
 
 from messages import codec, schema, transports
 from messages.checksums import bucket_checksum
 from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error, wrong_socket_line
+from messages.replies import JsonObject
 from orchestrator import __version__
 from orchestrator.core import Core
 from orchestrator.core import events as ev
@@ -28,7 +30,7 @@ from orchestrator.daemon.config import Settings
 from orchestrator.daemon.effects import Effects
 from orchestrator.daemon.inflight import Inflight, Pending
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.transport import Stats, Transport, Waiter, error_message
+from orchestrator.daemon.transport import OnReply, Stats, Transport, Waiter, error_message
 
 log = structlog.get_logger()
 
@@ -42,7 +44,7 @@ class Answer:
     else once they persisted), `park()` when it answers later, `fail(err)` when it gave no
     answer to an input that expects one."""
 
-    send: Callable[[dict[str, Any]], None]
+    send: Callable[[JsonObject], None]
     park: Callable[[], None] | None = None
     fail: Callable[[WeightSyncError], None] | None = None
     first: bool = False
@@ -59,7 +61,7 @@ class Dispatcher:
         metrics: Metrics,
         stats: Stats,
         readers: dict[str, transports.Reader],
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], JsonObject],
         failpoints: dict[str, Any],
         fail_internal: Callable[[str, BaseException], Awaitable[None]],
     ) -> None:
@@ -115,7 +117,7 @@ class Dispatcher:
             first,
         )
 
-    def _error(self, err: MessageError, socket: str, header: Any) -> WeightSyncError:
+    def _error(self, err: MessageError, socket: str, header: zmq.Frame) -> WeightSyncError:
         """A decode refusal, saying where the daemon is; a message type of the other socket
         (`register` here, `begin` at the engine socket) is WRONG_SOCKET, saying which socket
         this is and both addresses, so the peer can name the one it needs."""
@@ -134,7 +136,7 @@ class Dispatcher:
         return self.core.error(ErrorCode.WRONG_SOCKET, f"type {mtype!r}: {line}", **details)
 
     # -- the trainer socket ---------------------------------------------------------------
-    async def on_trainer(self, ident: bytes, frames: list[Any]) -> None:
+    async def on_trainer(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         if not frames:
             return
         try:
@@ -165,7 +167,8 @@ class Dispatcher:
             elif isinstance(msg, schema.Begin):
                 await self.begin(w, ident, msg)
             elif isinstance(msg, schema.Bucket):
-                await self.bucket(w, msg, decoded.payload)
+                # the frames as received (copy=False), passed through by the decoder untouched
+                await self.bucket(w, msg, cast(list[zmq.Frame], decoded.payload))
                 self.inflight.own(msg.sync_id, ident, msg.sender)
             elif isinstance(msg, schema.Finish):
                 await self.finish(w, msg)
@@ -197,10 +200,11 @@ class Dispatcher:
             self.inflight.bucket_bytes[named] = (size, msg.senders)
         self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
 
-    async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[Any]) -> None:
+    async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[zmq.Frame]) -> None:
         """A bucket, with the facts about its bytes that only this process can find."""
         route = self.inflight.routes.get(msg.sync_id)
         carries = route.carries if route is not None else ""
+        frame: zmq.Frame | bytes | None
         frame, checksum_ok, ref_error = None, None, None
         ref = msg.ref
         if msg.size is not None:  # a broadcast: a copy rides along only to be spooled
@@ -262,8 +266,8 @@ class Dispatcher:
     async def local_request(
         self,
         msg: schema.Bucket | schema.Finish,
-        payload: list[Any],
-        on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None],
+        payload: list[zmq.Frame],
+        on_reply: OnReply,
     ) -> None:
         """The daemon's own request (a rollback's), answered through `on_reply`."""
         w = Waiter(b"", 0, on_reply)
@@ -282,7 +286,7 @@ class Dispatcher:
         await self.feed(ev.TrainerGone("", conn=ident))  # the groups whose store it hosted go
 
     # -- the engine socket ----------------------------------------------------------------
-    async def on_engine(self, ident: bytes, frames: list[Any]) -> None:
+    async def on_engine(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         try:
             decoded = codec.decode(
                 frames, allowed=schema.FROM_ENGINE, max_header_bytes=self.settings.max_header_bytes
@@ -365,7 +369,7 @@ class Dispatcher:
             seconds_c.inc(seconds)
             buckets_c.inc(buckets)
 
-    def _engine(self, ident: bytes, req_id: int, extra: dict[str, Any] | None = None) -> Answer:
+    def _engine(self, ident: bytes, req_id: int, extra: JsonObject | None = None) -> Answer:
         """An engine's answer: always before the commands its input caused (a registration
         precedes the catch-up buckets it starts)."""
         return Answer(
@@ -379,11 +383,11 @@ class Dispatcher:
         event = ev.EngineRegistered(
             msg, other_connection=self.transport.other_connection(msg.engine_id, ident)
         )
-        extra = None
+        extra: JsonObject | None = None
         if msg.fanout and "fanout" in self.transport.bound:  # v4: where to take published buckets
             extra = {"fanout": self.transport.bound["fanout"]}
 
-        def registered(body: dict[str, Any]) -> None:
+        def registered(body: JsonObject) -> None:
             self.transport.registered(msg.engine_id, ident)
             log.info(
                 "engine_registered",

@@ -14,7 +14,6 @@ import contextvars
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 import structlog
@@ -58,7 +57,7 @@ class Effects:
         spool: Spool | None,
         metrics: Metrics,
         readers: dict[str, transports.Reader],
-        failpoints: dict[str, Any],
+        failpoints: dict[str, float | str],
     ) -> None:
         self.transport = transport
         self.inflight = inflight

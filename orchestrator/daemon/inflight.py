@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from messages import schema
+from messages.replies import JsonObject
 from orchestrator.core.commands import SyncOpened
 from orchestrator.daemon.transport import Waiter
 
@@ -80,7 +81,7 @@ class Inflight:
         ]
         return buckets, self.finish_waiters.pop(sync_id, [])
 
-    def view(self, effect_batches: int) -> dict[str, int]:
+    def view(self, effect_batches: int) -> JsonObject:
         return {
             "pending_buckets": len(self.held),
             "unacked_bucket_requests": sum(len(w) for w in self.bucket_waiters.values()),

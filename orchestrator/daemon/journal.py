@@ -14,9 +14,10 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from messages.checksums import UNRECORDED_DIGEST_SCHEME
+from messages.replies import JsonObject
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS transitions (
@@ -45,7 +46,22 @@ class Recovered:
     digest_scheme: str | None  # what made `digest` (None with no digest)
     dirty: bool
     interrupted: str | None  # sync_id that a crash cut short
-    history: list[dict[str, Any]]
+    history: list[JsonObject]
+
+
+class SyncRow(TypedDict):
+    """One sync as the journal records it (`Journal.syncs`)."""
+
+    sync_id: str
+    version: int
+    status: str
+    digest: str | None
+    buckets: int | None
+    bytes: int | None
+    code: str | None
+    reason: str | None
+    started: float | None
+    ended: float | None
 
 
 class Journal:
@@ -66,7 +82,7 @@ class Journal:
     def close(self) -> None:
         self.db.close()
 
-    def transition(self, entry: dict[str, Any], dirty: bool) -> None:
+    def transition(self, entry: JsonObject, dirty: bool) -> None:
         self.db.execute(
             "INSERT INTO transitions (at, wall, src, dst, trigger, version, sync_id, code, reason, dirty)"
             " VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -84,7 +100,7 @@ class Journal:
             ),
         )
 
-    def sync(self, data: dict[str, Any]) -> None:
+    def sync(self, data: JsonObject) -> None:
         status = data["status"]
         if status == "LOADING_BUCKETS":
             self.db.execute(
@@ -151,7 +167,7 @@ class Journal:
         ]
         return Recovered(state, version, digest, scheme, dirty, interrupted, hist)
 
-    def syncs(self, limit: int = 20) -> list[dict[str, Any]]:
+    def syncs(self, limit: int = 20) -> list[SyncRow]:
         cols = (
             "sync_id",
             "version",
@@ -167,7 +183,8 @@ class Journal:
         rows = self.db.execute(
             f"SELECT {', '.join(cols)} FROM syncs ORDER BY started DESC LIMIT ?", (limit,)
         ).fetchall()
-        return [dict(zip(cols, r, strict=True)) for r in rows]
+        # sqlite's rows are untyped: the columns above are SyncRow's
+        return cast(list[SyncRow], [dict(zip(cols, r, strict=True)) for r in rows])
 
     def dump(self) -> str:
         return json.dumps({"syncs": self.syncs(1000)}, indent=2)

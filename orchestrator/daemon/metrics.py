@@ -19,6 +19,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from messages.replies import JsonObject
 from messages.schema import FRAMES
 
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -186,7 +187,7 @@ class Metrics:
             self.server.shutdown()
             self.server = None
 
-    def publish(self, status: dict[str, Any]) -> None:
+    def publish(self, status: JsonObject) -> None:
         """The loop hands over a fresh status dict (never mutated afterwards)."""
         self.snapshot, self.snapshot_mono = status, time.monotonic()
 

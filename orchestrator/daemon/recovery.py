@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import structlog
@@ -21,16 +21,15 @@ import zmq
 
 from messages import codec, schema
 from messages.errors import ErrorCode, WeightSyncError
+from messages.replies import JsonObject
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
 from orchestrator.core.records import Limits
 from orchestrator.daemon.spool import Spool, SpoolEntry
-from orchestrator.daemon.transport import Outgoing
+from orchestrator.daemon.transport import OnReply, Outgoing
 
 log = structlog.get_logger()
 RECOVERY_WINDOW = Limits().recovery_window  # spooled buckets a rollback has in flight
-
-OnReply = Callable[[dict[str, Any] | None, WeightSyncError | None], None]
 
 
 class Requests(Protocol):
@@ -38,7 +37,7 @@ class Requests(Protocol):
     `on_reply` like a trainer's would be (the dispatcher)."""
 
     async def local_request(
-        self, msg: schema.Bucket | schema.Finish, payload: list[Any], on_reply: OnReply
+        self, msg: schema.Bucket | schema.Finish, payload: list[zmq.Frame], on_reply: OnReply
     ) -> None: ...
 
 
@@ -192,14 +191,14 @@ class Recovery:
                 self._on_finished(f),
             )
 
-    def _on_reply(self, f: Feed, key: tuple[int, int]) -> Callable[[Any, WeightSyncError | None], None]:
-        def done(body: Any, err: WeightSyncError | None) -> None:
+    def _on_reply(self, f: Feed, key: tuple[int, int]) -> OnReply:
+        def done(body: JsonObject | None, err: WeightSyncError | None) -> None:
             f.inflight.discard(key)  # an error fails the sync itself; sync_closed ends the feed
 
         return done
 
-    def _on_finished(self, f: Feed) -> Callable[[Any, WeightSyncError | None], None]:
-        def done(body: Any, err: WeightSyncError | None) -> None:
+    def _on_finished(self, f: Feed) -> OnReply:
+        def done(body: JsonObject | None, err: WeightSyncError | None) -> None:
             if err is None:
                 log.warning("rollback_completed", sync_id=f.sync_id, version=f.version)
             else:

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import ParamSpec, overload
 
 import structlog
 import zmq
@@ -31,6 +31,7 @@ import zmq.asyncio
 from messages import fanout, schema, transports
 from messages.checksums import DIGEST_SCHEME
 from messages.errors import ErrorCode
+from messages.replies import Json, JsonObject
 from orchestrator.core import Core, Limits, State
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
@@ -49,6 +50,7 @@ from orchestrator.daemon.storage import Storage
 from orchestrator.daemon.transport import Stats, Transport
 
 log = structlog.get_logger()
+_P = ParamSpec("_P")
 
 IDLE_COALESCE = 0.05  # seconds an idle daemon lets engine messages gather between two reads
 # seconds: after an input, the metrics' state snapshot is at most this old (published with
@@ -92,7 +94,11 @@ def _state_paths(s: Settings) -> list[Path]:
     return out
 
 
-def _wall_clock(obj: Any, offset: float) -> Any:
+@overload
+def _wall_clock(obj: JsonObject, offset: float) -> JsonObject: ...
+@overload
+def _wall_clock(obj: Json, offset: float) -> Json: ...
+def _wall_clock(obj: Json, offset: float) -> Json:
     """A copy of a status object whose monotonic times (`at`, `*_at`) are Unix seconds;
     the journal's history is already wall-clock."""
     if isinstance(obj, dict):
@@ -108,7 +114,7 @@ def _wall_clock(obj: Any, offset: float) -> Any:
 
 
 class Service:
-    def __init__(self, settings: Settings, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(self, settings: Settings, ctx: zmq.SyncContext | None = None) -> None:
         self.settings = settings
         self.ctx = ctx or zmq.Context.instance()
         # What this daemon is about to create: removed again if it never starts (a port in use).
@@ -413,8 +419,8 @@ class Service:
 
     async def _drain(
         self,
-        sock: zmq.Socket[Any],
-        handler: Callable[[bytes, list[Any]], Awaitable[None]],
+        sock: zmq.SyncSocket,
+        handler: Callable[[bytes, list[zmq.Frame]], Awaitable[None]],
         src: str,
         budget: int = 256,
     ) -> None:
@@ -447,11 +453,13 @@ class Service:
         for ident in peers.drain():
             await on_closed(ident)
 
-    async def _guarded(self, src: str, handler: Callable[..., Awaitable[None]], *args: Any) -> None:
+    async def _guarded(
+        self, src: str, handler: Callable[_P, Awaitable[None]], *args: _P.args, **kwargs: _P.kwargs
+    ) -> None:
         """The exception boundary of one input (a message or a timer): a bug fails the
         running sync with INTERNAL, logged once with its traceback; the daemon serves on."""
         try:
-            await handler(*args)
+            await handler(*args, **kwargs)
         except Exception as exc:
             log.exception("input_crashed", src=src)
             await self.fail_internal(src, exc)
@@ -497,10 +505,10 @@ class Service:
             self.metrics.stop()
             log.info("daemon_stopped", state=self.core.state.value, version=self.core.served_version)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JsonObject:
         now_mono = time.monotonic()
         # The core keeps monotonic time; users read wall-clock Unix seconds everywhere.
-        snap: dict[str, Any] = _wall_clock(self.core.snapshot(now_mono), time.time() - now_mono)
+        snap = _wall_clock(self.core.snapshot(now_mono), time.time() - now_mono)
         snap["spool"] = self.spool.view() if self.spool else None
         snap["queues"] = self.inflight.view(self.effects.batches)
         bound = self.transport.bound

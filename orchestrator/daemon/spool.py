@@ -26,12 +26,12 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import structlog
 
 from messages.checksums import DIGEST_SCHEME, UNRECORDED_DIGEST_SCHEME
+from messages.replies import JsonObject
 from messages.schema import Probe
 
 log = structlog.get_logger()
@@ -62,7 +62,7 @@ class SpoolEntry:
     file: str
     nbytes: int
     checksum: int
-    tensors: list[dict[str, Any]]
+    tensors: list[JsonObject]  # the bucket's TensorMeta.to_wire() (JSON in the manifest)
     gen: int = 0  # 0: the dense version; k: the k-th delta on top of it (replayed in order)
 
 
@@ -180,7 +180,13 @@ class Spool:
             self.fail(f"{type(exc).__name__}: {exc}")
 
     def add(
-        self, sync_id: str, sender: int, seq: int, tensors: list[dict[str, Any]], checksum: int, data: Any
+        self,
+        sync_id: str,
+        sender: int,
+        seq: int,
+        tensors: list[JsonObject],
+        checksum: int,
+        data: memoryview | bytes,
     ) -> None:
         if self._incoming is None or self._incoming_sync != sync_id or self._incoming_failed:
             return
@@ -296,7 +302,7 @@ class Spool:
         self._incoming_failed = None
         self._incoming, self._incoming_sync, self._incoming_entries = None, None, []
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         i = self.info
         return {
             "path": str(self.root),

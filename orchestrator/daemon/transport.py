@@ -16,13 +16,13 @@ import socket as pysocket
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 import zmq
 
 from messages import codec, fanout, schema
 from messages.errors import WeightSyncError
+from messages.replies import JsonObject
 from orchestrator.daemon.auth import ServerAuth
 from orchestrator.daemon.peers import PeerTracker
 
@@ -31,6 +31,8 @@ log = structlog.get_logger()
 
 # The frames of one message sent: headers as bytes, payloads as received frames or views.
 Outgoing = Sequence[bytes | memoryview | zmq.Frame]
+# How the daemon's own request is answered: the ok body, or the error.
+OnReply = Callable[[JsonObject | None, WeightSyncError | None], None]
 
 
 @dataclass(slots=True)
@@ -40,7 +42,7 @@ class Waiter:
 
     ident: bytes
     req_id: int
-    on_reply: Callable[[dict[str, Any] | None, WeightSyncError | None], None] | None = None
+    on_reply: OnReply | None = None
 
 
 @dataclass(slots=True)
@@ -317,7 +319,7 @@ class Transport:
         except zmq.ZMQError as exc:  # the engine went away; its heartbeat deadline handles it
             log.warning("reply_undeliverable", error=str(exc), type=msg.TYPE, src="engine")
 
-    def reply_ok(self, w: Waiter, body: dict[str, Any]) -> None:
+    def reply_ok(self, w: Waiter, body: JsonObject) -> None:
         if w.on_reply is not None:
             w.on_reply(body, None)
             return

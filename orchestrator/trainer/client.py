@@ -16,30 +16,45 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, Unpack
 
 import torch
 import zmq
 
 from messages import schema, transports
-from messages.buckets import Digester, PackedBucket
+from messages.buckets import Cast, Digester, Item, PackedBucket
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
-from messages.replies import BeginReply, FinishReply, StatusReply
+from messages.replies import BeginReply, FinishReply, JsonObject, StatusReply
 from messages.replies import decode as decode_reply
 from messages.schema import DEFAULT_ADDR, DEFAULT_BUCKET_BYTES
 from orchestrator.trainer.connection import Connection, error_from_reply
 from orchestrator.trainer.delta import DeltaBase, DeltaChooser
 from orchestrator.trainer.deltapush import push_delta
 from orchestrator.trainer.module import push_module
+from orchestrator.trainer.options import (
+    AdapterPushOptions as AdapterPushOptions,
+)
+from orchestrator.trainer.options import (
+    ClientOptions as ClientOptions,
+)
+from orchestrator.trainer.options import (
+    ConnectOptions as ConnectOptions,
+)
+from orchestrator.trainer.options import (
+    ModuleCallOptions,
+    PushArgs,
+)
+from orchestrator.trainer.options import ModulePushOptions as ModulePushOptions
+from orchestrator.trainer.options import PushOptions as PushOptions
 from orchestrator.trainer.results import SyncResult as SyncResult  # where trainers import it from
 from orchestrator.trainer.results import abort_reason, ended_cause, sync_result
 from orchestrator.trainer.routes import Routes, pending_cap
 from orchestrator.trainer.shard import ShardPlans
-from orchestrator.trainer.stream import Stream, window_limit
+from orchestrator.trainer.stream import Progress, Stream, window_limit
 
 log = get_logger("trainer")
 
@@ -56,7 +71,7 @@ class TrainerClient:
         timeout: float = 30.0,
         retries: int = 3,
         finish_timeout: float = 900.0,
-        ctx: zmq.Context[Any] | None = None,
+        ctx: zmq.SyncContext | None = None,
         sender: int = 0,
         keys: ClientKeys | None = None,
         connect_timeout: float = 5.0,
@@ -102,15 +117,16 @@ class TrainerClient:
     def __enter__(self) -> TrainerClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- requests -----------------------------------------------------------------------
-    def hello(self) -> dict[str, Any]:
+    def hello(self) -> JsonObject:
         return self.conn.request(lambda i: schema.Hello(id=i, client="weightsync-client"))
 
     def status(self, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
-        """The whole status object, as `weightsync status --json` prints it."""
+        """The whole status object, as `weightsync status --json` prints it: JSON whose
+        fields are read by name (`fleet` is the typed part a trainer acts on)."""
         return self.conn.request(lambda i: schema.Status(id=i), timeout, retries=retries)
 
     def fleet(self, timeout: float | None = None, retries: int | None = None) -> StatusReply:
@@ -178,9 +194,7 @@ class TrainerClient:
         )
         return decode_reply({"sync_id": sync_id, **body}, BeginReply)
 
-    def send_bucket(
-        self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None
-    ) -> dict[str, Any]:
+    def send_bucket(self, sync_id: str, bucket: PackedBucket, *, checksum: int | None = None) -> JsonObject:
         """Send one bucket and wait until every engine applied it."""
         return self.conn.request(
             lambda i: self.stream.bucket_msg(sync_id, bucket, i, checksum), payload=[bucket.frame()]
@@ -233,7 +247,7 @@ class TrainerClient:
     # -- the whole sync -----------------------------------------------------------------
     def push(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor | Cast]],
         version: int,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -241,7 +255,7 @@ class TrainerClient:
         probes: Sequence[schema.Probe] = (),
         sync_id: str | None = None,
         abort_on_error: bool = True,
-        progress: Any = None,
+        progress: Progress | None = None,
         transport: str = "auto",
         rollback_wait: float = 120.0,
         partial: bool = False,
@@ -295,7 +309,7 @@ class TrainerClient:
                 raise ValueError(f"source (rank, world) = {source}: need 0 <= rank < world")
             if delta:
                 raise ValueError("a sharded push is dense: delta=True takes one source")
-        kw = {
+        kw: PushArgs = {
             "bucket_bytes": bucket_bytes,
             "window": window,
             "probes": probes,
@@ -327,7 +341,7 @@ class TrainerClient:
 
     def _push(
         self,
-        named_tensors: Iterable[tuple[str, Any]],
+        named_tensors: Iterable[tuple[str, Item]],
         version: int,
         *,
         bucket_bytes: int,
@@ -335,7 +349,7 @@ class TrainerClient:
         probes: Sequence[schema.Probe],
         sync_id: str | None,
         abort_on_error: bool,
-        progress: Any,
+        progress: Progress | None,
         transport: str,
         rollback_wait: float,
         partial: bool,
@@ -465,15 +479,14 @@ class TrainerClient:
         version: int,
         *,
         dtype: torch.dtype | None = None,
-        filter: Any = None,
-        **push_kw: Any,
+        filter: Callable[[str, torch.Tensor], bool] | None = None,
+        **push_kw: Unpack[ModuleCallOptions],
     ) -> SyncResult:
         """Push a live module's parameters and buffers as `version`, streamed (no second
         state dict): HF names, tied weights once, optional dtype cast, FSDP2/DTensor
         gathered per tensor (call it on every rank; ranks without a client use
         `orchestrator.trainer.push_module(None, model, version)`). See trainer/module.py."""
-        result: SyncResult = push_module(self, model, version, dtype=dtype, filter=filter, **push_kw)
-        return result
+        return push_module(self, model, version, dtype=dtype, filter=filter, **push_kw)
 
     def served_versions(self) -> dict[str, int | None]:
         """engine_id -> the version it serves now (None: none verified), lost engines left out."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import zmq
 
@@ -25,6 +24,7 @@ from messages.errors import ErrorCode, WeightSyncError, make_error, wrong_socket
 from messages.keys import ClientKeys
 from messages.liblog import get_logger
 from messages.link import RECONNECTED, AddressError, Link, Reconnected, address_hint
+from messages.replies import JsonObject
 
 log = get_logger("trainer")
 
@@ -79,7 +79,7 @@ class Connection:
         self._next_id += 1
         return self._next_id
 
-    def send(self, msg: schema.Message, payload: Sequence[Any] = ()) -> None:
+    def send(self, msg: schema.Message, payload: Sequence[codec.Frame] = ()) -> None:
         """Send without ever blocking for good: a DEALER with no live connection (nothing
         listens, or each CURVE handshake fails) has no pipe to queue on, and a plain send
         would wait forever. Wait for room while the socket monitor can still say why not."""
@@ -153,9 +153,9 @@ class Connection:
         self,
         make: Callable[[int], schema.Message],
         timeout: float | None = None,
-        payload: Sequence[Any] = (),
+        payload: Sequence[codec.Frame] = (),
         retries: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """Send `make(id)`; resend with a new id on timeout; return the ok body or raise."""
         timeout = self.timeout if timeout is None else timeout
         retries = self.retries if retries is None else retries

@@ -21,6 +21,7 @@ import torch
 
 from messages import delta
 from messages.buckets import Cast, Item, Patched, as_bytes, copy_bytes
+from messages.replies import JsonObject
 from messages.schema import INDEX32_MAX
 
 _LOST = ("lost",)  # an undo marker: the old value was overwritten in place, drop the name
@@ -130,7 +131,7 @@ class DeltaStats:
         self.changed += changed
         self.elements += numel
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         return {
             "tensors": dict(self.tensors),
             "wire_bytes": dict(self.wire_bytes),
@@ -154,7 +155,7 @@ class DeltaBase:
         return sum(t.numel() * t.element_size() for t, _ in self._t.values())
 
     def encode(
-        self, named: Iterable[tuple[str, Any]], mode: delta.Mode = "auto"
+        self, named: Iterable[tuple[str, torch.Tensor | Cast]], mode: delta.Mode = "auto"
     ) -> Iterator[tuple[str, Item]]:
         """Each tensor as its smallest entry against the copy (a `Patched`, or the tensor
         itself where dense is smaller), the copy updated as it goes."""
@@ -181,7 +182,7 @@ class DeltaBase:
             self.stats.add(enc.patch.kind, int(enc.data.numel()), full, enc.changed, new.numel())
             yield name, Patched(enc.patch, enc.data, new.dtype, new.shape, dense=new)
 
-    def record(self, named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    def record(self, named: Iterable[tuple[str, torch.Tensor | Cast]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A dense push that also becomes the copy: each tensor passes through unchanged."""
         self.stats = DeltaStats()
         for name, t in named:
@@ -191,7 +192,7 @@ class DeltaBase:
             self.stats.add("dense", full, full, new.numel(), new.numel())
             yield name, new
 
-    def adopt(self, named: Iterable[tuple[str, Any]], version: int) -> None:
+    def adopt(self, named: Iterable[tuple[str, torch.Tensor | Cast]], version: int) -> None:
         """Take `named` as the copy of `version` without pushing it (e.g. the checkpoint the
         fleet was given by another process); engines check each patch's base anyway."""
         for _ in self.record(named):

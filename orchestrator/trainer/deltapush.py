@@ -11,13 +11,20 @@ dense and says why. The result's `detail["delta"]` says what was sent.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError
 from messages.liblog import get_logger
+from messages.replies import JsonObject
 from orchestrator.trainer.delta import DeltaBase, DeltaChooser, DeltaStats
 from orchestrator.trainer.results import SyncResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from messages.buckets import Cast
+    from orchestrator.trainer.options import PushArgs
 
 log = get_logger("trainer")
 # the client's one push: (named tensors, version, sync_id=, base=, and the push's options)
@@ -28,18 +35,18 @@ def push_delta(
     push: Push,
     base: DeltaBase,
     pace: DeltaChooser,
-    named_tensors: Iterable[tuple[str, Any]],
+    named_tensors: Iterable[tuple[str, torch.Tensor | Cast]],
     version: int,
     *,
     sync_id: str | None,
     transport: str,
     delta_mode: Mode,
-    kw: dict[str, Any],
+    kw: PushArgs,
 ) -> SyncResult:
     reiterable = not isinstance(named_tensors, Iterator)
     against = base.version
     go, why = pace.choose(transport) if delta_mode == "auto" else (True, f"delta_mode {delta_mode}")
-    refused: dict[str, Any] = {}
+    refused: JsonObject = {}
     if against is not None and go:
         base.stats = DeltaStats()
         try:

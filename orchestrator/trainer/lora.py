@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 
 if TYPE_CHECKING:
-    from orchestrator.trainer.client import SyncResult, TrainerClient
+    from orchestrator.trainer.options import AdapterPushOptions, Pusher
+    from orchestrator.trainer.results import SyncResult
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -62,14 +63,14 @@ def lora_tensors(
 
 
 def push_adapter(
-    client: TrainerClient,
+    client: Pusher,
     adapter: Mapping[str, torch.Tensor],
     version: int,
     *,
     alpha: float,
     rank: int | None = None,
     engine_rank: int | None = None,
-    **push_kw: Any,
+    **push_kw: Unpack[AdapterPushOptions],
 ) -> SyncResult:
     """Push `adapter` as `version` (a partial push: the engines keep their base weights)."""
     return client.push(

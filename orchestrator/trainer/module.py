@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Unpack, overload
 
 import torch
 
 from messages.buckets import Cast
 from messages.dtypes import dtype_name
 from orchestrator.trainer.shard import Meta
+
+if TYPE_CHECKING:
+    from orchestrator.trainer.options import ModulePushOptions, Pusher
+    from orchestrator.trainer.results import SyncResult
 
 WRAPPERS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
@@ -46,7 +50,11 @@ def hf_name(name: str) -> str:
     return ".".join(parts)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+# (storage address, offset in it, shape): one per tensor, tied weights share theirs
+_StorageKey = tuple[int, int | torch.SymInt, tuple[int, ...]]
+
+
+def _storage_key(t: torch.Tensor) -> _StorageKey:
     local = t.to_local() if hasattr(t, "to_local") else t
     return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
 
@@ -56,7 +64,7 @@ def _entries(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor as the module holds it: a DTensor is not gathered) for every
     parameter and persistent buffer the push sends, tied weights once."""
-    seen: set[tuple[Any, ...]] = set()
+    seen: set[_StorageKey] = set()
     for raw, t in model.state_dict(keep_vars=True).items():
         key = _storage_key(t)
         if key in seen:
@@ -130,8 +138,9 @@ def _shared_sync_id() -> str:
     return bytes(raw.cpu().tolist()).hex()
 
 
+@overload
 def push_module(
-    client: Any,
+    client: Pusher,
     model: torch.nn.Module,
     version: int,
     *,
@@ -139,8 +148,31 @@ def push_module(
     filter: Callable[[str, torch.Tensor], bool] | None = None,
     sharded: bool = False,
     source: tuple[int, int] | None = None,
-    **push_kw: Any,
-) -> Any:
+    **push_kw: Unpack[ModulePushOptions],
+) -> SyncResult: ...
+@overload
+def push_module(
+    client: None,
+    model: torch.nn.Module,
+    version: int,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+    sharded: bool = False,
+    source: tuple[int, int] | None = None,
+    **push_kw: Unpack[ModulePushOptions],
+) -> None: ...
+def push_module(
+    client: Pusher | None,
+    model: torch.nn.Module,
+    version: int,
+    *,
+    dtype: torch.dtype | None = None,
+    filter: Callable[[str, torch.Tensor], bool] | None = None,
+    sharded: bool = False,
+    source: tuple[int, int] | None = None,
+    **push_kw: Unpack[ModulePushOptions],
+) -> SyncResult | None:
     """Push `model` as `version` through `client` (a TrainerClient); on ranks without a
     client (None), take part in the gathers of a sharded model and return None.
 

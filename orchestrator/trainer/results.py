@@ -15,7 +15,7 @@ from typing import Any
 
 from messages.buckets import Digester
 from messages.errors import ErrorCode, WeightSyncError, make_error
-from messages.replies import BeginReply, FinishReply
+from messages.replies import BeginReply, FinishReply, JsonObject
 from messages.replies import body as reply_body
 from orchestrator.trainer.stream import Streamed
 
@@ -27,10 +27,11 @@ class SyncResult:
     buckets: int
     bytes: int
     seconds: float
-    engines: list[dict[str, Any]]
+    engines: list[JsonObject]  # each participant's EngineFinal, as JSON
     digest: str
     state: str = "READY"
     retries: int = 0
+    # the finish reply's fields and this push's figures: JSON, read by name
     detail: dict[str, Any] = field(default_factory=dict)
 
     @property

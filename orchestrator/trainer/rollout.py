@@ -13,8 +13,7 @@ Rules: pure functions over token id lists and tensors; every bad input is a `Val
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -24,7 +23,7 @@ PADDING_SIDES = ("left", "right")
 
 
 def non_thinking_prefix_ids(
-    tokenizer: Any, template_prefix: str | None, enable_thinking: bool
+    tokenizer: object, template_prefix: str | None, enable_thinking: bool
 ) -> list[int] | None:
     """Token ids of the non-thinking prefix the template injects, or None.
 
@@ -54,7 +53,7 @@ def template_injects_prefix(chat_template: str | None, prefix: str = DEFAULT_NON
     return "enable_thinking" in chat_template and (prefix in chat_template or escaped in chat_template)
 
 
-def _ids(name: str, seq: Any) -> list[int]:
+def _ids(name: str, seq: Sequence[int] | torch.Tensor | None) -> list[int]:
     if seq is None:
         return []
     if isinstance(seq, torch.Tensor):
@@ -92,10 +91,10 @@ def reencode_response(
 
 
 def replace_assistant_response_with_ids(
-    messages: Sequence[dict[str, Any]],
+    messages: Sequence[Mapping[str, object]],
     response_token_ids: Sequence[int],
     non_thinking_prefix_ids: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """A copy of `messages` whose last assistant turn is carried as token ids.
 
     The assistant message gets `token_ids` (prefix + response), `loss_mask` (0 on the
@@ -192,7 +191,7 @@ def check_alignment(input_ids: Sequence[int] | torch.Tensor, routed: torch.Tenso
 # -- version labels: which policy version generated a rollout ------------------------------
 
 
-def label_spans(output: Any) -> list[tuple[int, int, int]]:
+def label_spans(output: object) -> list[tuple[int, int, int]]:
     """(version, start, end) spans of a rollout's output tokens, from the weight-version
     labels weightsync sets on vLLM at every commit: a vLLM `CompletionOutput`
     (`.weight_versions`) or a token-in-token-out response dict (`"weight_versions"`).
@@ -222,12 +221,12 @@ def label_spans(output: Any) -> list[tuple[int, int, int]]:
     return out
 
 
-def oldest_version(output: Any) -> int:
+def oldest_version(output: object) -> int:
     """The oldest policy version that generated any token of `output`."""
     return min(v for v, _, _ in label_spans(output))
 
 
-def too_stale(output: Any, current: int, max_lag: int) -> bool:
+def too_stale(output: object, current: int, max_lag: int) -> bool:
     """True when some token of `output` comes from a policy more than `max_lag` versions
     older than `current` (an asynchronous loop drops such samples), or has no label."""
     if max_lag < 0:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import torch
 
 from messages import schema
-from messages.buckets import Digester, PackedBucket, iter_buckets
+from messages.buckets import Digester, Item, PackedBucket, iter_buckets
 from messages.distgroup import GroupError
 from messages.errors import ErrorCode, make_error
 from messages.liblog import get_logger
@@ -44,6 +43,8 @@ from orchestrator.trainer.rings import FrameRing
 
 log = get_logger("trainer")
 
+# A push's progress callback: called with each bucket's bytes as it goes.
+Progress = Callable[[int], object]
 # The automatic window keeps at most this many bytes in flight (and never over MAX_WINDOW
 # buckets): the trainer's ring, and the daemon's frames in flight, are window x bucket.
 AUTO_INFLIGHT_BYTES = 128 << 20
@@ -198,9 +199,9 @@ class Stream:
     def framed(
         self,
         sync_id: str,
-        named: Iterable[tuple[str, torch.Tensor]],
+        named: Iterable[tuple[str, Item]],
         bucket_bytes: int,
-        progress: Any,
+        progress: Progress | None,
         coll: TrainerGroup,
         digester: Digester | None = None,
         partial: bool = False,
@@ -291,10 +292,10 @@ class Stream:
     def run(
         self,
         sync_id: str,
-        named: Iterable[tuple[str, torch.Tensor]],
+        named: Iterable[tuple[str, Item]],
         bucket_bytes: int,
         window: int | None,
-        progress: Any,
+        progress: Progress | None,
         ring: Slots | None = None,
         digester: Digester | None = None,
         coll: TrainerGroup | None = None,

@@ -31,16 +31,33 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Protocol, TypedDict, Unpack, cast
 
 import torch
 
 from messages.canary import make_probes
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe
-from orchestrator.trainer.client import SyncResult, TrainerClient
+from orchestrator.trainer.client import ConnectOptions, SyncResult, TrainerClient
 
 Probes = Sequence[Probe] | Callable[[], Sequence[Probe]]
+
+
+class _AttentionSwitch(Protocol):
+    """What `canary` uses of a transformers model (transformers is not a dependency)."""
+
+    @property
+    def config(self) -> object: ...
+
+    def set_attn_implementation(self, impl: str | None) -> None: ...
+
+
+class _PushOptions(TypedDict, total=False):
+    """The push options a `WeightSyncTransfer` keeps (`TrainerClient.push`'s)."""
+
+    transport: str
+    window: int | None
+    bucket_bytes: int
 
 
 def trl_name(name: str) -> str:
@@ -72,7 +89,7 @@ def canary(
     A model set to an attention that needs packing metadata (TRL's tree attention) decodes
     with torch's SDPA over the same weights, and is set back."""
 
-    hf: Any = model  # a transformers model: its config and attention setter are untyped
+    hf = cast(_AttentionSwitch, model)  # a transformers model (untyped here)
 
     def probes() -> list[Probe]:
         impl = getattr(hf.config, "_attn_implementation", None)
@@ -99,12 +116,12 @@ class WeightSyncTransfer:
         bucket_bytes: int | None = None,
         window: int | None = None,
         probes: Probes = (),
-        **client_options: Any,
+        **client_options: Unpack[ConnectOptions],
     ) -> None:
         self.addr = addr
         self.model = model  # the module TRL trains, for its frozen parameters (see Rules)
         self.client_options = client_options
-        self.push_options: dict[str, Any] = {"transport": transport, "window": window}
+        self.push_options: _PushOptions = {"transport": transport, "window": window}
         if bucket_bytes is not None:
             self.push_options["bucket_bytes"] = bucket_bytes
         self.probes = probes
@@ -129,7 +146,7 @@ class WeightSyncTransfer:
     def resume(self) -> None:
         """Nothing to send: each engine resumed when its post-load step ran."""
 
-    def send_weights(self, iterator: Iterable[tuple[str, Any]]) -> None:
+    def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One push of the next version; returns when every engine is READY at it."""
         if self.client is None:
             self.init_weight_transfer()
@@ -141,7 +158,7 @@ class WeightSyncTransfer:
         from_trl: set[str] = set()  # those of them TRL's iterator gave
         first = self.model is not None and self.names is None
         if self.model is None:
-            items: Iterable[tuple[str, Any]] = iterator
+            items: Iterable[tuple[str, torch.Tensor]] = iterator
         elif first:
             items = self._with_frozen(iterator, from_trl, seen, dict(frozen_parameters(self.model)))
         else:
@@ -160,11 +177,11 @@ class WeightSyncTransfer:
 
     @staticmethod
     def _with_frozen(
-        iterator: Iterable[tuple[str, Any]],
+        iterator: Iterable[tuple[str, torch.Tensor]],
         from_trl: set[str],
         seen: set[str],
         frozen: dict[str, torch.Tensor],
-    ) -> Iterator[tuple[str, Any]]:
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """TRL's pairs, then the frozen parameters it left out (the first sync)."""
         for name, t in iterator:
             from_trl.add(name)
@@ -175,7 +192,9 @@ class WeightSyncTransfer:
                 seen.add(name)
                 yield name, t
 
-    def _checked(self, iterator: Iterable[tuple[str, Any]], seen: set[str]) -> Iterator[tuple[str, Any]]:
+    def _checked(
+        self, iterator: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """TRL's pairs; at their end, refuse a push that leaves out a tensor not declared
         unchanged (raised inside the push, which aborts its sync: nothing is committed)."""
         for name, t in iterator:

@@ -33,18 +33,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING, Unpack
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from engines.holding import HoldingReceiver
-from orchestrator.trainer.client import TrainerClient
+from orchestrator.trainer.client import ClientOptions, TrainerClient
+
+if TYPE_CHECKING:
+    import torch
+
+    # what verl's actor hands `send_weights`: (name, tensor) pairs, from a generator or an
+    # async one
+    Weights = Iterable[tuple[str, torch.Tensor]] | AsyncGenerator[tuple[str, torch.Tensor], None]
 
 _END = object()
 
 
-def _sync_iter(weights: Any, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[str, Any]]:
+def _sync_iter(weights: Weights, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[str, torch.Tensor]]:
     """verl's weights as a plain iterator for the push thread (an async iterator is
     stepped on the caller's loop)."""
     if hasattr(weights, "__anext__"):
@@ -58,7 +65,7 @@ def _sync_iter(weights: Any, loop: asyncio.AbstractEventLoop) -> Iterator[tuple[
 
 
 # verl is not installed where mypy runs (pyproject: ignore_missing_imports for verl.*), so
-# CheckpointEngine is Any; a backend must subclass it to register.
+# CheckpointEngine is untyped; a backend must subclass it to register.
 @CheckpointEngineRegistry.register("weightsync")
 class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def __init__(
@@ -72,7 +79,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         engine_id: str | None = None,
         timeout: float = 600.0,
         transport: str = "auto",
-        **client_options: Any,
+        **client_options: Unpack[ClientOptions],
     ) -> None:
         self.bucket_size = bucket_size
         self.is_master = is_master
@@ -89,23 +96,25 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             self.receiver = HoldingReceiver(model, engine_addr, engine_id, timeout=timeout)
 
     # -- the steps verl's CheckpointEngineManager runs around every update ----------------
-    def prepare(self) -> dict[str, Any]:
+    def prepare(self) -> dict[str, object]:
         return {}
 
     @classmethod
     def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, object]]
+    ) -> tuple[dict[str, list[object]], dict[str, list[object]]]:
         return {}, {}
 
-    def init_process_group(self, **kwargs: Any) -> None:
+    def init_process_group(self, **kwargs: object) -> None:
         return None
 
     def finalize(self) -> None:
         return None
 
     # -- actor side --------------------------------------------------------------------------
-    def _push(self, weights: Iterable[tuple[str, Any]], global_steps: int | None) -> dict[str, Any]:
+    def _push(
+        self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None
+    ) -> dict[str, int | float]:
         if self.client is None:
             self.client = TrainerClient(self.addr, timeout=self.timeout, **self.client_options)
         version = self.client.next_version(self.version) if global_steps is None else int(global_steps)
@@ -119,7 +128,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             "weightsync/engines": len(r.engines),
         }
 
-    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+    async def send_weights(self, weights: Weights, global_steps: int | None = None) -> dict[str, int | float]:
         loop = asyncio.get_running_loop()
         if not self.is_master:
             await asyncio.to_thread(lambda: [None for _ in _sync_iter(weights, loop)])
@@ -127,7 +136,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return await asyncio.to_thread(self._push, _sync_iter(weights, loop), global_steps)
 
     # -- rollout side ------------------------------------------------------------------------
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, Any]]:
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.receiver is None:
             raise RuntimeError("receive_weights runs on verl's rollout side (built without is_master)")
         it = self.receiver.read(global_steps)

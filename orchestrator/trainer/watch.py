@@ -41,13 +41,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from messages.checkpoint import Checkpoint, CheckpointError, iter_safetensors
 from messages.errors import ErrorCode, WeightSyncError, make_error
 
 if TYPE_CHECKING:
+    from messages.replies import Json, JsonObject
     from orchestrator.trainer.client import TrainerClient
+    from orchestrator.trainer.options import PushOptions
 
 # The number after a step word; the lookbehind keeps `mystep5` out, the lookahead keeps a
 # longer number whole.
@@ -98,6 +100,10 @@ class Wait:
     reason: str
 
 
+def _no_options() -> PushOptions:
+    return {}
+
+
 @dataclass
 class Watcher:
     """Scans `root` and pushes through `client` (a TrainerClient); `emit` receives one
@@ -106,7 +112,7 @@ class Watcher:
 
     root: Path
     client: TrainerClient
-    emit: Callable[[dict[str, Any]], None]
+    emit: Callable[[JsonObject], None]
     marker: str | None = None
     version_from: re.Pattern[str] | None = None
     settle: float = 1.0
@@ -114,7 +120,7 @@ class Watcher:
     delta: bool = False
     wait_daemon: float = 0.0  # seconds a wait may last before its error is raised; 0: forever
     probe_timeout: float = 5.0  # seconds a status request may take before it counts as no answer
-    push_options: dict[str, Any] = field(default_factory=dict)
+    push_options: PushOptions = field(default_factory=_no_options)
     steps: dict[Path, Step] = field(default_factory=dict)
     pushed: int | None = None  # the newest version this watcher pushed (or found served)
     done: set[Path] = field(default_factory=set)  # pushed, skipped, refused or given up
@@ -308,7 +314,7 @@ class Watcher:
         self._say("resumed", w, now, None)
 
     def _say(self, what: str, w: Wait, now: float, step: Step | None) -> None:
-        event: dict[str, Any] = {
+        event: JsonObject = {
             "event": what,
             "for": w.what,
             "version": step.version if step is not None else None,
@@ -332,7 +338,7 @@ class Watcher:
                     return
                 return
 
-    def _end(self, step: Step, what: str, **fields: Any) -> None:
+    def _end(self, step: Step, what: str, **fields: Json) -> None:
         self.done.add(step.path)
         self.emit(_event(what, step, **fields))
 
@@ -358,7 +364,7 @@ def no_answer(err: WeightSyncError) -> bool:
     return err.code is ErrorCode.UNREACHABLE or (err.code is ErrorCode.TIMEOUT and err.state is None)
 
 
-def _event(what: str, step: Step, **fields: Any) -> dict[str, Any]:
+def _event(what: str, step: Step, **fields: Json) -> JsonObject:
     return {"event": what, "version": step.version, "path": str(step.path), **fields}
 
 

@@ -1,0 +1,203 @@
+"""The network's own faults, on the lab: a link that goes dark mid-sync (no FIN, no RST),
+a link that flaps, a slow link. Each is judged on what the fleet ends with: one version,
+the served digest on every READY engine, nothing stuck past its deadline, no process
+restarted by hand. Each test prints how long the fleet took to settle."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.helpers import wait_for
+from tests.lab.fleet import LabFleet
+from tests.lab.net import Lab, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+ENGINE_TIMEOUT = 3.0
+SLOW_MBIT = 4  # engine links: the tiny model (1.7 MB) takes ~3.4 s per copy over one
+
+
+def _engines(st: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    e = st["engines"]
+    return dict(e) if isinstance(e, dict) else {x["engine_id"]: x for x in e}
+
+
+def _served_by(f: LabFleet) -> dict[str, tuple[int | None, str | None]]:
+    """Each READY engine's (version, digest)."""
+    return {
+        e: (x.get("version"), x.get("digest"))
+        for e, x in _engines(f.status()).items()
+        if x.get("state") == "READY"
+    }
+
+
+def _syncing(f: LabFleet) -> bool:
+    st = f.status()
+    return st["state"] == "LOADING_BUCKETS" and st.get("sync") is not None
+
+
+def _fleet(lab: Lab, tmp_path, model_dir, **kw: Any) -> LabFleet:
+    args = ["--spool", str(tmp_path / "spool"), "--engine-timeout", str(ENGINE_TIMEOUT)]
+    return LabFleet(lab, tmp_path / "fleet", model_dir, engines=2, min_engines=1, daemon_args=args, **kw)
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_an_engine_link_that_flaps_then_goes_dark_mid_sync(tmp_path, tiny_model_dir, transport):
+    """One fleet, two faults on e1's link (engine links at 4 Mbit/s, --engine-timeout 3,
+    --min-engines 1):
+    - a flap of one second mid-sync, shorter than the engine timeout: TCP retransmits
+      across the gap, nothing is declared lost, the sync commits on both engines;
+    - a cut mid-sync: the sync fails within the engine timeout + 10 s naming e1, e0 is
+      rolled back to the served version, the next push commits on e0 alone; healed, e1
+      catches up by itself; the next push on both should cost at most 1.2x a push before
+      the faults (nothing queued for the dead connection draining through the healed
+      link): it does not yet (3.7x over frames, 2.0x over a group, measured on the lab),
+      so past 1.2x the test ends as an expected failure that says the ratio.
+    """
+    with Lab(rate_mbit=200) as lab, _fleet(lab, tmp_path, tiny_model_dir) as f:
+        for h in f.engine_hosts:
+            h.rate(SLOW_MBIT)
+        assert f.push(1, transport=transport)["ok"]
+        before = f.push(2, transport=transport)
+        assert before["ok"], before
+        # the flap
+        rid = f.send({"op": "push", "version": 3, "transport": transport, "timeout": 60})
+        wait_for(lambda: _syncing(f), 60, "the third sync to be loading")
+        f.host_of(1).cut()
+        time.sleep(1.0)  # the fault itself is a duration: a one-second flap
+        f.host_of(1).heal()
+        v3 = f.answer(rid, timeout=120)
+        assert v3["ok"] and v3["result"]["state"] == "READY", v3
+        assert _served_by(f) == {e: (3, v3["result"]["digest"]) for e in ("e0", "e1")}
+        # the cut
+        rid = f.send({"op": "push", "version": 4, "transport": transport, "timeout": 60})
+        wait_for(lambda: _syncing(f), 60, "the fourth sync to be loading")
+        cut = time.monotonic()
+        f.host_of(1).cut()
+        failed = f.answer(rid, timeout=120)
+        noticed = time.monotonic() - cut
+        assert not failed["ok"] and failed["code"] in ("ENGINE_FAILED", "TIMEOUT"), failed
+        assert "e1" in failed["message"], failed
+        assert noticed <= ENGINE_TIMEOUT + 10, noticed
+
+        def rolled_back() -> bool:
+            st = f.status()
+            e0 = _served_by(f).get("e0")
+            return st["state"] == "READY" and st["version"] == 3 and e0 == (3, v3["result"]["digest"])
+
+        wait_for(rolled_back, 60, "e0 back at version 3")
+        settled = time.monotonic() - cut
+        v5 = f.push(5, transport=transport)  # --min-engines 1: commits on e0
+        assert v5["ok"] and v5["result"]["state"] == "READY", v5
+        f.host_of(1).heal()
+        healed = time.monotonic()
+        want = (5, v5["result"]["digest"])
+        wait_for(
+            lambda: _served_by(f) == {"e0": want, "e1": want}, 120, "e1 caught up to version 5 by itself"
+        )
+        caught_up = time.monotonic() - healed
+        after = f.push(6, transport=transport)
+        assert after["ok"] and _served_by(f) == {e: (6, after["result"]["digest"]) for e in ("e0", "e1")}
+        ratio = after["result"]["seconds"] / before["result"]["seconds"]
+        print(
+            f"{transport}: failed {noticed:.1f}s after the cut, e0 back at v3 {settled:.1f}s after it; "
+            f"e1 at v5 {caught_up:.1f}s after the heal; push after/before {after['result']['seconds']:.2f}s/"
+            f"{before['result']['seconds']:.2f}s = {ratio:.2f}x"
+        )
+        if ratio > 1.2:  # measured 3.7x inline, 2.0x collective: not fixed yet (docs/MULTINODE.md)
+            pytest.xfail(
+                f"{transport}: the push after the heal took {ratio:.2f}x the push before (target 1.2x)"
+            )
+
+
+def test_the_trainers_link_cut_mid_push_ends_the_sync_and_the_fleet_is_back_at_the_served_version(
+    tmp_path, tiny_model_dir
+):
+    """The trainer's host goes dark mid-push (no FIN: the daemon never sees its connection
+    close): the daemon ends the sync by itself at --sync-timeout and rolls the engines back;
+    the trainer's call raises within its own deadline; healed, the next push commits."""
+    with Lab(rate_mbit=200) as lab:
+        args = [
+            "--spool",
+            str(tmp_path / "spool"),
+            "--engine-timeout",
+            str(ENGINE_TIMEOUT),
+            "--sync-timeout",
+            "5",
+        ]
+        with LabFleet(lab, tmp_path / "fleet", tiny_model_dir, engines=2, daemon_args=args) as f:
+            f.trainer_host.rate(SLOW_MBIT)
+            v1 = f.push(1, transport="inline")
+            assert v1["ok"], v1
+            rid = f.send({"op": "push", "version": 2, "transport": "inline", "timeout": 5, "retries": 0})
+            wait_for(lambda: f.status()["state"] == "LOADING_BUCKETS", 60, "the second sync to be loading")
+            cut = time.monotonic()
+            f.trainer_host.cut()
+            r = f.answer(rid, timeout=120)
+            raised = time.monotonic() - cut
+            assert not r["ok"], r
+            f.trainer_host.heal()
+
+            def back() -> bool:
+                st = f.status()
+                served = {(x.get("version"), x.get("digest")) for x in _engines(st).values()}
+                return (
+                    st["state"] == "READY" and st["version"] == 1 and served == {(1, v1["result"]["digest"])}
+                )
+
+            wait_for(back, 60, "the fleet back at version 1")
+            settled = time.monotonic() - cut
+            v3 = f.push(3, transport="inline")
+            assert v3["ok"] and v3["result"]["state"] == "READY", v3
+            print(
+                f"trainer cut: its call raised {raised:.1f}s after the cut ({r['code']}); fleet at v1 {settled:.1f}s"
+            )
+
+
+def test_the_daemons_link_cut_mid_sync_and_healed_the_engines_keep_serving_and_the_next_push_commits(
+    tmp_path, tiny_model_dir
+):
+    """The daemon's host goes dark mid-sync: the trainer's call raises; the engines keep
+    the served version meanwhile (the sync never finalized); healed, the engines register
+    again by themselves and the next push commits on both, no process restarted."""
+    with Lab(rate_mbit=200) as lab, _fleet(lab, tmp_path, tiny_model_dir) as f:
+        f.daemon_host.rate(SLOW_MBIT)
+        v1 = f.push(1, transport="inline")
+        assert v1["ok"], v1
+        pids = {name: p.pid for name, p in f.procs.items()}
+        rid = f.send({"op": "push", "version": 2, "transport": "inline", "timeout": 5, "retries": 0})
+        wait_for(lambda: _syncing(f), 60, "the second sync to be loading")
+        cut = time.monotonic()
+        f.daemon_host.cut()
+        r = f.answer(rid, timeout=120)
+        raised = time.monotonic() - cut
+        assert not r["ok"], r
+        f.daemon_host.heal()
+        healed = time.monotonic()
+        # the engines were lost to the daemon while the link was dark: they register again by
+        # themselves once it is back, and the push waits for them
+        v3 = f.push(3, transport="inline", rollback_wait=120, engines_wait=60)
+        assert v3["ok"] and v3["result"]["state"] == "READY", v3
+        want = {e: (3, v3["result"]["digest"]) for e in ("e0", "e1")}
+        # --min-engines 1: v3 may commit on the first engine back; the other catches up
+        wait_for(lambda: _served_by(f) == want, 60, "both engines at version 3")
+        assert {name: p.pid for name, p in f.procs.items()} == pids
+        assert all(p.poll() is None for p in f.procs.values())
+        print(
+            f"daemon cut: the trainer raised {raised:.1f}s after it; v3 committed {time.monotonic() - healed:.1f}s after the heal"
+        )
+
+
+def test_one_engine_five_times_slower_still_commits(tmp_path, tiny_model_dir):
+    """e1's link carries a fifth of the others' rate: the push waits for it and commits
+    (no deadline counts a slow link as a dead one)."""
+    with Lab(rate_mbit=40) as lab, _fleet(lab, tmp_path, tiny_model_dir) as f:
+        f.host_of(1).rate(8)
+        for v, transport in ((1, "inline"), (2, "collective")):
+            r = f.push(v, transport=transport)
+            assert r["ok"] and r["result"]["state"] == "READY", r
+            engines = _engines(f.status())
+            assert {x.get("version") for x in engines.values()} == {v}, engines
