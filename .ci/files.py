@@ -115,6 +115,8 @@ def main() -> int:
         f"files: {len(files)} files, {len(failed)} failed, {time.monotonic() - start:.0f} s "
         f"({busy:.0f} s of file time in {len(lanes)} lanes)"
     )
+    slowest = sorted(results.items(), key=lambda kv: -kv[1][1])[:15]
+    print("files: slowest: " + ", ".join(f"{f} {took:.0f} s" for f, (_, took) in slowest))
     if failed:
         print("files: FAILED (each alone):", file=sys.stderr)
         for f in failed:
