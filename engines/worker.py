@@ -500,13 +500,6 @@ class Worker:
             return
         self._reregister_sent = True
         log.warning("engine_unknown_to_daemon_reregistering", engine_id=self.engine_id)
-        # What the daemon queued on the old fan-out connection while this engine was lost
-        # to it (the rest of the sync it left, buckets of syncs it was not in) would drain
-        # through the link ahead of anything new: the registration opens a new one, and
-        # closing the old one makes the daemon drop that queue with its connection.
-        if self.fanout.sock is not None:
-            self.poller.unregister(self.fanout.sock)
-            self.fanout.close()
         self._do(self.state.restarted_daemon(), applier)  # a restarted daemon: that sync is over
         self._send(self._register_msg())
 
