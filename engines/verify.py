@@ -20,7 +20,7 @@ import zmq
 
 from messages import schema, transports
 from messages.buckets import hash_bucket
-from messages.errors import ErrorCode, MessageError, WeightSyncError, make_error
+from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -69,12 +69,7 @@ class Verifier:
         buf: Buffer
         if ref is not None:
             try:
-                reader = transports.reader_of(ref.via, self._readers)
-                if reader is None:
-                    raise make_error(
-                        ErrorCode.BAD_MESSAGE, f"no transport {transports.ref_name(ref.via)!r} here"
-                    )
-                buf = reader.view(ref.name, ref.offset, ref.size)
+                buf = transports.view(ref, self._readers)
             except MessageError as exc:
                 raise WeightSyncError(f"bucket seq {msg.seq}: {exc.reason}", code=exc.code) from None
         elif frame is None:  # the codec refuses such a load (one payload frame); for the type checker

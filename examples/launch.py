@@ -58,6 +58,38 @@ class Proc:
         return self.popen.returncode
 
 
+def serve_args(addr: str, engine_addr: str, state_db: Path, min_engines: int, *extra: str) -> list[str]:
+    """`weightsync serve`'s arguments for a daemon on these addresses (tests, the lab)."""
+    return [
+        "serve",
+        "--bind",
+        addr,
+        "--engine-bind",
+        engine_addr,
+        "--state-db",
+        str(state_db),
+        "--min-engines",
+        str(min_engines),
+        *extra,
+    ]
+
+
+def engine_args(backend: str, model_dir: Path, connect: str, engine_id: str, *extra: str) -> list[str]:
+    """`weightsync engine`'s arguments for an engine of `model_dir` on the daemon at `connect`."""
+    return [
+        "engine",
+        "--backend",
+        backend,
+        "--model",
+        str(model_dir),
+        "--connect",
+        connect,
+        "--engine-id",
+        engine_id,
+        *extra,
+    ]
+
+
 def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -105,19 +137,14 @@ class Cluster:
         min_engines = self.engines if self.min_engines is None else self.min_engines
         p = spawn(
             "daemon",
-            [
-                "serve",
-                "--bind",
+            serve_args(
                 self.addr,
-                "--engine-bind",
                 self.engine_addr,
-                "--state-db",
-                str(self.state_db),
-                "--min-engines",
-                str(min_engines),
+                self.state_db,
+                min_engines,
                 *(["--keys", str(self.keys)] if self.keys else []),
                 *self.daemon_args,
-            ],
+            ),
             self.log_dir,
             self.env,
         )
@@ -132,21 +159,16 @@ class Cluster:
             raise LaunchError("no model directory for the engines")
         p = spawn(
             engine_id,
-            [
-                "engine",
-                "--backend",
+            engine_args(
                 self.backend,
-                "--model",
-                str(self.model_dir),
-                "--connect",
+                self.model_dir,
                 self.engine_addr,
-                "--engine-id",
                 engine_id,
                 *(["--keys", str(self.keys)] if self.keys else []),
                 *(["--digest-file", str(self.digest_file(engine_id))] if self.digest_files else []),
                 *self.engine_args,
                 *(extra or []),
-            ],
+            ),
             self.log_dir,
             self.env,
         )

@@ -60,7 +60,8 @@ def available() -> bool:
     return _DIR.is_dir() and os.access(_DIR, os.W_OK)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +77,7 @@ def sweep_stale() -> list[str]:
     for path in _DIR.glob(f"{PREFIX}.*.*.*"):
         if not SEGMENT_PATTERN.match(path.name):
             continue
-        if not _pid_alive(int(path.name.split(".")[2])):
+        if not pid_alive(int(path.name.split(".")[2])):
             try:
                 path.unlink()
                 removed.append(path.name)

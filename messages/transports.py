@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from messages import schema, segments, shm
+from messages.errors import ErrorCode, MessageError
 
 if TYPE_CHECKING:
     import torch
@@ -158,6 +159,18 @@ def reader_of(via: str, readers: dict[str, Reader]) -> Reader | None:
             return None
         r = readers[name] = t.reader()
     return r
+
+
+def view(ref: schema.Ref, readers: dict[str, Reader]) -> memoryview:
+    """The bytes `ref` names, read by its transport's reader in `readers` (this thread's):
+    a `MessageError` (BAD_MESSAGE) when no transport here carries references by that name,
+    or when its reader refuses the reference."""
+    reader = reader_of(ref.via, readers)
+    if reader is None:
+        raise MessageError(
+            ErrorCode.BAD_MESSAGE, f"no transport {ref_name(ref.via)!r} carries references here"
+        )
+    return reader.view(ref.name, ref.offset, ref.size)
 
 
 def close_readers(readers: dict[str, Reader]) -> None:

@@ -22,7 +22,7 @@ from engines.base import EngineOptions
 from engines.vllm.base import EXTENSION, Parts, VllmBase
 from engines.vllm.lora import LoraSlots, vllm_rank
 from messages import transports
-from messages.errors import ErrorCode, make_error
+from messages.errors import ErrorCode, MessageError, make_error
 from messages.schema import Probe, Ref, TensorMeta
 from messages.segments import frombuffer
 
@@ -173,12 +173,11 @@ class VllmLoraEngine(VllmEngine):
         self, metas: Sequence[TensorMeta], ref: Ref, bucket_checksum: int, parts: Parts = None
     ) -> None:
         self._check(metas)
-        reader = transports.reader_of(ref.via, self._readers)
-        if reader is None:
-            raise make_error(
-                ErrorCode.BAD_MESSAGE, f"no reference transport {transports.ref_name(ref.via)!r} here"
-            )
-        base = self.lora.take(metas, frombuffer(reader.view(ref.name, ref.offset, ref.size)))
+        try:
+            mv = transports.view(ref, self._readers)
+        except MessageError as exc:
+            raise make_error(exc.code, exc.reason) from None
+        base = self.lora.take(metas, frombuffer(mv))
         if base:
             self._begin_base()
             self._send_ref(base, ref, bucket_checksum, _only(parts, base))

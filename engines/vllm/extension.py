@@ -30,7 +30,7 @@ from messages.buckets import Digester, hash_bucket
 from messages.checksums import bucket_checksum
 from messages.distgroup import Member
 from messages.dtypes import DTYPES
-from messages.schema import TensorMeta
+from messages.schema import Ref, TensorMeta
 from messages.segments import frombuffer
 
 if TYPE_CHECKING:
@@ -322,11 +322,7 @@ class WorkerReload:
 def _view(st: WorkerReload, ref: RefWire) -> memoryview:
     """The bytes a reference names, read by its transport's reader (one per transport,
     kept by this worker)."""
-    via = ref.get("via", "")
-    reader = transports.reader_of(via, st.readers)
-    if reader is None:
-        raise RuntimeError(f"no reference transport {transports.ref_name(via)!r} in this worker")
-    return reader.view(ref["name"], ref["offset"], ref["size"])
+    return transports.view(Ref(ref["name"], ref["offset"], ref["size"], ref.get("via", "")), st.readers)
 
 
 class WeightSyncExtension:

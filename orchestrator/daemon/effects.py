@@ -233,11 +233,8 @@ class Effects:
         if data is None and ref is None:  # a broadcast bucket with no copy
             return []
         if data is None and ref is not None:  # by reference: the trainer's slot, valid until acked
-            reader = transports.reader_of(ref.via, self.readers)
             try:
-                if reader is None:
-                    raise make_error(ErrorCode.BAD_MESSAGE, f"no transport {transports.ref_name(ref.via)!r}")
-                data = reader.view(ref.name, ref.offset, ref.size)
+                data = transports.view(ref, self.readers)
             except MessageError as exc:
                 reason = f"reference unreadable: {exc.reason}"
                 return [lambda: spool.fail(reason)]

@@ -30,6 +30,7 @@ from engines.torch_engine import load_model
 from examples.tiny import perturbed
 from messages.errors import WeightSyncError
 from orchestrator.trainer.client import TrainerClient
+from tests.integration.helpers import small_step
 
 
 def main(argv: list[str]) -> int:
@@ -45,12 +46,7 @@ def main(argv: list[str]) -> int:
         the last push ("sparse": a few elements of a few tensors)."""
         v = int(req["version"])
         if req.get("change", "all") == "sparse":
-            g = torch.Generator().manual_seed(v)
-            out = {k: t.clone() for k, t in current.items()}
-            for n in [n for n in sorted(out) if out[n].numel() > 1000][:3]:
-                flat = out[n].view(-1)
-                flat[torch.randint(0, flat.numel(), (50,), generator=g)] += 0.01
-            return out
+            return small_step(current, seed=v)
         return dict(perturbed(state, v))
 
     def say(answer: dict[str, Any]) -> None:

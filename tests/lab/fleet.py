@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from examples.launch import engine_args, serve_args
 from tests.lab.net import Host, Lab
 
 TRAINER_PORT, ENGINE_PORT = 5555, 5556
+ORCHESTRATOR = (sys.executable, "-m", "orchestrator")
 
 
 @dataclass
@@ -50,20 +52,10 @@ class LabFleet:
         n = self.engines if self.min_engines is None else self.min_engines
         self.procs["daemon"] = self.daemon_host.popen(
             [
-                sys.executable,
-                "-m",
-                "orchestrator",
-                "serve",
-                "--bind",
-                self.addr,
-                "--engine-bind",
-                self.engine_addr,
-                "--state-db",
-                str(self.workdir / "state.db"),
-                "--min-engines",
-                str(n),
-                "--log-json",
-                *self.daemon_args,
+                *ORCHESTRATOR,
+                *serve_args(
+                    self.addr, self.engine_addr, self.workdir / "state.db", n, "--log-json", *self.daemon_args
+                ),
             ],
             log=self.log("daemon"),
         )
@@ -72,22 +64,17 @@ class LabFleet:
         h = self.engine_hosts[i]
         self.procs[f"e{i}"] = h.popen(
             [
-                sys.executable,
-                "-m",
-                "orchestrator",
-                "engine",
-                "--backend",
-                self.backend,
-                "--model",
-                str(self.model_dir),
-                "--connect",
-                self.engine_addr,
-                "--engine-id",
-                f"e{i}",
-                "--collective-host",
-                h.addr,
-                "--log-json",
-                *self.engine_args,
+                *ORCHESTRATOR,
+                *engine_args(
+                    self.backend,
+                    self.model_dir,
+                    self.engine_addr,
+                    f"e{i}",
+                    "--collective-host",
+                    h.addr,
+                    "--log-json",
+                    *self.engine_args,
+                ),
             ],
             log=self.log(f"e{i}"),
         )

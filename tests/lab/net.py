@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from messages.segments import pid_alive
 from orchestrator.daemon.config import child_env
 
 PREFIX = "wslab"
@@ -69,16 +70,6 @@ def _pids_in(ns: str) -> list[int]:
     return [int(p) for p in _cmd(["ip", "netns", "pids", ns], check=False).split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove(ns: str) -> None:
     """Kill what still runs in `ns`, then delete it."""
     for _ in range(50):
@@ -99,7 +90,7 @@ def sweep_stale() -> list[str]:
     gone = []
     for ns in namespaces():
         m = _NAME.match(ns)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _remove(ns)
             gone.append(ns)
     return gone
@@ -207,7 +198,7 @@ class Host:
         self.rate_mbit = mbit
 
     def listening(self) -> list[str]:
-        """Every TCP address a process on this host listens on (`ss`, or /proc)."""
+        """Every TCP address a process on this host listens on (from its /proc/net tables)."""
         out = []
         for table in ("tcp", "tcp6"):
             text = _cmd(["ip", "netns", "exec", self.ns, "cat", f"/proc/net/{table}"])
