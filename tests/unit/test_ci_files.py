@@ -1,4 +1,5 @@
-"""`.ci/files.py` (`make test-files`): every file alone, two at a time, never a silent green."""
+"""`.ci/files.py` (`make test`): every file alone, two at a time, in a random order inside each
+file, never a silent green."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_files(tmp_path: Path, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run_files(tmp_path: Path, files: dict[str, str], *opts: str) -> subprocess.CompletedProcess[str]:
     for name, body in files.items():
         (tmp_path / name).write_text(body)
-    args = [str(tmp_path / n) for n in files]
+    args = [*opts, *(str(tmp_path / n) for n in files)]
     return subprocess.run(
         [
             sys.executable,
@@ -66,3 +67,26 @@ def test_all_passing_files_exit_0(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "files: 2 files, 0 failed" in r.stdout
+
+
+# twelve tests that append their own name to ORDER as they run
+ORDERED = "".join(f"def test_{i}():\n    open('ORDER', 'a').write('{i} ')\n" for i in range(12))
+
+
+def run_order(tmp_path: Path, seed: int) -> tuple[str, list[str]]:
+    order = tmp_path / "ORDER"
+    order.unlink(missing_ok=True)
+    r = run_files(tmp_path, {"test_order.py": ORDERED}, "--seed", str(seed))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout, order.read_text().split()
+
+
+def test_tests_inside_a_file_run_in_the_order_its_printed_seed_gives(tmp_path):
+    out1, first = run_order(tmp_path, 1)
+    out2, second = run_order(tmp_path, 2)
+    again_out, again = run_order(tmp_path, 1)
+    assert "seed 1 (replay: --seed 1)" in out1 and "seed 2" in out2
+    assert sorted(first, key=int) == [str(i) for i in range(12)]
+    assert first != second  # shuffled: two seeds give two orders (1 in 12! to collide)
+    assert again == first  # and a printed seed replays its order
+    assert first != sorted(first, key=int) or second != sorted(second, key=int)
