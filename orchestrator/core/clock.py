@@ -31,8 +31,8 @@ from orchestrator.core.commands import EngineForgotten, Journal, StartRollback, 
 from orchestrator.core.events import InternalError, Shutdown, SpoolChanged, Tick, TrainerGone
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
-from orchestrator.core.states import ACTIVE, EngineState, State
-from orchestrator.core.table import Outcome
+from orchestrator.core.states import EngineState, State
+from orchestrator.core.table import Outcome, Trigger
 
 S, E = State, EngineState
 
@@ -144,7 +144,7 @@ def tick(m: Model, event: Tick) -> None:
         m.lose(eid, _lost_cause(m, eid))
     _forget_lost(m, _ids(due, Due.FORGET))
     if overdue is not None:
-        m.close_failed("tick", overdue)
+        m.close_failed(Trigger.TICK, overdue)
     elif rollback:
         _open_rollback(m)
     elif s is None:
@@ -273,7 +273,7 @@ def _open_rollback(m: Model) -> None:
     if sp is None or m.served_digest is None:  # can_roll_back() held: for the type checker
         return
     sync_id = m.new_own_sync_id("rollback")
-    m.move("tick", Outcome.ADVANCE, None, version=sp.version, sync_id=sync_id)
+    m.move(Trigger.TICK, Outcome.ADVANCE, None, version=sp.version, sync_id=sync_id)
     s = m.open_sync(sync_id, sp.version, expected=sp.buckets, probes=sp.probes, kind="rollback")
     s.rollback_of = m.last_sync
     s.expected_digest = m.served_digest
@@ -308,23 +308,23 @@ def trainer_gone(m: Model, event: TrainerGone) -> None:
     unless the trainer comes back (any message of it clears this). In every state: the
     group whose store that trainer hosted is forgotten (the next push by a group plans one)."""
     s = m.sync
-    if s is not None and s.sync_id == event.sync_id and m.state == S.LOADING_BUCKETS:
+    if m.admit(Trigger.TRAINER_GONE) and s is not None and s.sync_id == event.sync_id:
         s.lost.setdefault(event.sender, m.now)
     if event.conn:
         m.trainer_closed(event.conn)
 
 
 def internal(m: Model, event: InternalError) -> None:
-    if m.state in ACTIVE:
-        m.close_failed("internal", m.error(ErrorCode.INTERNAL, event.reason))
+    if m.admit(Trigger.INTERNAL):
+        m.close_failed(Trigger.INTERNAL, m.error(ErrorCode.INTERNAL, event.reason))
 
 
 def shutdown(m: Model, event: Shutdown) -> None:
-    if m.state in ACTIVE:
-        m.close_failed("shutdown", m.error(ErrorCode.INTERNAL, "daemon shutting down"))
+    if m.admit(Trigger.SHUTDOWN):
+        m.close_failed(Trigger.SHUTDOWN, m.error(ErrorCode.INTERNAL, "daemon shutting down"))
 
 
 def spool_changed(m: Model, event: SpoolChanged) -> None:
     m.spooled = event.spooled
-    if m.state == S.READY:
+    if m.admit(Trigger.SPOOL_CHANGED):
         m.catch_up_stale()

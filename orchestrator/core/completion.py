@@ -34,7 +34,7 @@ from orchestrator.core.events import (
 from orchestrator.core.model import Model
 from orchestrator.core.records import SyncRecord
 from orchestrator.core.states import EngineState, State
-from orchestrator.core.table import Outcome
+from orchestrator.core.table import Life, Outcome, Trigger
 
 S, E = State, EngineState
 
@@ -118,7 +118,7 @@ def finish(m: Model, event: FinishSync) -> None:
     if m.sync is None or m.sync.sync_id == msg.sync_id:
         ended = m.ended.get(msg.sync_id)
         cause = {"ended_code": ended[0], "ended_reason": ended[1]} if ended and ended[0] else {}
-        m.admit("finish", m.ended_note(msg.sync_id), **cause)
+        m.admit(Trigger.FINISH, m.ended_note(msg.sync_id), **cause)
     s = m.require_sync(msg.sync_id, "finish")
     m.require_own(s, event.conn, "finish")
     sources.check_sender(m, s, msg.sender)
@@ -155,7 +155,7 @@ def finish(m: Model, event: FinishSync) -> None:
         _plan_not_carried_out(m, s, msg.sender)
         return
     _record_finish(m, s, event)
-    _commit(m, s, "finish")
+    _commit(m, s, Trigger.FINISH)
 
 
 def _plan_not_carried_out(m: Model, s: SyncRecord, last: int) -> None:
@@ -182,7 +182,7 @@ def _plan_not_carried_out(m: Model, s: SyncRecord, last: int) -> None:
     )
 
 
-def _commit(m: Model, s: SyncRecord, trigger: str) -> None:
+def _commit(m: Model, s: SyncRecord, trigger: Trigger) -> None:
     """Phase two: every participant is prepared; each is told to finalize, once."""
     m.move(trigger, Outcome.ADVANCE, s)
     s.finalize_started = m.now
@@ -190,7 +190,7 @@ def _commit(m: Model, s: SyncRecord, trigger: str) -> None:
         if eid in s.finalize_sent:  # the guard behind the invariant: once per engine
             continue
         s.finalize_sent.add(eid)
-        m.engines[eid].move("start_finalize")
+        m.engines[eid].move(Life.START_FINALIZE)
         m.outbox.append(SendFinalize(eid, s.sync_id, s.version, s.probes))
 
 
@@ -214,22 +214,24 @@ def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
             raise m.error(ErrorCode.INCOMPLETE_SYNC, f"spool copies: {reason}")
     _record_finish(m, s, event)
     s.chain, s.finished_at = msg.chain, m.now
-    _commit_if_prepared(m, s, "finish")
+    _commit_if_prepared(m, s, Trigger.FINISH)
 
 
 def prepared(m: Model, event: EnginePrepared) -> None:
     """Phase one of the commit on the group's stream: an engine holds every bucket."""
     eid, msg = event.engine_id, event.msg
+    if not m.admit(Trigger.PREPARED):
+        return
     s = m.participant(eid, msg.sync_id)
-    if s is None or not s.stream or m.state != S.LOADING_BUCKETS or eid in s.prepared:
+    if s is None or not s.stream or eid in s.prepared:
         return  # late, stray or repeated: changes nothing
     m.engines[eid].last_seen = m.now
     s.prepared[eid] = msg
     s.last_activity = m.now
-    _commit_if_prepared(m, s, "prepared")
+    _commit_if_prepared(m, s, Trigger.PREPARED)
 
 
-def _commit_if_prepared(m: Model, s: SyncRecord, trigger: str) -> None:
+def _commit_if_prepared(m: Model, s: SyncRecord, trigger: Trigger) -> None:
     """Compare each `prepared` with the trainer's finish and with the others', failing the
     sync on the first that differs (nothing finalized); commit when all have prepared."""
     if s.chain is None:
@@ -279,6 +281,8 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     x = m.engines.get(eid)
     if x is not None and msg.delta is not None:
         x.delta = msg.delta  # what it holds now decides whether the next delta may begin
+    if not m.admit(Trigger.FINALIZED):
+        return
     c = m.catchup_of(eid, msg.sync_id)
     if c is not None:  # a catch-up's finalize
         mismatch = syncs.canary_mismatch(m.spooled_probes, msg.probes)
@@ -287,7 +291,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
         elif msg.version == c.version and msg.digest == m.served_digest and c.finalize_sent:
             x = m.engines[eid]
             x.version, x.digest, x.finalize_count = msg.version, msg.digest, msg.finalize_count
-            x.move("serve")
+            x.move(Life.SERVE)
             m.end_catchup(eid, True)
             if x.labels:  # it serves the committed version: label it so
                 m.outbox.append(SendCommit(eid, msg.sync_id, msg.version))
@@ -300,15 +304,15 @@ def finalized(m: Model, event: EngineFinalized) -> None:
                 f"expected {c.version} {m.served_digest}",
             )
         return
-    if s is None or m.state != S.FINALIZING or m.participant(eid, msg.sync_id) is None or eid in s.finalized:
+    if s is None or m.participant(eid, msg.sync_id) is None or eid in s.finalized:
         return  # late, stray or repeated: changes nothing
     if msg.version != s.version:
-        _wrong_version(m, "finalized", eid, msg.version, s.version)
+        _wrong_version(m, Trigger.FINALIZED, eid, msg.version, s.version)
         return
     want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
     if want is not None and msg.digest != want:
         m.close_failed(
-            "finalized",
+            Trigger.FINALIZED,
             m.error(
                 ErrorCode.ENGINE_FAILED,
                 f"engine {eid} holds digest {msg.digest}, expected {want}",
@@ -322,7 +326,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     if mismatch is not None:
         idx, pos, got, exp = mismatch
         m.close_failed(
-            "finalized",
+            Trigger.FINALIZED,
             m.error(
                 ErrorCode.CANARY_MISMATCH,
                 f"engine {eid}: {syncs.mismatch_text(mismatch)}",
@@ -339,7 +343,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     if all(x in s.finalized for x in s.participants):
         labellers = [p for p in s.participants if m.engines[p].labels]
         if not labellers:
-            m.close_ready("finalized")
+            m.close_ready(Trigger.FINALIZED)
             return
         # Committed fleet-wide: now (not at each finalize, which a later failure could
         # undo) the engines label their outputs with the version; READY once they have.
@@ -348,7 +352,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
             m.outbox.append(SendCommit(p, s.sync_id, s.version))
 
 
-def _wrong_version(m: Model, trigger: str, eid: str, got: int, want: int) -> None:
+def _wrong_version(m: Model, trigger: Trigger, eid: str, got: int, want: int) -> None:
     """An engine finalized (or labelled) another version than the sync's: it fails."""
     what = "finalized" if trigger == "finalized" else "labelled"
     m.close_failed(
@@ -369,15 +373,15 @@ def committed(m: Model, event: EngineCommitted) -> None:
         if x.version == msg.version:  # a catch-up's label, set once it serves the version
             x.label = msg.label
         return
-    if m.state != S.FINALIZING or not s.commit_sent or m.participant(eid, msg.sync_id) is None:
+    if not m.admit(Trigger.COMMITTED) or not s.commit_sent or m.participant(eid, msg.sync_id) is None:
         return  # late, stray or repeated: changes nothing
     if msg.version != s.version:
-        _wrong_version(m, "committed", eid, msg.version, s.version)
+        _wrong_version(m, Trigger.COMMITTED, eid, msg.version, s.version)
         return
     s.committed.add(eid)
     x.label = msg.label
     if all(y in s.committed for y in s.participants if m.engines[y].labels):
-        m.close_ready("committed")
+        m.close_ready(Trigger.COMMITTED)
 
 
 # -- a sync given up: abort, an engine's failure --------------------------------------------
@@ -386,7 +390,7 @@ def abort(m: Model, event: AbortSync) -> None:
     code = event.code if event.code not in (None, ErrorCode.INTERNAL) else ErrorCode.ABORTED
     who = {"operator": "an operator", "daemon": "the daemon"}.get(event.by, "the trainer")
     m.close_failed(
-        "abort",
+        Trigger.ABORT,
         m.error(code, f"sync aborted by {who}: {event.reason or 'no reason given'}", aborted_by=event.by),
         by=event.by,
     )
@@ -405,7 +409,7 @@ def failed(m: Model, event: EngineFailed) -> None:
     s = m.sync
     if s is not None and s.senders > 1 and msg.seq is not None:  # whose bucket: a source may have died
         m.close_failed(
-            "failed",
+            Trigger.FAILED,
             m.error(
                 code,
                 f"engine {eid} failed on source {msg.sender}'s bucket: {msg.message}",
@@ -415,4 +419,6 @@ def failed(m: Model, event: EngineFailed) -> None:
             ),
         )
         return
-    m.close_failed("failed", m.error(code, f"engine {eid} failed: {msg.message}", engine_id=eid, seq=msg.seq))
+    m.close_failed(
+        Trigger.FAILED, m.error(code, f"engine {eid} failed: {msg.message}", engine_id=eid, seq=msg.seq)
+    )

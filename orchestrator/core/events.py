@@ -15,12 +15,13 @@ from typing import ClassVar
 from messages.errors import ErrorCode
 from messages.schema import Begin, Bucket, Committed, Failed, Finalized, Finish, Prepared, Register
 from orchestrator.core.records import Spooled
+from orchestrator.core.table import Trigger
 
 
 class Event:
     """Base of every event; those about one sync also have `sync_id`."""
 
-    TRIGGER: ClassVar[str] = ""
+    TRIGGER: ClassVar[Trigger]
 
 
 class OfMessage(Event):
@@ -35,7 +36,7 @@ class OfMessage(Event):
 
 @dataclass(frozen=True, slots=True)
 class BeginSync(OfMessage):
-    TRIGGER: ClassVar[str] = "begin"
+    TRIGGER: ClassVar[Trigger] = Trigger.BEGIN
     msg: Begin
     conn: bytes = b""  # the trainer connection it came on (a source's seat without a token)
 
@@ -44,7 +45,7 @@ class BeginSync(OfMessage):
 class BucketIn(OfMessage):
     """A bucket, with what the service found out about its bytes (it holds them)."""
 
-    TRIGGER: ClassVar[str] = "bucket"
+    TRIGGER: ClassVar[Trigger] = Trigger.BUCKET
     msg: Bucket
     nbytes: int  # its size: the frame's, the reference's, or the broadcast's `size`
     has_payload: bool = True  # a frame came with it (its bytes, or a broadcast's spool copy)
@@ -57,14 +58,14 @@ class BucketIn(OfMessage):
 
 @dataclass(frozen=True, slots=True)
 class FinishSync(OfMessage):
-    TRIGGER: ClassVar[str] = "finish"
+    TRIGGER: ClassVar[Trigger] = Trigger.FINISH
     msg: Finish
     conn: bytes = b""  # the trainer connection it came on
 
 
 @dataclass(frozen=True, slots=True)
 class AbortSync(Event):
-    TRIGGER: ClassVar[str] = "abort"
+    TRIGGER: ClassVar[Trigger] = Trigger.ABORT
     sync_id: str
     reason: str = ""
     code: ErrorCode | None = None  # why the trainer gave up (None: ABORTED)
@@ -73,14 +74,14 @@ class AbortSync(Event):
 
 @dataclass(frozen=True, slots=True)
 class EngineRegistered(Event):
-    TRIGGER: ClassVar[str] = "register"
+    TRIGGER: ClassVar[Trigger] = Trigger.REGISTER
     msg: Register
     other_connection: bool = False  # the id is known on another, still open, connection
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Event):
-    TRIGGER: ClassVar[str] = "heartbeat"
+    TRIGGER: ClassVar[Trigger] = Trigger.HEARTBEAT
     engine_id: str
     registered_here: bool = True  # from the connection that registered this id
     server_error: str | None = None  # its server does not answer (vllm-server): why
@@ -88,7 +89,7 @@ class Heartbeat(Event):
 
 @dataclass(frozen=True, slots=True)
 class Loaded(Event):
-    TRIGGER: ClassVar[str] = "loaded"
+    TRIGGER: ClassVar[Trigger] = Trigger.LOADED
     engine_id: str
     sync_id: str
     key: tuple[int, int]  # (sender, seq): every bucket of sender up to seq is applied
@@ -98,28 +99,28 @@ class Loaded(Event):
 
 @dataclass(frozen=True, slots=True)
 class EngineFinalized(OfMessage):
-    TRIGGER: ClassVar[str] = "finalized"
+    TRIGGER: ClassVar[Trigger] = Trigger.FINALIZED
     engine_id: str
     msg: Finalized
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCommitted(OfMessage):
-    TRIGGER: ClassVar[str] = "committed"
+    TRIGGER: ClassVar[Trigger] = Trigger.COMMITTED
     engine_id: str
     msg: Committed
 
 
 @dataclass(frozen=True, slots=True)
 class EnginePrepared(OfMessage):
-    TRIGGER: ClassVar[str] = "prepared"
+    TRIGGER: ClassVar[Trigger] = Trigger.PREPARED
     engine_id: str
     msg: Prepared
 
 
 @dataclass(frozen=True, slots=True)
 class EngineFailed(OfMessage):
-    TRIGGER: ClassVar[str] = "failed"
+    TRIGGER: ClassVar[Trigger] = Trigger.FAILED
     engine_id: str
     msg: Failed
 
@@ -128,12 +129,12 @@ class EngineFailed(OfMessage):
 class Tick(Event):
     """The clock: deadlines, lost engines, and a rollback that is due."""
 
-    TRIGGER: ClassVar[str] = "tick"
+    TRIGGER: ClassVar[Trigger] = Trigger.TICK
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerGone(Event):
-    TRIGGER: ClassVar[str] = "trainer_gone"
+    TRIGGER: ClassVar[Trigger] = Trigger.TRAINER_GONE
     sync_id: str  # "" when the connection began no running sync
     sender: int = 0  # the source whose last connection closed (a sharded push has several)
     conn: bytes = b""  # the connection that closed
@@ -143,7 +144,7 @@ class TrainerGone(Event):
 class EngineGone(Event):
     """An engine's connection closed (its process exited or was killed)."""
 
-    TRIGGER: ClassVar[str] = "engine_gone"
+    TRIGGER: ClassVar[Trigger] = Trigger.ENGINE_GONE
     engine_id: str
 
 
@@ -151,16 +152,16 @@ class EngineGone(Event):
 class InternalError(Event):
     """A bug surfaced while the service handled an input: the running sync fails."""
 
-    TRIGGER: ClassVar[str] = "internal"
+    TRIGGER: ClassVar[Trigger] = Trigger.INTERNAL
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class Shutdown(Event):
-    TRIGGER: ClassVar[str] = "shutdown"
+    TRIGGER: ClassVar[Trigger] = Trigger.SHUTDOWN
 
 
 @dataclass(frozen=True, slots=True)
 class SpoolChanged(Event):
-    TRIGGER: ClassVar[str] = "spool_changed"
+    TRIGGER: ClassVar[Trigger] = Trigger.SPOOL_CHANGED
     spooled: Spooled | None

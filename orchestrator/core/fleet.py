@@ -22,6 +22,7 @@ from orchestrator.core.events import EngineGone, EngineRegistered, Heartbeat
 from orchestrator.core.model import Model
 from orchestrator.core.records import EngineRecord
 from orchestrator.core.states import EngineState, State
+from orchestrator.core.table import Trigger
 
 S, E = State, EngineState
 
@@ -45,7 +46,7 @@ def register(m: Model, event: EngineRegistered) -> None:
     if old is not None and s is not None and msg.engine_id in s.participants and old.state != E.LOST:
         # The same id registering mid-sync: the process restarted and lost its buckets.
         m.close_failed(
-            "register",
+            Trigger.REGISTER,
             m.error(
                 ErrorCode.ENGINE_FAILED,
                 f"engine {msg.engine_id} re-registered during the sync",

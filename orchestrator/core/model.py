@@ -39,7 +39,7 @@ from orchestrator.core.commands import (
 from orchestrator.core.groups import KeptGroups
 from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupPlan, Limits, Spooled, SyncRecord
 from orchestrator.core.states import EngineState, State
-from orchestrator.core.table import Outcome, Refused, StateTable
+from orchestrator.core.table import Life, Outcome, Refused, StateTable, Trigger
 
 S, E = State, EngineState
 # The core's bounded maps (messages.bounded.LRU, least recently used first):
@@ -277,17 +277,18 @@ class Model:
             code = ErrorCode.INTERNAL.value
         self.ended[sync_id] = (code, reason)
 
-    def admit(self, trigger: str, tail: str = "", **details: object) -> None:
-        """The table's gate for `trigger` in the current state: its refusal (code and
-        sentence, then `tail`, the facts of the moment) as a typed error; nothing changed."""
+    def admit(self, trigger: Trigger, tail: str = "", **details: object) -> bool:
+        """The table's gate for `trigger` in the current state: True taken, False ignored
+        (the trigger then changes nothing), else its refusal (code and sentence, then
+        `tail`, the facts of the moment) as a typed error; nothing changed."""
         try:
-            self.table.admit(trigger)
+            return self.table.admit(trigger)
         except Refused as r:
             raise self.error(r.code, r.message + tail, **details) from None
 
     def move(
         self,
-        trigger: str,
+        trigger: Trigger,
         outcome: Outcome,
         s: SyncRecord | None,
         error: WeightSyncError | None = None,
@@ -308,7 +309,7 @@ class Model:
         entry: JsonObject = {
             "from": src.value,
             "to": dest.value,
-            "trigger": trigger,
+            "trigger": trigger.value,
             "version": s.version if s else (version if version is not None else self.last_ready_version),
             "sync_id": s.sync_id if s else sync_id,
             "at": self.now,
@@ -340,10 +341,10 @@ class Model:
             self.outbox.append(CatchUpDone(eid, c.sync_id, False, f"superseded by sync {sync_id}"))
         self.catchups.clear()
         for eid in participants:
-            self.engines[eid].move("enlist")
+            self.engines[eid].move(Life.ENLIST)
         return s
 
-    def close_failed(self, trigger: str, err: WeightSyncError, by: str = "daemon") -> None:
+    def close_failed(self, trigger: Trigger, err: WeightSyncError, by: str = "daemon") -> None:
         """End the running sync as failed. READY again when it touched nothing of a READY
         daemon, else IDLE with dirty set (and a rollback wanted when the spool can).
         by: who ended it: the trainer or an operator (an abort), else the daemon."""
@@ -359,9 +360,9 @@ class Model:
             if x.state == E.LOST:
                 continue
             if rolled_back and x.version == self.last_ready_version:
-                x.move("restore")
+                x.move(Life.RESTORE)
             else:
-                x.move("doubt")
+                x.move(Life.DOUBT)
                 if not rolled_back:
                     x.version, x.digest = None, None
         touched = tuple(x for x in s.participants if self.engines[x].state != E.LOST)
@@ -381,7 +382,7 @@ class Model:
                 self.lose(eid, f"its rollback failed: {err.code.value}: {err.message}")
             live = any(x.state != E.LOST for x in self.engines.values())
             self.want_rollback = bool(blamed) and live and self.can_roll_back()
-        status = "ABORTED" if trigger == "abort" else "FAILED"
+        status = "ABORTED" if trigger is Trigger.ABORT else "FAILED"
         self.last_sync = {
             **reply_body(syncs.summary(s, status, self.now)),
             "code": err.code.value,
@@ -424,12 +425,12 @@ class Model:
         sync fails for every source at once with `err` (each hears it: its parked requests
         now, its next request with the sync's end), and the input that showed it is refused
         with `err` too (Result.refusal). During FINALIZING the sources are done: only refused."""
-        if self.state != S.LOADING_BUCKETS:
+        if not self.admit(Trigger.CONFLICT):
             raise err
-        self.close_failed("conflict", err)
+        self.close_failed(Trigger.CONFLICT, err)
         self.reply, self.later, self.refusal = None, False, err
 
-    def close_ready(self, trigger: str) -> None:
+    def close_ready(self, trigger: Trigger) -> None:
         """End the running sync READY: every participant finalized with the same digest."""
         s = self.sync
         if s is None or not s.finalized:
@@ -450,7 +451,7 @@ class Model:
                 fin.finalize_count,
                 fin.probes,
             )
-            x.move("serve")
+            x.move(Life.SERVE)
         body = reply_body(
             FinishReply(
                 **msgspec.structs.asdict(
@@ -528,7 +529,7 @@ class Model:
         sync_id = f"catchup-{engine_id}-{self.run_id}-{self._own_syncs}"
         c = CatchUp(sync_id, self.last_ready_version, sp.buckets, self.now)
         self.catchups[engine_id] = c
-        x.move("join")
+        x.move(Life.JOIN)
         self.send_spooled(engine_id, c)
         # (its finalize carries the spooled version's canaries: `sync.loaded`)
 
@@ -545,7 +546,7 @@ class Model:
         x = self.engines.get(engine_id)
         if not ok:
             if x is not None and x.state != E.LOST:
-                x.move("doubt")
+                x.move(Life.DOUBT)
                 x.version, x.digest = None, None
             self.outbox.append(SendAbort((engine_id,), c.sync_id))
         self.outbox.append(CatchUpDone(engine_id, c.sync_id, ok, reason))
@@ -582,7 +583,7 @@ class Model:
         """Count the engine lost, and say why (logged by the service)."""
         self.outbox.append(EngineLost(engine_id, cause))
         x = self.engines[engine_id]
-        x.move("lose")
+        x.move(Life.LOSE)
         x.lost_at = self.now
         self.leave_group(engine_id)
 

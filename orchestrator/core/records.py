@@ -10,7 +10,7 @@ from messages.errors import WeightSyncError
 from messages.replies import GROUP_KEY, Json, JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
 from orchestrator.core.states import EngineState
-from orchestrator.core.table import engine_move
+from orchestrator.core.table import Life, engine_move
 
 
 @dataclass(slots=True)
@@ -56,9 +56,9 @@ class EngineRecord:
     def __post_init__(self) -> None:
         self.epoch.value += 1
 
-    def move(self, trigger: str) -> None:
+    def move(self, move: Life) -> None:
         """Its lifecycle (core.table.ENGINE_ROWS); a move outside it is INTERNAL."""
-        self.state = engine_move(self.state, trigger)
+        self.state = engine_move(self.state, move)
         self.epoch.value += 1
 
     def view(self) -> JsonObject:

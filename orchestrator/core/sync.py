@@ -35,7 +35,7 @@ from orchestrator.core.events import (
 from orchestrator.core.model import Model
 from orchestrator.core.records import BucketRecord, SyncRecord
 from orchestrator.core.states import EngineState, State
-from orchestrator.core.table import Outcome
+from orchestrator.core.table import Outcome, Trigger
 
 S, E = State, EngineState
 
@@ -97,7 +97,7 @@ def begin(m: Model, event: BeginSync) -> None:
             "running_version": s.version,
             "running_seconds": round(age, 3),
         }
-    m.admit("begin", tail, **details)
+    m.admit(Trigger.BEGIN, tail, **details)
     if msg.sync_id in m.ended:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
@@ -121,7 +121,7 @@ def begin(m: Model, event: BeginSync) -> None:
     if msg.base is not None:
         _check_base(m, msg)
     # taken: every live engine takes part; the transport is planned for all of them
-    m.move("begin", Outcome.ADVANCE, None, version=msg.version, sync_id=msg.sync_id)
+    m.move(Trigger.BEGIN, Outcome.ADVANCE, None, version=msg.version, sync_id=msg.sync_id)
     s = m.open_sync(
         msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
     )
@@ -341,7 +341,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"{event.pending} bucket requests already pending on "
             f"this connection (max_pending {limit}); lower the window",
         )
-    m.admit("bucket")
+    m.admit(Trigger.BUCKET)
     sources.check_sender(m, s, msg.sender)
     if not sources.seat_holder(
         m, s, msg.sender, sources.claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"

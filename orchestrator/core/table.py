@@ -1,22 +1,25 @@
 """The daemon's state table: every allowed change of state, and nothing else.
 
-Rules: `ROWS` is the specification, one row per (trigger, source states, outcome,
-destination), each with the condition a reader needs; `GATES` says where an input is
-taken at all and the refusal it gets anywhere else; `ENGINE_ROWS` is one engine's
-lifecycle. A trigger function computes facts only: the core asks the gate before it acts
-(`StateTable.admit`) and, once the trigger found its outcome (the sync advanced, ended
-clean, ended dirty), the table chooses the row (`StateTable.take`) and the `transitions`
-machine built from the rows executes it. An outcome no row of the state takes is our bug
-(INTERNAL), raised before anything changed. Rows never overlap (no first-match order to
-know); adding a trigger is one row (or gate) plus one function. docs/ARCHITECTURE.md's table is generated from here (`render`), and a
-test keeps the two equal.
+Rules: a trigger is spelled once, as a `Trigger` (an engine's lifecycle move as a `Life`).
+`ROWS` is the specification, one row per (trigger, source states, outcome, destination),
+each with the condition a reader needs; `GATES` says, for every input in every state,
+whether it is taken, ignored (changes nothing: a late or stray report), or refused (a
+missing pair is the refusal, with the gate's code and sentence); `ENGINE_ROWS` is one
+engine's lifecycle. A trigger function computes facts only: the core asks the gate before
+it acts (`StateTable.admit`) and, once the trigger found its outcome (the sync advanced,
+ended clean, ended dirty), the `transitions` machine built from the rows executes the row
+(`StateTable.take`): it is the only executor. An outcome no row of the state takes is our
+bug (INTERNAL), raised before anything changed. Rows never overlap (no first-match order
+to know); adding a trigger is one `Trigger`, one gate, its rows and one function.
+docs/ARCHITECTURE.md's table is generated from here (`render`), and a test keeps the two
+equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 
 from transitions import EventData, Machine, MachineError
 
@@ -34,9 +37,46 @@ class Outcome(str, Enum):
     DIRTY = "dirty"  # the sync ended having touched an engine (or the daemon served none)
 
 
+class Trigger(StrEnum):
+    """Every input the core takes (an event's `TRIGGER`) and the rows' own `conflict`."""
+
+    BEGIN = "begin"
+    BUCKET = "bucket"
+    FINISH = "finish"
+    ABORT = "abort"
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    LOADED = "loaded"
+    PREPARED = "prepared"
+    FINALIZED = "finalized"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    TICK = "tick"
+    TRAINER_GONE = "trainer_gone"
+    ENGINE_GONE = "engine_gone"
+    INTERNAL = "internal"
+    SHUTDOWN = "shutdown"
+    SPOOL_CHANGED = "spool_changed"
+    # not an input: what begin, bucket or finish found (a source's seat claimed twice, or
+    # sharded sources that disagree); its gate says where it fails the running sync
+    CONFLICT = "conflict"
+
+
+class Life(StrEnum):
+    """An engine's lifecycle moves (ENGINE_ROWS)."""
+
+    ENLIST = "enlist"
+    START_FINALIZE = "start_finalize"
+    SERVE = "serve"
+    RESTORE = "restore"
+    DOUBT = "doubt"
+    JOIN = "join"
+    LOSE = "lose"
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
-    trigger: str
+    trigger: Trigger
     sources: tuple[State, ...]
     outcome: Outcome
     dest: State
@@ -45,18 +85,21 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Gate:
-    """Where an input is taken at all, and the refusal it gets in any other state (h11's
-    way: the lookup is the rule; the trigger adds only the facts of the moment)."""
+    """Where an input is taken, where it is ignored, and the refusal it gets in any other
+    state (h11's way: the lookup is the rule; the trigger adds only the facts of the
+    moment). `why`: what an ignored input is, for a reader."""
 
-    states: tuple[State, ...]
-    code: ErrorCode
-    refusal: str  # formatted with {state}
+    take: tuple[State, ...]
+    ignore: tuple[State, ...] = ()
+    why: str = ""
+    code: ErrorCode = ErrorCode.INVALID_STATE
+    refusal: str = ""  # formatted with {state}
 
 
 ROWS: tuple[Row, ...] = (
     # a trainer's sync: stream the buckets, prepare, commit (finalize once per engine)
     Row(
-        "begin",
+        Trigger.BEGIN,
         (S.IDLE, S.READY),
         Outcome.ADVANCE,
         S.LOADING_BUCKETS,
@@ -64,7 +107,7 @@ ROWS: tuple[Row, ...] = (
         "engines; every live engine takes part",
     ),
     Row(
-        "finish",
+        Trigger.FINISH,
         (S.LOADING_BUCKETS,),
         Outcome.ADVANCE,
         S.FINALIZING,
@@ -73,7 +116,7 @@ ROWS: tuple[Row, ...] = (
         "to each participant",
     ),
     Row(
-        "finish",
+        Trigger.FINISH,
         (S.LOADING_BUCKETS,),
         Outcome.DIRTY,
         S.IDLE,
@@ -81,7 +124,7 @@ ROWS: tuple[Row, ...] = (
         "the trainer finished with (bucket count, chain, digest); nothing finalized, dirty",
     ),
     Row(
-        "prepared",
+        Trigger.PREPARED,
         (S.LOADING_BUCKETS,),
         Outcome.ADVANCE,
         S.FINALIZING,
@@ -90,7 +133,7 @@ ROWS: tuple[Row, ...] = (
         "checksums, digest): finalize is sent once to each participant (the commit)",
     ),
     Row(
-        "prepared",
+        Trigger.PREPARED,
         (S.LOADING_BUCKETS,),
         Outcome.DIRTY,
         S.IDLE,
@@ -98,7 +141,7 @@ ROWS: tuple[Row, ...] = (
         "finished with, or than the others prepared; nothing finalized, dirty",
     ),
     Row(
-        "finalized",
+        Trigger.FINALIZED,
         (S.FINALIZING,),
         Outcome.ADVANCE,
         S.READY,
@@ -106,7 +149,7 @@ ROWS: tuple[Row, ...] = (
         "and no participant labels its outputs",
     ),
     Row(
-        "committed",
+        Trigger.COMMITTED,
         (S.FINALIZING,),
         Outcome.ADVANCE,
         S.READY,
@@ -114,14 +157,14 @@ ROWS: tuple[Row, ...] = (
         "labelling engine (vLLM: its weight version) reported the version as its label",
     ),
     Row(
-        "committed",
+        Trigger.COMMITTED,
         (S.FINALIZING,),
         Outcome.DIRTY,
         S.IDLE,
         "a labelling engine labelled another version: dirty",
     ),
     Row(
-        "finalized",
+        Trigger.FINALIZED,
         (S.FINALIZING,),
         Outcome.DIRTY,
         S.IDLE,
@@ -129,21 +172,21 @@ ROWS: tuple[Row, ...] = (
     ),
     # a sync given up
     Row(
-        "abort",
+        Trigger.ABORT,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "the trainer or an operator aborted a sync that touched no engine of a READY daemon",
     ),
     Row(
-        "abort",
+        Trigger.ABORT,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
         "the trainer or an operator aborted a sync that touched an engine: dirty",
     ),
     Row(
-        "conflict",
+        Trigger.CONFLICT,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
@@ -152,63 +195,63 @@ ROWS: tuple[Row, ...] = (
         "was touched: the sync fails for every source",
     ),
     Row(
-        "conflict",
+        Trigger.CONFLICT,
         (S.LOADING_BUCKETS,),
         Outcome.DIRTY,
         S.IDLE,
         "the same, after an engine was touched: the sync fails for every source, dirty",
     ),
     Row(
-        "failed",
+        Trigger.FAILED,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "a participant failed before any engine was touched (READY daemon)",
     ),
     Row(
-        "failed",
+        Trigger.FAILED,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
         "a participant failed (checksum, shape, its load or post-load step): dirty",
     ),
     Row(
-        "register",
+        Trigger.REGISTER,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "a participant registered again (its process restarted) before anything was touched",
     ),
     Row(
-        "register",
+        Trigger.REGISTER,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
         "a participant registered again (its process restarted and lost its buckets): dirty",
     ),
     Row(
-        "internal",
+        Trigger.INTERNAL,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "a bug surfaced while handling an input, before any engine was touched",
     ),
     Row(
-        "internal",
+        Trigger.INTERNAL,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
         "a bug surfaced while handling an input: the running sync fails INTERNAL, dirty",
     ),
     Row(
-        "shutdown",
+        Trigger.SHUTDOWN,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "the daemon stops during a sync that touched no engine of a READY daemon",
     ),
     Row(
-        "shutdown",
+        Trigger.SHUTDOWN,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
@@ -216,14 +259,14 @@ ROWS: tuple[Row, ...] = (
     ),
     # the clock
     Row(
-        "tick",
+        Trigger.TICK,
         (S.LOADING_BUCKETS,),
         Outcome.CLEAN,
         S.READY,
         "a deadline passed or a participant was lost before any engine was touched",
     ),
     Row(
-        "tick",
+        Trigger.TICK,
         (S.LOADING_BUCKETS, S.FINALIZING),
         Outcome.DIRTY,
         S.IDLE,
@@ -233,7 +276,7 @@ ROWS: tuple[Row, ...] = (
         "finish (group stream), finalize not reported in --finalize-timeout: dirty",
     ),
     Row(
-        "tick",
+        Trigger.TICK,
         (S.IDLE,),
         Outcome.ADVANCE,
         S.LOADING_BUCKETS,
@@ -242,55 +285,60 @@ ROWS: tuple[Row, ...] = (
     ),
 )
 
-ENGINE_ROWS: dict[str, tuple[tuple[EngineState, ...], EngineState]] = {
-    "enlist": ((E.STALE, E.READY, E.JOINING), E.LOADING),  # a participant of a new sync
-    "start_finalize": ((E.LOADING,), E.FINALIZING),  # told to run its post-load step
-    "serve": ((E.FINALIZING, E.JOINING), E.READY),  # verified at the served version
-    "restore": ((E.LOADING, E.FINALIZING), E.READY),  # its sync ended, nothing changed
-    "doubt": ((E.STALE, E.JOINING, E.LOADING, E.FINALIZING, E.READY), E.STALE),
-    "join": ((E.STALE,), E.JOINING),  # a catch-up from the spool begins
-    "lose": ((E.STALE, E.JOINING, E.LOADING, E.FINALIZING, E.READY), E.LOST),
+ENGINE_ROWS: dict[Life, tuple[tuple[EngineState, ...], EngineState]] = {
+    Life.ENLIST: ((E.STALE, E.READY, E.JOINING), E.LOADING),  # a participant of a new sync
+    Life.START_FINALIZE: ((E.LOADING,), E.FINALIZING),  # told to run its post-load step
+    Life.SERVE: ((E.FINALIZING, E.JOINING), E.READY),  # verified at the served version
+    Life.RESTORE: ((E.LOADING, E.FINALIZING), E.READY),  # its sync ended, nothing changed
+    Life.DOUBT: ((E.STALE, E.JOINING, E.LOADING, E.FINALIZING, E.READY), E.STALE),
+    Life.JOIN: ((E.STALE,), E.JOINING),  # a catch-up from the spool begins
+    Life.LOSE: ((E.STALE, E.JOINING, E.LOADING, E.FINALIZING, E.READY), E.LOST),
 }
 
-# Every input the core takes; those not in a row never change the daemon's state.
-TRIGGERS = (
-    "begin",
-    "bucket",
-    "finish",
-    "abort",
-    "register",
-    "heartbeat",
-    "loaded",
-    "prepared",
-    "finalized",
-    "committed",
-    "failed",
-    "tick",
-    "trainer_gone",
-    "engine_gone",
-    "internal",
-    "shutdown",
-    "spool_changed",
-)
-# Where an input is taken at all; an input without a gate is taken in every state (a
-# trigger that finds nothing to do changes nothing). The refusal is the table's.
-GATES: dict[str, Gate] = {
-    "begin": Gate(
-        (S.IDLE, S.READY),
-        ErrorCode.INVALID_STATE,
-        "begin is not allowed in state {state}",
+ALL = tuple(State)
+_LATE = "a late, stray or repeated report: changes nothing"
+# Every input in every state: taken, ignored, or (in a state it names neither) refused.
+GATES: dict[Trigger, Gate] = {
+    Trigger.BEGIN: Gate((S.IDLE, S.READY), refusal="begin is not allowed in state {state}"),
+    Trigger.BUCKET: Gate((S.LOADING_BUCKETS,), refusal="bucket is not allowed in state {state}"),
+    Trigger.FINISH: Gate(
+        (S.LOADING_BUCKETS,), refusal="finish is only allowed in LOADING_BUCKETS, state is {state}"
     ),
-    "bucket": Gate(
+    # the trigger refuses an abort that names no running sync (with how that sync ended)
+    Trigger.ABORT: Gate(ALL),
+    Trigger.REGISTER: Gate(ALL),
+    Trigger.HEARTBEAT: Gate(ALL),
+    Trigger.LOADED: Gate(ALL),  # the running sync's buckets, or a catch-up's (READY)
+    Trigger.PREPARED: Gate((S.LOADING_BUCKETS,), (S.IDLE, S.FINALIZING, S.READY), _LATE),
+    # the running sync's commit (FINALIZING) or a catch-up's (READY, IDLE: no sync runs)
+    Trigger.FINALIZED: Gate((S.FINALIZING, S.READY, S.IDLE), (S.LOADING_BUCKETS,), _LATE),
+    Trigger.COMMITTED: Gate((S.FINALIZING, S.READY, S.IDLE), (S.LOADING_BUCKETS,), _LATE),
+    Trigger.FAILED: Gate(ALL),  # the running sync's participant, or a catch-up's engine
+    Trigger.TICK: Gate(ALL),
+    # in every state the group whose store it hosted is forgotten (before the gate)
+    Trigger.TRAINER_GONE: Gate(
         (S.LOADING_BUCKETS,),
-        ErrorCode.INVALID_STATE,
-        "bucket is not allowed in state {state}",
+        (S.IDLE, S.FINALIZING, S.READY),
+        "no source streams: nothing to wait for (its group is forgotten in every state)",
     ),
-    "finish": Gate(
+    Trigger.ENGINE_GONE: Gate(ALL),
+    Trigger.INTERNAL: Gate((S.LOADING_BUCKETS, S.FINALIZING), (S.IDLE, S.READY), "no sync runs to fail"),
+    Trigger.SHUTDOWN: Gate((S.LOADING_BUCKETS, S.FINALIZING), (S.IDLE, S.READY), "no sync runs to fail"),
+    # in every state the spool's record is kept (before the gate); READY catches up the stale
+    Trigger.SPOOL_CHANGED: Gate(
+        (S.READY,),
+        (S.IDLE, S.LOADING_BUCKETS, S.FINALIZING),
+        "engines catch up only to a READY fleet's version (the spool's record is kept in every state)",
+    ),
+    # every source has finished once FINALIZING: the input that found it is only refused
+    Trigger.CONFLICT: Gate(
         (S.LOADING_BUCKETS,),
-        ErrorCode.INVALID_STATE,
-        "finish is only allowed in LOADING_BUCKETS, state is {state}",
+        (S.FINALIZING,),
+        "only the input is refused",
+        refusal="no sync runs in state {state}",
     ),
 }
+INPUTS = tuple(t for t in Trigger if t is not Trigger.CONFLICT)
 
 
 def _outcome_is(outcome: Outcome) -> Callable[[EventData], bool]:
@@ -325,7 +373,7 @@ class StateTable:
         self._phase = _Phase()
         rows = [
             {
-                "trigger": r.trigger,
+                "trigger": r.trigger.value,
                 "source": list(r.sources),
                 "dest": r.dest,
                 "conditions": _outcome_is(r.outcome),
@@ -345,44 +393,40 @@ class StateTable:
     def state(self) -> State:
         return self._phase.state
 
-    def admit(self, trigger: str) -> None:
-        """Raise `Refused` (the gate's code and sentence) when `trigger` is not taken in
-        the current state; INTERNAL for a trigger the table does not know."""
-        if trigger not in TRIGGERS:
-            raise make_error(ErrorCode.INTERNAL, f"{trigger!r} is not a trigger of the state table")
-        gate = GATES.get(trigger)
-        if gate is not None and self.state not in gate.states:
-            raise Refused(gate.code, gate.refusal.format(state=self.state.value))
+    def admit(self, trigger: Trigger) -> bool:
+        """True when the current state takes `trigger`, False when it ignores it; raise
+        `Refused` (the gate's code and sentence) anywhere else."""
+        gate = GATES[trigger]
+        if self.state in gate.take:
+            return True
+        if self.state in gate.ignore:
+            return False
+        raise Refused(gate.code, gate.refusal.format(state=self.state.value))
 
-    def dest(self, trigger: str, outcome: Outcome) -> State:
-        """The destination of the row for (`trigger`, current state, `outcome`);
-        INTERNAL if there is none."""
+    def take(self, trigger: Trigger, outcome: Outcome) -> State:
+        """Move by the row for (`trigger`, current state, `outcome`), executed by the
+        machine built from ROWS; return the new state. No such row: INTERNAL, nothing
+        changed (the machine moves only when a row's condition holds)."""
         src = self.state
-        for r in ROWS:
-            if r.trigger == trigger and r.outcome is outcome and src in r.sources:
-                return r.dest
-        raise make_error(
-            ErrorCode.INTERNAL,
-            f"no row of the state table takes {trigger} ({outcome.value}) from {src.value}",
-            state=src.value,
-        )
-
-    def take(self, trigger: str, outcome: Outcome) -> State:
-        """Move by the row for (`trigger`, current state, `outcome`); return its dest."""
-        dest = self.dest(trigger, outcome)
         try:
-            taken = self._machine.events[trigger].trigger(self._phase, outcome=outcome)
+            taken = self._machine.events[trigger.value].trigger(self._phase, outcome=outcome)
         except (MachineError, KeyError):
             taken = False
-        if not taken or self.state is not dest:  # the executor disagrees with ROWS: our bug
-            raise make_error(ErrorCode.INTERNAL, f"the state machine did not take {trigger} to {dest.value}")
-        return dest
+        if not taken:
+            raise make_error(
+                ErrorCode.INTERNAL,
+                f"no row of the state table takes {trigger.value} ({outcome.value}) from {src.value}",
+                state=src.value,
+            )
+        return self.state
 
 
-def engine_move(state: EngineState, trigger: str) -> EngineState:
-    sources, dest = ENGINE_ROWS[trigger]
+def engine_move(state: EngineState, move: Life) -> EngineState:
+    sources, dest = ENGINE_ROWS[move]
     if state not in sources:
-        raise make_error(ErrorCode.INTERNAL, f"engine lifecycle: {trigger} is not allowed from {state.value}")
+        raise make_error(
+            ErrorCode.INTERNAL, f"engine lifecycle: {move.value} is not allowed from {state.value}"
+        )
     return dest
 
 
@@ -395,28 +439,40 @@ def render() -> str:
     out = [BEGIN, "", "| trigger | from | found | to | when |", "|---|---|---|---|---|"]
     for r in ROWS:
         src = ", ".join(s.value for s in r.sources)
-        out.append(f"| {r.trigger} | {src} | {r.outcome.value} | {r.dest.value} | {r.when} |")
-    quiet = [t for t in TRIGGERS if not any(r.trigger == t for r in ROWS)]
+        out.append(f"| {r.trigger.value} | {src} | {r.outcome.value} | {r.dest.value} | {r.when} |")
+    quiet = [t for t in INPUTS if not any(r.trigger is t for r in ROWS)]
     out.append("")
     out.append(
         "Inputs that never change the daemon's state: "
-        + ", ".join(f"`{t}`" for t in quiet)
+        + ", ".join(f"`{t.value}`" for t in quiet)
         + ". A trigger finding something no row of its state takes is INTERNAL (our bug), "
         "raised before anything changed."
     )
     out.append("")
-    out.append("Where an input is taken at all (any other input is taken in every state):")
+    out.append(
+        "Every input in every state (`conflict` is what begin, bucket or finish found): "
+        "taken, ignored (the state part of it changes nothing), or refused with a code:"
+    )
     out.append("")
-    out.append("| input | taken in | refused elsewhere with |")
-    out.append("|---|---|---|")
+    out.append("| input | " + " | ".join(st.value for st in ALL) + " |")
+    out.append("|---|" + "---|" * len(ALL))
+    notes = []
     for name, g in GATES.items():
-        states = ", ".join(s.value for s in g.states)
-        out.append(f"| {name} | {states} | {g.code.value}: {g.refusal.format(state='X')} |")
+        cells = [
+            "taken" if st in g.take else "ignored" if st in g.ignore else f"refused: {g.code.value}"
+            for st in ALL
+        ]
+        out.append(f"| {name.value} | " + " | ".join(cells) + " |")
+        if g.ignore:
+            notes.append(f"- `{name.value}` ignored: {g.why}")
+        if set(g.take) | set(g.ignore) != set(ALL):
+            notes.append(f"- `{name.value}` refused: {g.refusal.format(state='<state>')}")
+    out += ["", *notes]
     out.append("")
     out.append("| engine trigger | from | to |")
     out.append("|---|---|---|")
-    for name, (sources, dest) in ENGINE_ROWS.items():
-        out.append(f"| {name} | {', '.join(s.value for s in sources)} | {dest.value} |")
+    for move, (sources, dest) in ENGINE_ROWS.items():
+        out.append(f"| {move.value} | {', '.join(s.value for s in sources)} | {dest.value} |")
     out += ["", END]
     return "\n".join(out)
 
@@ -434,8 +490,10 @@ __all__ = [
     "ACTIVE",
     "ROWS",
     "ENGINE_ROWS",
-    "TRIGGERS",
+    "INPUTS",
     "GATES",
+    "Life",
+    "Trigger",
     "Gate",
     "Outcome",
     "Refused",

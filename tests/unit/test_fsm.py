@@ -30,7 +30,7 @@ from orchestrator.core import ACTIVE, Limits, State
 from orchestrator.core import Core as Orchestrator
 from orchestrator.core import commands as fsm
 from orchestrator.core import events as ev
-from orchestrator.core.table import Outcome
+from orchestrator.core.table import Outcome, Trigger
 
 S = State
 META = (TensorMeta("w", "float32", (4,), 0, 16),)
@@ -690,54 +690,53 @@ def test_a_move_outside_the_table_is_internal_and_changes_nothing():
     o = to_ready()
     before = _snap(o)
     with pytest.raises(WeightSyncError) as ei:
-        o.move("finish", Outcome.ADVANCE, None)
+        o.move(Trigger.FINISH, Outcome.ADVANCE, None)
     assert ei.value.code is ErrorCode.INTERNAL and "no row of the state table" in ei.value.message
     assert o.state == S.READY and _snap(o) == before
 
 
-def test_a_trigger_without_a_row_is_refused_by_the_table(monkeypatch):
-    """Adding a trigger is one row plus one function: a function alone (no row, no gate)
-    gets INTERNAL from the table, through the core's one way in, and changes nothing."""
-    from dataclasses import dataclass
-    from typing import ClassVar
-
+def test_every_input_has_one_gate_covering_every_state_and_every_event_names_one():
+    """Adding a trigger is one `Trigger`, one gate, its rows and one function: the core's
+    one way in knows no event whose trigger has no gate, and a gate names each state at
+    most once (taken or ignored; the others are its refusal)."""
     from orchestrator.core import machine
+    from orchestrator.core.table import GATES, INPUTS, Trigger
 
-    @dataclass(frozen=True)
-    class Retarget(ev.Event):
-        TRIGGER: ClassVar[str] = "retarget"
+    assert set(GATES) == set(Trigger)
+    assert {cls.TRIGGER for cls in machine.HANDLERS} == set(INPUTS)
+    for trigger, gate in GATES.items():
+        assert not set(gate.take) & set(gate.ignore), trigger
+        if set(gate.take) | set(gate.ignore) != set(State):
+            assert gate.refusal, f"{trigger}: refused somewhere, with no sentence"
 
-    def retarget(m, event):
-        m.admit("retarget")  # the gate lookup: the table does not know the trigger
-        m.move("retarget", Outcome.ADVANCE, None)
 
-    def retarget_unchecked(m, event):
-        m.move("retarget", Outcome.ADVANCE, None)  # the row lookup: there is none
+def test_a_move_no_row_takes_is_internal_and_changes_nothing():
+    """A trigger function that moves where no row of the state takes its outcome (a
+    function written without its row) gets INTERNAL from the table's one executor."""
+    from orchestrator.core.table import Trigger
 
     o = to_ready()
     before = _snap(o)
-    for fn, words in ((retarget, "not a trigger of the state table"), (retarget_unchecked, "no row")):
-        monkeypatch.setitem(machine.HANDLERS, Retarget, fn)
+    for trigger, outcome in ((Trigger.ABORT, Outcome.ADVANCE), (Trigger.HEARTBEAT, Outcome.ADVANCE)):
         with pytest.raises(WeightSyncError) as ei:
-            o.handle(Retarget(), 2.0)
-        assert ei.value.code is ErrorCode.INTERNAL and words in ei.value.message
+            o.move(trigger, outcome, None)
+        assert ei.value.code is ErrorCode.INTERNAL and "no row" in ei.value.message
         assert o.state == S.READY and _snap(o) == before
-    # and a known trigger with an outcome no row of its state takes
-    with pytest.raises(WeightSyncError) as ei:
-        o.move("abort", Outcome.ADVANCE, None)
-    assert ei.value.code is ErrorCode.INTERNAL
 
 
 def test_every_refusal_of_a_wrong_state_is_the_tables_gate():
     """The code and sentence a wrong state gets come from GATES, not from the trigger."""
     from orchestrator.core.table import GATES
 
+    checked = 0
     for trigger, gate in GATES.items():
+        if trigger.value not in SYNC_TRIGGERS:
+            continue  # the others are taken or ignored in every state (the test above)
         for state in State:
-            if state in gate.states:
+            if state in gate.take or state in gate.ignore:
                 continue
             o = STATES[state]()
-            if trigger in ("bucket",) and o.sync is None:
+            if trigger == "bucket" and o.sync is None:
                 continue  # no sync runs: the bucket names one that does not (UNKNOWN_SYNC)
             before = _snap(o)
             with pytest.raises(WeightSyncError) as ei:
@@ -745,6 +744,28 @@ def test_every_refusal_of_a_wrong_state_is_the_tables_gate():
             assert ei.value.code is gate.code
             assert ei.value.message.startswith(gate.refusal.format(state=state.value)), ei.value.message
             assert _snap(o) == before
+            checked += 1
+    assert checked >= 5
+
+
+def test_an_input_a_state_ignores_changes_nothing():
+    """Where a gate says "ignored" the input changes nothing at all, whatever it carries
+    (a finalized of the running sync's id arriving in LOADING_BUCKETS, a prepared in
+    FINALIZING, ...)."""
+    from orchestrator.core.table import GATES
+
+    checked = 0
+    for trigger, gate in GATES.items():
+        if trigger.value not in SYNC_TRIGGERS:
+            continue
+        for state in gate.ignore:
+            o = STATES[state]()
+            before = _snap(o)
+            res = fire(o, trigger)
+            assert res.commands == [] and res.reply is None, (trigger, state)
+            assert _snap(o) == before, (trigger, state)
+            checked += 1
+    assert checked >= 5
 
 
 def test_a_daemon_stopping_during_an_untouched_sync_stays_ready():
