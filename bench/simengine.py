@@ -7,7 +7,7 @@ to a real daemon over ZeroMQ, with no torch and no model.
 Each engine registers (inline and collective, one collective rank, gloo), heartbeats,
 verifies every inline frame against its checksum, reports its progress as a real engine
 does (cumulative `loaded`, at most one per REPORT_INTERVAL), and decides what each
-message means with the real engine's state machine (`engines.session.Syncs`: which sync
+message means with the real engine's state machine (`engines.session.Session`: which sync
 starts or supersedes, the finalize guard, resent buckets, refusals), carrying out its
 jobs the way a real engine's applier does, but simulated; it answers canary
 probes with their expected tokens and reports the digest of the tensors it received
@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from engines.session import Action, Begin, Send, Stop, Syncs
+from engines.session import Action, Begin, Send, Session, Stop
 from messages import codec, fanout, replies, schema, stream
 from messages.checksums import bucket_checksum, combine, part_hasher
 from messages.errors import ErrorCode, MessageError
@@ -64,7 +64,7 @@ class SimEngine:
     engine_id: str
     fault: str = ""
     sock: Any = None
-    session: Syncs = field(default_factory=Syncs)  # the real engine's guards and served version
+    session: Session = field(default_factory=Session)  # the real engine's guards and served version
     failed: set[str] = field(default_factory=set)  # syncs its simulated applier failed
     finalize_count: int = 0
     loads: int = 0
@@ -209,7 +209,7 @@ class Fleet:
                     self._report(e, now)
                 if e.dead_until is not None and now >= e.dead_until:
                     e.dead_until = None
-                    e.session, e.failed, e.parts = Syncs(), set(), {}
+                    e.session, e.failed, e.parts = Session(), set(), {}
                     e.fault, e.reregister_sent = "", False  # a restarted process is healthy
                     self._open(e)
                 if now >= next_hb[i]:

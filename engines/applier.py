@@ -42,7 +42,7 @@ from engines.postload import Rehash, Rehashed
 from engines.prefetch import Prefetcher, StreamItem
 from engines.session import Begin, Job
 from engines.verify import Verifier, Verifying
-from messages import schema, stream
+from messages import coverage, schema, stream
 from messages.bounded import LRU
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
@@ -88,7 +88,7 @@ class Applier(threading.Thread):
         self.engine = engine
         self.failpoints = failpoints or {}
         self.jobs: queue.Queue[Job | LoadJob | Rehash | None] = queue.Queue()
-        # reports for the worker's Syncs, and the answers to its rehash requests
+        # reports for the worker's Session, and the answers to its rehash requests
         self.out: queue.Queue[schema.Message | Rehashed] = queue.Queue()
         self.wake_fd = wake_fd
         self.current: str | None = None
@@ -134,7 +134,7 @@ class Applier(threading.Thread):
             fut.add_done_callback(lambda _f: prefetcher.release())
 
     def submit(self, job: Job, payload: Frame | None = None) -> None:
-        """A job from the engine's `Syncs`, run in order (a bucket through `accept`)."""
+        """A job from the engine's `Session`, run in order (a bucket through `accept`)."""
         if isinstance(job, schema.Load):
             self.accept(job, payload)
         else:
@@ -184,7 +184,7 @@ class Applier(threading.Thread):
             postload.served(self.engine, job)
         elif isinstance(job, schema.Abort):
             self._do_abort(job)
-        else:  # a job the engine's Syncs never makes: our bug
+        else:  # a job the engine's Session never makes: our bug
             raise WeightSyncError(f"unknown applier job {type(job).__name__}", code=ErrorCode.INTERNAL)
 
     def _fail(self, job: Job | LoadJob, code: str, message: str) -> None:
@@ -295,11 +295,10 @@ class Applier(threading.Thread):
                 code=ErrorCode.CHECKSUM_MISMATCH,
             )
         if not h.partial:
-            missing = sorted(n for n in self._spec if n not in names)
+            missing = coverage.unsent(self._spec, names)
             if missing:
                 raise WeightSyncError(
-                    f"{len(missing)} tensor(s) of this model not sent: "
-                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                    f"{len(missing)} tensor(s) of this model not sent: {coverage.listed(missing)} "
                     f"(send them, or push with --partial)",
                     code=ErrorCode.INCOMPLETE_SYNC,
                 )

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from engines.prefetch import Prefetcher
 
 log = structlog.get_logger()
-# the applier's: a report to the worker (a message for its Syncs, or a rehash's answer), which it wakes
+# the applier's: a report to the worker (a message for its Session, or a rehash's answer), which it wakes
 Emit: TypeAlias = "Callable[[schema.Message | Rehashed], None]"
 
 

@@ -1,7 +1,7 @@
 """One engine's syncs as a state machine: the engine side's own table, like the daemon's.
 
-`Syncs.feed(msg) -> list[Action]` takes what arrives from the daemon (a bucket, a stream's
-opening, finalize, commit, abort) and `Syncs.result(msg)` what the applier thread reports
+`Session.feed(msg) -> list[Action]` takes what arrives from the daemon (a bucket, a stream's
+opening, finalize, commit, abort) and `Session.result(msg)` what the applier thread reports
 back (a bucket loaded, a stream prepared, a finalize done, a failure); both return what to
 do: a job for the applier, a message for the daemon, a stream to stop. It does no I/O and
 reads no clock: the worker's main thread is its I/O (it alone owns the socket), the applier
@@ -94,7 +94,7 @@ FROM_APPLIER: dict[type[schema.Message], Input] = {
 
 
 class Do(Enum):
-    """An effect of a row; `Syncs._effect` carries each out."""
+    """An effect of a row; `Session._effect` carries each out."""
 
     OPEN = "open"  # a record for the sync: supersede the running one, `Begin` it
     APPLY = "apply"  # queue the bucket for the applier
@@ -292,7 +292,7 @@ class Sync:
     queued: set[tuple[int, int]] = field(default_factory=set)
 
 
-class Syncs:
+class Session:
     def __init__(self, version: int | None = None, digest: str | None = None) -> None:
         self.current: Sync | None = None
         self.finalized: set[str] = set()  # the guard: finalize came for these

@@ -6,7 +6,7 @@ Rules:
   heartbeats keep flowing while a long finalize runs; the applier hands results back
   through a queue and wakes the main thread through a pipe, never through the socket.
 - What a message means for the engine's syncs (which starts, supersedes or ends one; the
-  finalize guard; resent buckets) is decided by `engines.session.Syncs`, the engine's
+  finalize guard; resent buckets) is decided by `engines.session.Session`, the engine's
   own state machine; this loop carries out its actions (applier jobs, messages, stopped
   streams) and feeds it the applier's reports.
 - Progress is cumulative and coalesced: `loaded {sender, seq: k}` says every bucket of
@@ -50,7 +50,7 @@ from engines.base import (
     ReceivesGroup,
 )
 from engines.postload import Rehashed
-from engines.session import Action, Send, Submit, Syncs
+from engines.session import Action, Send, Session, Submit
 from messages import codec, fanout, replies, schema, transports
 from messages.distgroup import Backend, available_backends
 from messages.errors import ErrorCode, MessageError, WeightSyncError, wrong_socket_line
@@ -141,7 +141,7 @@ class Worker:
         self.ctx = ctx or zmq.Context.instance()
         self.info = engine.describe()
         # the engine's syncs, their guards and its served version (engines/session.py)
-        self.state = Syncs(None, engine.digest())
+        self.state = Session(None, engine.digest())
         self._stop = threading.Event()
         self._next_id = 0
         self._register_ids: set[int] = set()
@@ -379,7 +379,7 @@ class Worker:
         return self.state.duplicates_refused
 
     def _do(self, actions: list[Action], applier: Applier) -> None:
-        """Carry out what the engine's `Syncs` decided: this thread's I/O."""
+        """Carry out what the engine's `Session` decided: this thread's I/O."""
         for a in actions:
             if isinstance(a, Submit):
                 applier.submit(a.job, a.payload)

@@ -8,7 +8,7 @@ recovery); what they share is model.py.
 from orchestrator.core import commands, events
 from orchestrator.core.commands import Result
 from orchestrator.core.machine import Core
-from orchestrator.core.records import EngineRecord, GroupPlan, Limits, Spooled, SyncRecord
+from orchestrator.core.records import EngineRecord, GroupRecord, Limits, Spooled, SyncRecord
 from orchestrator.core.states import ACTIVE, EngineState, State
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "Core",
     "EngineRecord",
     "EngineState",
-    "GroupPlan",
+    "GroupRecord",
     "Limits",
     "Result",
     "Spooled",

@@ -14,7 +14,7 @@ from typing import Any
 from messages.errors import WeightSyncError
 from messages.replies import JsonObject
 from messages.schema import Probe
-from orchestrator.core.records import GroupPlan
+from orchestrator.core.records import GroupRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class ForwardBucket:
     version: int
     engine_ids: tuple[str, ...]
     ref_engines: tuple[str, ...] = ()  # read the bucket by its reference
-    group: GroupPlan | None = None  # a group: each engine hears of it and receives by broadcast
+    group: GroupRecord | None = None  # a group: each engine hears of it and receives by broadcast
     spool: bool = False  # write the bucket to the spool before any engine is told
     handle: object = None  # the bucket's bytes as the service handed them in (BucketIn.handle)
 
@@ -50,7 +50,7 @@ class OpenStreams:
     sync_id: str
     version: int
     engine_ids: tuple[str, ...]
-    group: GroupPlan
+    group: GroupRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ Rules: as in `sync`: find the facts and refuse first, then act.
 
 from __future__ import annotations
 
+from messages import coverage
 from messages.checksums import add_digests
 from messages.errors import ErrorCode
 from messages.shardplan import plan_key
@@ -143,7 +144,7 @@ def finish(m: Model, event: FinishSync) -> None:
         raise m.error(
             ErrorCode.INCOMPLETE_SYNC,
             f"engine {eid} would be left with {len(names)} tensor(s) of the old "
-            f"version: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
+            f"version: {coverage.listed(names)} "
             + (f"(the plan gives them to source(s) {owed[:16]}) " if owed else "")
             + "(send them, or push with --partial); nothing was finalized",
             engine_id=eid,

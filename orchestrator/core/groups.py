@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from messages.bounded import LRU
 from messages.schema import MAX_SENDERS, Begin
-from orchestrator.core.records import GroupPlan, SyncRecord
+from orchestrator.core.records import GroupRecord, SyncRecord
 
 # The bounded maps (messages.bounded.LRU, least recently used first):
 MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse: one per source a push may have
@@ -24,37 +24,37 @@ GROUP_CONNS_KEPT = MAX_SOURCE_GROUPS + 1  # the trainer connection of each group
 class KeptGroups:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.shared: GroupPlan | None = None  # the group the one sender's syncs reuse
+        self.shared: GroupRecord | None = None  # the group the one sender's syncs reuse
         # sharded pushes' sources' groups, by session
-        self.sources: LRU[str, GroupPlan] = LRU(MAX_SOURCE_GROUPS)
+        self.sources: LRU[str, GroupRecord] = LRU(MAX_SOURCE_GROUPS)
         # the trainer connection that began a group's last sync, by session: its store lives in
         # that trainer, so the group goes when the connection closes (trainer_closed)
         self.conns: LRU[str, bytes] = LRU(GROUP_CONNS_KEPT)
-        self.planned_count = 0
+        self.chosen_count = 0
 
     def new_id(self) -> str:
-        return f"g{self.planned_count + 1}.{self.run_id}"[:128]
+        return f"g{self.chosen_count + 1}.{self.run_id}"[:128]
 
-    def planned(self, plan: GroupPlan, shared: bool = True, conn: bytes = b"") -> None:
-        """`plan` carries this sync's bytes: the one sender's group (`shared`), which the
+    def chosen(self, group: GroupRecord, shared: bool = True, conn: bytes = b"") -> None:
+        """`group` carries this sync's bytes: the one sender's group (`shared`), which the
         next sync reuses while its members stay and its trainer (`conn`, which hosts the
         store) stays connected, or one source's of a sharded push, which that source's next
         sharded push reuses (by its store's session)."""
         if conn:
-            self.conns[plan.session] = conn
-        known = self.shared if shared else self.sources.get(plan.session)
-        if plan is not known:
-            self.planned_count += 1
+            self.conns[group.session] = conn
+        known = self.shared if shared else self.sources.get(group.session)
+        if group is not known:
+            self.chosen_count += 1
         if shared:
-            self.shared = plan
+            self.shared = group
         else:
-            self.sources[plan.session] = plan  # past the limit: sources that went away
+            self.sources[group.session] = group  # past the limit: sources that went away
 
-    def of_source(self, msg: Begin) -> GroupPlan | None:
+    def of_source(self, msg: Begin) -> GroupRecord | None:
         """The group a sharded push's source used last (reused while its members stay)."""
         return self.sources.get(msg.offer.session) if msg.offer is not None else None
 
-    def trainer_closed(self, conn: bytes, running: Iterable[GroupPlan]) -> None:
+    def trainer_closed(self, conn: bytes, running: Iterable[GroupRecord]) -> None:
         """The trainer connection `conn` closed: the groups whose store it hosted go, but
         those of the running sync (`running`), which that sync's end drops."""
         keep = set(running)

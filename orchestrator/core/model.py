@@ -37,7 +37,7 @@ from orchestrator.core.commands import (
     SpoolDiscard,
 )
 from orchestrator.core.groups import KeptGroups
-from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupPlan, Limits, Spooled, SyncRecord
+from orchestrator.core.records import CatchUp, EngineRecord, Epoch, GroupRecord, Limits, Spooled, SyncRecord
 from orchestrator.core.states import EngineState, State
 from orchestrator.core.table import Life, Outcome, Refused, StateTable, Trigger
 
@@ -109,7 +109,7 @@ class Model:
         return self.table.state
 
     @property
-    def group(self) -> GroupPlan | None:
+    def group(self) -> GroupRecord | None:
         """The group the one sender's syncs reuse (`kept_groups`)."""
         return self.kept_groups.shared
 
@@ -567,10 +567,10 @@ class Model:
     def new_group_id(self) -> str:
         return self.kept_groups.new_id()
 
-    def group_planned(self, plan: GroupPlan, shared: bool = True, conn: bytes = b"") -> None:
-        self.kept_groups.planned(plan, shared, conn)
+    def group_chosen(self, group: GroupRecord, shared: bool = True, conn: bytes = b"") -> None:
+        self.kept_groups.chosen(group, shared, conn)
 
-    def source_group(self, msg: Begin) -> GroupPlan | None:
+    def source_group(self, msg: Begin) -> GroupRecord | None:
         return self.kept_groups.of_source(msg)
 
     def trainer_closed(self, conn: bytes) -> None:

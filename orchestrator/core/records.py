@@ -91,7 +91,7 @@ class EngineRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupPlan:
+class GroupRecord:
     """The group of a trainer session and a set of engines: reused while both
     stay the same, replaced (a new id) when an engine joins or is lost, or a sync on it
     fails. Rank 0 is the trainer; each engine holds `ranks` consecutive ranks."""
@@ -166,8 +166,8 @@ class SyncRecord:
     via: str = ""
     ref_engines: tuple[str, ...] = ()
     mixed: bool = False
-    group: GroupPlan | None = None  # the group this sync's bytes are broadcast in
-    groups: dict[int, GroupPlan] = field(default_factory=dict)  # each source's (a sharded push)
+    group: GroupRecord | None = None  # the group this sync's bytes are broadcast in
+    groups: dict[int, GroupRecord] = field(default_factory=dict)  # each source's (a sharded push)
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: JsonObject | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)

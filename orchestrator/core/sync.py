@@ -133,18 +133,18 @@ def begin(m: Model, event: BeginSync) -> None:
     # holds one sender. The engines take the groups' buckets in the order announced here.
     current = m.group if msg.senders == 1 else m.source_group(msg)
     group = (
-        syncs.plan_group(msg, s.participants, m.engines, current, m.new_group_id(), m.limits.bucket_timeout)
+        syncs.choose_group(msg, s.participants, m.engines, current, m.new_group_id(), m.limits.bucket_timeout)
         if msg.senders <= MAX_COLLECTIVE_SOURCES
         else None
     )
     if group is not None:
-        m.group_planned(group, shared=msg.senders == 1, conn=event.conn)
+        m.group_chosen(group, shared=msg.senders == 1, conn=event.conn)
         s.group, s.carries = group, "group"
         s.transport = next(t.name for t in transports.of_kind("group"))
         s.groups[msg.sender] = group
         s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
-        via, s.ref_engines, s.mixed = syncs.plan_refs(msg, s.participants, m.engines, m.limits.host)
+        via, s.ref_engines, s.mixed = syncs.choose_refs(msg, s.participants, m.engines, m.limits.host)
         if via:
             s.transport, s.via, s.carries = via, via, "ref"
     s.bucket_bytes = _bucket_size(m, msg, s)
@@ -258,7 +258,7 @@ def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> Non
         return
     group = None
     if s.carries == "group":  # this source broadcasts from a group of its own
-        group = syncs.plan_group(
+        group = syncs.choose_group(
             msg, s.participants, m.engines, m.source_group(msg), m.new_group_id(), m.limits.bucket_timeout
         )
         if group is None:
@@ -268,7 +268,7 @@ def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> Non
                 f"(transport={s.transport}) with a backend every engine speaks",
                 sync_id_running=s.sync_id,
             )
-        m.group_planned(group, shared=False)
+        m.group_chosen(group, shared=False)
         s.groups[msg.sender] = group
     s.begun[msg.sender] = m.now
     s.seats[msg.sender] = claim

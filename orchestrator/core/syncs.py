@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from messages import transports
+from messages import coverage, transports
 from messages.replies import SyncSummary
 from messages.schema import Begin, Probe
-from orchestrator.core.records import EngineRecord, GroupPlan, SyncRecord
+from orchestrator.core.records import EngineRecord, GroupRecord, SyncRecord
 
 
 def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:
@@ -47,7 +47,7 @@ def count_mismatch(s: SyncRecord, total: int) -> str | None:
 def missing_tensors(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[str, list[str]] | None:
     """The first engine (by id) with tensors this sync never sent, and which."""
     for eid in s.participants:
-        names = sorted(n for n in engines[eid].spec if n not in s.names)
+        names = coverage.unsent(engines[eid].spec, s.names)
         if names:
             return eid, names
     return None
@@ -75,7 +75,7 @@ def mismatch_text(mismatch: tuple[int, int, int | None, int | None]) -> str:
     return f"probe {idx} differs at position {pos} (got {got}, expected {exp})"
 
 
-def plan_refs(
+def choose_refs(
     msg: Begin, participants: tuple[str, ...], engines: dict[str, EngineRecord], daemon_host: str
 ) -> tuple[str, tuple[str, ...], bool]:
     """The transport that carries references this sync uses, the engines that read them,
@@ -97,14 +97,14 @@ def wants_group(msg: Begin) -> bool:
     return msg.transport == transports.AUTO or (t is not None and t.needs_group)
 
 
-def plan_group(
+def choose_group(
     msg: Begin,
     participants: tuple[str, ...],
     engines: dict[str, EngineRecord],
-    current: GroupPlan | None,
+    current: GroupRecord | None,
     new_id: str,
     timeout: float,
-) -> GroupPlan | None:
+) -> GroupRecord | None:
     """The group for this sync, or None when it cannot be used: the trainer offered a
     store and every participant can join with a backend all of them speak (NCCL only when
     every member has a GPU). The current group is reused when its session and members are
@@ -123,7 +123,7 @@ def plan_group(
         n = engines[eid].collective_ranks
         members.append((eid, rank, n))
         rank += n
-    plan = GroupPlan(
+    plan = GroupRecord(
         new_id,
         offer.session,
         offer.host,

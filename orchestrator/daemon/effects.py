@@ -24,7 +24,7 @@ from messages.errors import ErrorCode, MessageError, make_error
 from messages.schema import MAX_COLLECTIVE_SOURCES
 from orchestrator.core import commands as cmd
 from orchestrator.core import events as ev
-from orchestrator.core.records import GroupPlan, Spooled
+from orchestrator.core.records import GroupRecord, Spooled
 from orchestrator.daemon import fanout
 from orchestrator.daemon.inflight import Inflight, Pending
 from orchestrator.daemon.journal import Journal
@@ -41,7 +41,7 @@ log = structlog.get_logger()
 IN_EFFECTS: contextvars.ContextVar[bool] = contextvars.ContextVar("in_effects", default=False)
 REPLY = (cmd.AckBucket, cmd.CompleteSync)
 # The effects runner's bounded maps (messages.bounded.LRU, least recently used first):
-FANOUT_PLANS_KEPT = 16  # syncs' fan-out plans: the running one, and syncs that never completed here
+FANOUT_AUDIENCES_KEPT = 16  # syncs' fan-out audiences: the running one, and syncs that never completed here
 GROUP_REFS_KEPT = MAX_COLLECTIVE_SOURCES + 1  # groups' refs: the shared group and one per source
 
 Feed = Callable[[ev.Event], Awaitable[None]]
@@ -78,7 +78,7 @@ class Effects:
         # sync has one per source)
         self._refs: LRU[str, dict[str, schema.GroupRef]] = LRU(GROUP_REFS_KEPT)
         # sync id -> who takes its buckets published
-        self._fanout: LRU[str, fanout.Plan] = LRU(FANOUT_PLANS_KEPT)
+        self._fanout: LRU[str, fanout.Audience] = LRU(FANOUT_AUDIENCES_KEPT)
 
     @property
     def batches(self) -> int:
@@ -328,7 +328,7 @@ class Effects:
         framed = codec.encode_header(load)
         by_ref = codec.encode_header(msgspec.structs.replace(load, ref=m.ref)) if ref_engines else b""
         frame_bytes = len(p.frame) if p.frame is not None else (m.ref.size if m.ref else 0)
-        pub_frames, pub_refs, rest = self._fanout_plan(c, ref_engines, frame_bytes).route(
+        pub_frames, pub_refs, rest = self._fanout_audience(c, ref_engines, frame_bytes).route(
             c.engine_ids, ref_engines
         )
         t = self.transport
@@ -351,8 +351,10 @@ class Effects:
             published=pub_frames or pub_refs,
         )
 
-    def _fanout_plan(self, c: cmd.ForwardBucket, ref_engines: set[str], frame_bytes: int) -> fanout.Plan:
-        """The sync's fan-out plan, made (and its open published) at its first bucket,
+    def _fanout_audience(
+        self, c: cmd.ForwardBucket, ref_engines: set[str], frame_bytes: int
+    ) -> fanout.Audience:
+        """The sync's fan-out audience, made (and its open published) at its first bucket,
         after each connection's queue is sized for the sync's bucket size: the trainer's
         (its window follows from it; a first bucket may be one oversized tensor), else
         this first frame's."""
@@ -364,14 +366,14 @@ class Effects:
             self.transport.fanout_queue(sized[0], sources=sized[1])  # bound anew: none live yet
         else:  # the daemon's own replay (or an old trainer): grown for this frame if need be
             self.transport.fanout_queue(frame_bytes, floor=RECOVERY_WINDOW, shrink=False)
-        fan = self._fanout[c.sync_id] = fanout.plan(c.engine_ids, ref_engines, self.transport.fanout_live)
+        fan = self._fanout[c.sync_id] = fanout.audience(c.engine_ids, ref_engines, self.transport.fanout_live)
         if fan.used:
             opening = fan.opening(c.sync_id, c.version, len(c.engine_ids))
             fan.broken = not self.transport.publish([codec.encode_header(opening)])
             log.info("fanout_opened", sync_id=c.sync_id, frames=len(fan.frames), refs=len(fan.refs))
         return fan
 
-    def _ref(self, g: GroupPlan, eid: str) -> schema.GroupRef:
+    def _ref(self, g: GroupRecord, eid: str) -> schema.GroupRef:
         """Engine `eid`'s GroupRef in `g` (made once per group and engine)."""
         refs = self._refs.get(g.id)
         if refs is None:  # a new group (a sharded push has one per source)

@@ -12,7 +12,7 @@ from messages.fanout import report_interval
 
 
 @dataclass(slots=True)
-class Plan:
+class Audience:
     """A sync's fan-out participants, as its `FanoutOpen` named them."""
 
     frames: frozenset[str]  # take the bucket's frame
@@ -51,9 +51,11 @@ class Plan:
         return bool(self.frames), bool(self.refs), rest
 
 
-def plan(engine_ids: Sequence[str], ref_engines: Collection[str], live: Callable[[str], bool]) -> Plan:
+def audience(
+    engine_ids: Sequence[str], ref_engines: Collection[str], live: Callable[[str], bool]
+) -> Audience:
     """The participants that take a sync's buckets from the fan-out: those whose
     subscription is in place (`live`) when its first bucket goes out."""
     refs = frozenset(e for e in engine_ids if e in ref_engines and live(e))
     frames = frozenset(e for e in engine_ids if e not in ref_engines and live(e))
-    return Plan(frames, refs)
+    return Audience(frames, refs)

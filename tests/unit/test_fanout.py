@@ -9,7 +9,7 @@ from messages import codec, fanout, schema
 from messages.checksums import bucket_checksum
 from orchestrator.core.records import EngineRecord, Epoch, SyncRecord
 from orchestrator.core.states import EngineState
-from orchestrator.daemon.fanout import Plan, plan
+from orchestrator.daemon.fanout import Audience, audience
 
 META = (schema.TensorMeta(name="w", dtype="float32", shape=(4,), offset=0, nbytes=16),)
 
@@ -72,15 +72,15 @@ def test_an_engine_takes_only_the_buckets_its_open_named_it_for():
 
 def test_a_plan_publishes_while_every_named_participant_is_a_target():
     live = {"a", "b", "c"}.__contains__
-    p = plan(("a", "b", "c", "late"), (), live)  # "late" subscribed after the sync began
-    assert p == Plan(frozenset({"a", "b", "c"}), frozenset())
+    p = audience(("a", "b", "c", "late"), (), live)  # "late" subscribed after the sync began
+    assert p == Audience(frozenset({"a", "b", "c"}), frozenset())
     assert p.route(("a", "b", "c", "late"), ()) == (True, False, ["late"])
     # "b" dropped out (lost, failed): it would take the bucket all the same; one by one now
     assert p.route(("a", "c", "late"), ()) == (False, False, ["a", "c", "late"])
     assert p.broken and p.route(("a", "b", "c", "late"), ()) == (False, False, ["a", "b", "c", "late"])
-    mixed = plan(("a", "b"), ("b",), live)
+    mixed = audience(("a", "b"), ("b",), live)
     assert mixed.route(("a", "b"), ("b",)) == (True, True, [])
-    assert not plan(("x",), (), live).used  # nobody subscribed: nothing is published
+    assert not audience(("x",), (), live).used  # nobody subscribed: nothing is published
 
 
 def test_the_report_interval_grows_with_the_fleet_within_bounds():

@@ -1,11 +1,11 @@
-"""The engine side's own state machine (`engines.session.Syncs`), as pure logic: what each
+"""The engine side's own state machine (`engines.session.Session`), as pure logic: what each
 message from the daemon and each report of the applier makes the engine do."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines.session import Begin, Go, Input, Phase, Refusal, Send, Stop, Submit, Syncs, decide
+from engines.session import Begin, Go, Input, Phase, Refusal, Send, Session, Stop, Submit, decide
 from messages import schema
 
 
@@ -26,7 +26,7 @@ def sent(actions) -> list:
 
 
 def test_the_first_message_begins_the_sync_and_a_resend_is_acknowledged_not_applied():
-    s = Syncs(3, "d3")
+    s = Session(3, "d3")
     first = s.feed(load(seq=0), payload=b"x")
     assert jobs(first) == [Begin("s1", 1), load(seq=0)] and s.phase is Phase.LOADING
     assert (s.version, s.digest) == (None, None)  # the weights are about to change
@@ -37,7 +37,7 @@ def test_the_first_message_begins_the_sync_and_a_resend_is_acknowledged_not_appl
 
 
 def test_finalize_runs_once_per_sync_even_after_it_was_superseded():
-    s = Syncs()
+    s = Session()
     s.feed(load())
     assert jobs(s.feed(finalize())) == [finalize()] and s.phase is Phase.FINALIZING
     out = s.result(schema.Finalized(sync_id="s1", version=1, digest="d1", finalize_count=1))
@@ -50,7 +50,7 @@ def test_finalize_runs_once_per_sync_even_after_it_was_superseded():
 
 
 def test_a_new_sync_supersedes_the_running_one_and_stops_its_stream():
-    s = Syncs()
+    s = Session()
     group = schema.GroupRef(
         id="g", host="127.0.0.1", port=2000, rank=1, world_size=2, backend="gloo", timeout=5.0
     )
@@ -61,7 +61,7 @@ def test_a_new_sync_supersedes_the_running_one_and_stops_its_stream():
 
 
 def test_after_a_failure_nothing_more_is_applied_or_reported():
-    s = Syncs(1, "d1")
+    s = Session(1, "d1")
     s.feed(load(seq=0))
     s.result(schema.Failed(sync_id="s1", code="ENGINE_FAILED", message="boom", seq=0))
     assert s.phase is Phase.FAILED and s.reporting() is None and (s.version, s.digest) == (None, None)
@@ -69,7 +69,7 @@ def test_after_a_failure_nothing_more_is_applied_or_reported():
 
 
 def test_an_abort_stops_the_stream_only_of_the_sync_it_names():
-    s = Syncs()
+    s = Session()
     unknown = s.feed(schema.Abort(sync_id="other"))
     assert unknown == [Stop("other", stream=False)]  # only its published buckets are dropped
     s.feed(load())
@@ -94,7 +94,7 @@ def test_the_table_says_every_phase_can_be_aborted_and_nothing_leaves_aborted(ph
 
 @pytest.mark.parametrize("finalized", [False, True])
 def test_a_new_bucket_after_finalize_is_refused_by_its_table_row_and_never_applied(finalized):
-    s = Syncs()
+    s = Session()
     s.feed(load(seq=0))
     s.result(schema.Loaded(sync_id="s1", seq=0))
     s.feed(finalize())

@@ -1,6 +1,6 @@
 """The post-load step (finalize) runs exactly once per sync whatever the order of the
 daemon's messages and the applier's reports, and never for a sync aborted before its
-finalize: hypothesis drives the engine's `Syncs` with a model of its applier thread."""
+finalize: hypothesis drives the engine's `Session` with a model of its applier thread."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engines.session import Submit, Syncs
+from engines.session import Session, Submit
 from messages import schema
 from tests.unit.session_inputs import GROUP, failed, finalized, load
 
@@ -67,7 +67,7 @@ def message(kind: str, sync_id: str, seq: int) -> schema.Message:
 @example([("load", "s1", 0), ("finalize", "s1", 0), ("load", "s2", 0), ("finalize", "s1", 0), ("run", "", 0)])
 @example([("load", "s1", 0), ("fail", "", 0), ("finalize", "s1", 0), ("run", "", 0), ("finalize", "s1", 0)])
 def test_the_post_load_step_runs_exactly_once_per_sync_whatever_the_order(steps):
-    s, applier = Syncs(), Applier()
+    s, applier = Session(), Applier()
     ended: set[str] = set()  # aborted or failed (as the daemon and applier said) before its finalize
     asked: set[str] = set()  # a finalize came while it had not ended
     aborted_running: str | None = None  # aborted while the running sync, and still running

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from engines.session import FROM_DAEMON, Go, Ignore, Input, Phase, Refusal, Send, Syncs, decide, render
+from engines.session import FROM_DAEMON, Go, Ignore, Input, Phase, Refusal, Send, Session, decide, render
 from messages import schema
 from tests.unit.session_inputs import GROUP, failed, finalized, load
 
 
-def in_phase(phase: Phase) -> Syncs:
+def in_phase(phase: Phase) -> Session:
     """An engine whose sync "s1" is in `phase`, reached through its inputs only; when a
     record exists, bucket 0 is applied and bucket 1 queued."""
-    s = Syncs()
+    s = Session()
     if phase is Phase.NEW:
         return s
     s.feed(
@@ -59,7 +59,7 @@ MESSAGES: dict[Input, schema.Message] = {
 }
 
 
-def snapshot(s: Syncs) -> tuple[Any, ...]:
+def snapshot(s: Session) -> tuple[Any, ...]:
     c = s.current
     record = None if c is None else (c.sync_id, c.phase, frozenset(c.queued), frozenset(c.progress.applied))
     return (record, frozenset(s.finalized), s.version, s.digest)
