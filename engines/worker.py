@@ -331,6 +331,9 @@ class Worker:
                         )
                     next_hb = time.monotonic() + self.heartbeat_interval
         finally:
+            if self.registered and self.refused is None:
+                # out of the fleet at once: a closed connection alone gets the daemon's grace
+                self._send(schema.Goodbye(engine_id=self.engine_id, id=self._id()))
             if health is not None:
                 health.stopped.set()  # a daemon thread: a probe in flight ends with the process
             applier.stop()

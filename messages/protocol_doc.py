@@ -29,6 +29,7 @@ SECTIONS = [
         (
             schema.Register,
             schema.Heartbeat,
+            schema.Goodbye,
             schema.Loaded,
             schema.Prepared,
             schema.Finalized,

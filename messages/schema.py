@@ -406,9 +406,14 @@ class Register(Message, frozen=True, tag="register"):
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
     engine_id: Id
     id: RequestId = 0
-    # an engine serving through a server of its own (vllm-server): None while that server
-    # answers its health probe, else why it does not (status shows the engine unhealthy)
+    # vllm-server: None while its own server answers its health probe, else why not (unhealthy)
     server_error: Text | None = None
+
+
+# (v7) a clean stop: out at once; a closed connection without it is lost after --engine-grace
+class Goodbye(Message, frozen=True, tag="goodbye"):
+    engine_id: Id
+    id: RequestId = 0
 
 
 class Loaded(Message, frozen=True, tag="loaded"):
@@ -569,6 +574,7 @@ for _cls in (
     Error,
     Register,
     Heartbeat,
+    Goodbye,
     Loaded,
     Finalized,
     Failed,
@@ -588,7 +594,7 @@ del _cls
 # What each receiver accepts, by header `type` (the codec refuses any other): the wire's
 # directions, named once here for the daemon, the engines, the trainer and the fan-out.
 FROM_TRAINER = ("hello", "begin", "bucket", "finish", "abort", "status")
-FROM_ENGINE = ("register", "heartbeat", "loaded", "prepared", "finalized", "committed", "failed")
+FROM_ENGINE = ("register", "heartbeat", "goodbye", "loaded", "prepared", "finalized", "committed", "failed")
 TO_ENGINE = ("load", "stream", "finalize", "commit", "served", "abort", "ok", "error")
 TO_TRAINER = ("ok", "error")
 PUBLISHED = ("fanout", "load")  # what the fan-out carries

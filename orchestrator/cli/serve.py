@@ -88,6 +88,12 @@ def serve(
         min=0.0,
         help=f"seconds a sync outlives its trainer's closed connection (default {_default('trainer_grace')})",
     ),
+    engine_grace: Optional[float] = typer.Option(
+        None,
+        min=0.0,
+        help="seconds an engine whose connection closed without a goodbye stays in the fleet "
+        f"(a reconnect keeps it; default {_default('engine_grace')})",
+    ),
     shm_dir: SegmentDir = None,
     metrics_bind: Optional[str] = typer.Option(
         None, help="HOST:PORT for Prometheus metrics over HTTP (default off)"
@@ -124,6 +130,7 @@ def serve(
         keys=keys,
         failpoints=failpoint,
         trainer_grace=trainer_grace,
+        engine_grace=engine_grace,
         shm_dir=shm_dir,
         metrics_bind=metrics_bind,
         log_level=log_level,

@@ -171,8 +171,10 @@ def _forget_lost(m: Model, old: list[str]) -> None:
 
 def _lost_cause(m: Model, eid: str) -> str:
     x = m.engines[eid]
+    if x.goodbye:
+        return "it stopped (it said goodbye)"
     if x.closed:
-        return "its connection closed"
+        return f"its connection closed (--engine-grace {m.limits.engine_grace}s)"
     return f"no heartbeat for {m.now - x.last_seen:.1f}s (--engine-timeout {m.limits.engine_timeout}s)"
 
 

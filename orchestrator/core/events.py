@@ -142,10 +142,12 @@ class TrainerGone(Event):
 
 @dataclass(frozen=True, slots=True)
 class EngineGone(Event):
-    """An engine's connection closed (its process exited or was killed)."""
+    """An engine's connection closed (its process exited or was killed), or it said
+    goodbye (it stops cleanly)."""
 
     TRIGGER: ClassVar[Trigger] = Trigger.ENGINE_GONE
     engine_id: str
+    goodbye: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,11 @@ heartbeats; the daemon keeps one record per engine id. One registering while REA
 either already serves the daemon's version (same version and digest) or is brought to it
 from the spool (a catch-up, `Model.start_catchup`). A participant that registers again
 mid-sync restarted and lost its buckets: the sync fails. An engine id held by another
-live process on an open connection is refused (DUPLICATE_ENGINE). Lost engines are found
-by the clock (`clock.tick`); a closed connection makes an engine lost at the next tick
-without waiting out its heartbeats.
+live process on an open connection is refused (DUPLICATE_ENGINE); one whose holder's
+connection closed (its grace running) is taken by the new process at once. Lost engines are found
+by the clock (`clock.tick`); an engine that says goodbye is lost at the next tick, one
+whose connection closed without it `engine_grace` seconds later unless it is heard from
+again meanwhile (a reconnect), in both cases without waiting out its heartbeats.
 
 Rules: as in `sync`: refuse first (changing nothing), then act.
 """
@@ -34,6 +36,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         old is not None
         and event.other_connection
         and old.state != E.LOST
+        and not old.closed  # its connection closed (the grace runs): the id is free
         and (old.host, old.pid) != (msg.host, msg.pid)
     ):
         raise m.error(
@@ -116,13 +119,18 @@ def heartbeat(m: Model, event: Heartbeat) -> None:
 
 
 def engine_gone(m: Model, event: EngineGone) -> None:
-    """Counted lost at the next tick (the service ticks right after this input), without
-    waiting out its heartbeats, on every transport: a closed connection lost whatever was
-    queued on it, so the running sync cannot complete for it, and a sync that begins
-    after it must not wait for it. A live process (a reconnect) is told it is unknown at
-    its next heartbeat, registers again and catches up."""
+    """An engine that said goodbye is counted lost at the next tick (the service ticks
+    right after this input); one whose connection closed without it (a killed process, a
+    reset link), `engine_grace` seconds later unless heard from meanwhile: either way
+    without waiting out its heartbeats. A closed connection lost whatever was queued on
+    it, so a running sync fails for it then, and a sync that begins after it does not wait
+    for it. A live process (a reconnect) is told it is unknown at its next heartbeat,
+    registers again and catches up (or serves at once if it holds the served version)."""
     x = m.engines.get(event.engine_id)
     if x is None or x.state == E.LOST:
         return
     x.closed = True  # said when it is counted lost
-    x.last_seen = float("-inf")
+    if event.goodbye:
+        x.goodbye, x.last_seen = True, float("-inf")
+    else:  # the clock's ENGINE_SILENT deadline (last_seen + engine_timeout) comes in engine_grace
+        x.last_seen = min(x.last_seen, m.now - m.limits.engine_timeout + m.limits.engine_grace)

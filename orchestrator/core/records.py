@@ -36,6 +36,7 @@ class EngineRecord:
     finalize_count: int = 0
     last_seen: float = 0.0
     closed: bool = False  # its connection closed since its last heartbeat
+    goodbye: bool = False  # it said it stops (out at once; a closed connection has a grace)
     lost_at: float | None = None  # when it was counted LOST (its record goes lost_expiry later)
     spec: dict[str, ParamSpec] = field(default_factory=dict)
     cast_ok: bool = False
@@ -338,6 +339,7 @@ class Limits:
     finalize_timeout: float = 600.0
     history: int = 50
     trainer_grace: float = 2.0  # seconds a sync outlives its trainer's closed connection
+    engine_grace: float = 2.0  # seconds an engine outlives its closed connection (no goodbye)
     host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
     spool: bool = False  # the service keeps the last READY version on disk
     max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes

@@ -39,6 +39,8 @@ class Settings:
     bucket_timeout: float = 300.0
     finalize_timeout: float = 600.0
     trainer_grace: float = 2.0  # a sync outlives its trainer's closed connection this long
+    # an engine outlives its closed connection this long (one that says goodbye: none)
+    engine_grace: float = 2.0
     shm_dir: str = "/dev/shm"  # shared-memory segments (a private tmpfs works too)
     metrics_bind: str = ""  # HOST:PORT for Prometheus metrics over HTTP ("" = off)
     max_header_bytes: int = 16 * 1024 * 1024

@@ -310,6 +310,12 @@ class Dispatcher:
             )
             await self.feed(hb, self._engine(ident, msg.id))
             return
+        if isinstance(msg, schema.Goodbye):
+            if engine_id == msg.engine_id:  # only from the connection that registered it
+                log.info("engine_goodbye", engine_id=engine_id)
+                await self.feed(ev.EngineGone(engine_id, goodbye=True))
+                await self.feed(ev.Tick())
+            return
         if engine_id is None:
             log.warning("unregistered_engine_message", type=msg.TYPE)
             self.transport.reply_engine(

@@ -139,6 +139,7 @@ class Service:
             host=pysocket.gethostname(),
             spool=bool(settings.spool),
             trainer_grace=settings.trainer_grace,
+            engine_grace=settings.engine_grace,
             max_frame_bytes=settings.max_frame_bytes,
             max_pending=settings.max_pending,
             fanout_bytes=settings.fanout_queue_bytes if settings.fanout_bind != "off" else None,

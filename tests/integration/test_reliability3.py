@@ -49,7 +49,8 @@ def test_an_engine_stopped_cleanly_is_out_at_once_and_the_next_push_does_notwait
         assert engines["engine-0"]["state"] == "READY" and engines["engine-0"]["version"] == 2
         assert engines["engine-1"]["state"] == "LOST"
         lost = [e for e in _log_events(c.daemon.log_path) if e.get("event") == "engine_lost"]
-        assert [(e["engine_id"], e["cause"]) for e in lost] == [("engine-1", "its connection closed")]
+        # it stopped cleanly: it said goodbye, and was out at once (no --engine-grace)
+        assert [(e["engine_id"], e["cause"]) for e in lost] == [("engine-1", "it stopped (it said goodbye)")]
 
 
 def test_an_engine_stopped_mid_sync_fails_it_at_once_naming_the_closed_connection(

@@ -61,6 +61,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
         [],
     ),
     (schema.Heartbeat(engine_id="e", id=9), []),
+    (schema.Goodbye(engine_id="e", id=10), []),
     (schema.Loaded(sync_id="s", seq=2, id=10, seconds=0.5), []),
     (
         schema.Finalized(sync_id="s", version=2, digest="d", id=11, finalize_count=1, probes=((1, 2), (3,))),

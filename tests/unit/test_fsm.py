@@ -335,6 +335,51 @@ def test_a_lost_engine_is_said_lost_by_its_closed_connection_or_by_its_silence()
     assert f"e1: no heartbeat for {silent:.1f}s (--engine-timeout {o.limits.engine_timeout}s)" in msg, msg
 
 
+def _states(o):
+    return {e["engine_id"]: e["state"] for e in o.snapshot()["engines"]}
+
+
+def test_a_closed_connection_has_the_engine_grace_and_a_goodbye_none():
+    """An engine whose connection closed stays in the fleet `engine_grace` seconds (a
+    reconnect heard meanwhile keeps it); one that said goodbye is out at the next tick."""
+    o = to_ready()
+    grace = o.limits.engine_grace
+    o.handle(ev.Heartbeat("e0"), 10.0)
+    o.handle(ev.Heartbeat("e1"), 10.0)
+    o.handle(ev.EngineGone("e0"), 10.0)  # closed, no goodbye
+    o.handle(ev.Tick(), 10.0 + grace - 0.01)
+    assert _states(o) == {"e0": "READY", "e1": "READY"}
+    o.handle(ev.Tick(), 10.0 + grace + 0.01)  # past it
+    assert _states(o) == {"e0": "LOST", "e1": "READY"}
+    # e1: closed, then heard from again within the grace (its process reconnected): kept
+    o.handle(ev.EngineGone("e1"), 20.0)
+    o.handle(ev.Heartbeat("e1"), 20.0 + grace / 2)
+    o.handle(ev.Tick(), 20.0 + grace + 0.01)
+    assert _states(o)["e1"] == "READY"
+    # a replacement process (killed, restarted at once) takes the id while the grace runs;
+    # while the holder's connection is open, another process is refused
+    with pytest.raises(WeightSyncError) as ei:
+        o.handle(
+            ev.EngineRegistered(Register(engine_id="e1", backend="torch", pid=2), other_connection=True), 25.0
+        )
+    assert ei.value.code is ErrorCode.DUPLICATE_ENGINE
+    o.handle(ev.EngineGone("e0"), 25.0)  # e0 is LOST already: nothing changes
+    o.handle(ev.Heartbeat("e1"), 25.0)
+    o.handle(ev.EngineGone("e1"), 25.0)
+    o.handle(
+        ev.EngineRegistered(Register(engine_id="e1", backend="torch", pid=3), other_connection=True), 25.5
+    )
+    assert _states(o)["e1"] in ("STALE", "JOINING", "READY")
+    # and a goodbye: out at the next tick, said so
+    before = _states(o)["e1"]
+    res = o.handle(ev.EngineGone("e1", goodbye=True), 30.0)
+    assert _states(o)["e1"] == before != "LOST"  # counted at the tick the service runs right after
+    res = o.handle(ev.Tick(), 30.0)
+    assert _states(o)["e1"] == "LOST"
+    (lost,) = [c for c in res.commands if type(c).__name__ == "EngineLost"]
+    assert "said goodbye" in lost.cause, lost
+
+
 def test_a_lost_engines_record_expires_after_lost_expiry_and_it_may_register_anew():
     """A LOST engine stays in the fleet's record `lost_expiry` seconds, then is forgotten
     (EngineForgotten: the service drops its routing id and metrics); others stay."""

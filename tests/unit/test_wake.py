@@ -101,7 +101,7 @@ def _source_quiet(o: Core) -> None:
 
 
 def _forget(o: Core) -> None:
-    o.handle(ev.EngineGone("e1"), 0.5)
+    o.handle(ev.EngineGone("e1", goodbye=True), 0.5)
     o.handle(ev.Tick(), 0.5)  # LOST at 0.5 (as the service ticks it), forgotten lost_expiry later
     heartbeats(o, 6.0)
 
