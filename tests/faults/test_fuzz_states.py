@@ -69,11 +69,23 @@ class Rig:
         self.version = 0
         self.sync_id = "none"
         self.reached: Counter[str] = Counter()
+        self.cases: list[object] = []  # the cases sent so far, the last few named on a failure
+
+    def stuck(self, what: str) -> AssertionError:
+        """A wait that failed, with what the daemon says and the cases that came before."""
+        try:
+            st_: object = self.c.status(timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - the failure message reports it
+            st_ = f"status failed: {e!r}"
+        return AssertionError(
+            f"{what}\nlast cases: {self.cases[-3:]}\nstatus: {st_}\n"
+            f"daemon log:\n{self.c.daemon.log_tail(60)}"
+        )
 
     def settle(self) -> dict:
         """End whatever runs: abort a trainer sync; let a rollback finish."""
         seen: list[str] = []  # what each round found, for the failure message
-        deadline = time.monotonic() + 120  # a bound on a failure, not a wait
+        deadline = time.monotonic() + 60  # a bound on a failure, not a wait
         while time.monotonic() < deadline:
             self.eng.heartbeat()
             st_ = self.c.status(timeout=5.0)
@@ -97,7 +109,7 @@ class Rig:
             while (m := self.eng.recv(0.0)) is not None:
                 if isinstance(m, schema.Load | schema.Finalize) and m.sync_id.startswith("rollback-"):
                     self._answer_rollback(m, st_["digest"])
-        raise AssertionError(f"could not settle: {self.c.status()}; rounds: {seen[:3]} ... {seen[-12:]}")
+        raise self.stuck(f"could not settle; rounds: {seen[:3]} ... {seen[-12:]}")
 
     def _answer_rollback(self, m: schema.Message, digest: str | None) -> None:
         """The scripted engine's part in a rollback: ack a load, finalize with `digest`
@@ -116,16 +128,19 @@ class Rig:
         assert isinstance(ok, schema.Ok), ok
         msg, frame = bucket_frames(self.sync_id, value=float(self.version))
         self.trainer.send(msgspec.structs.replace(msg, id=77), (frame,))
-        self.eng.ack_load(sync_id=self.sync_id)
-        assert self.trainer.recv_type(schema.Ok).id == 77
-        if finish:
-            self.trainer.send(schema.Finish(sync_id=self.sync_id, buckets=1, id=78))
-            if finalize:
-                self.eng.finalize(digest=f"{self.version:x}", sync_id=self.sync_id)
-                done = self.trainer.recv_type(schema.Ok)
-                assert done.id == 78 and done.body["status"] == "READY", done
-            else:
-                self.eng.recv_type(schema.Finalize)
+        try:
+            self.eng.ack_load(sync_id=self.sync_id)
+            assert self.trainer.recv_type(schema.Ok).id == 77
+            if finish:
+                self.trainer.send(schema.Finish(sync_id=self.sync_id, buckets=1, id=78))
+                if finalize:
+                    self.eng.finalize(digest=f"{self.version:x}", sync_id=self.sync_id)
+                    done = self.trainer.recv_type(schema.Ok)
+                    assert done.id == 78 and done.body["status"] == "READY", done
+                else:
+                    self.eng.recv_type(schema.Finalize)
+        except AssertionError as e:
+            raise self.stuck(f"sync {self.sync_id} (finish={finish}, finalize={finalize}): {e}") from e
 
     def reach(self, target: str) -> None:
         self.settle()
@@ -234,7 +249,7 @@ def rig(tmp_path_factory):
         None,
         engines=0,
         min_engines=1,
-        daemon_args=["--spool", str(d / "spool"), "--engine-timeout", "120", "--log-level", "error"],
+        daemon_args=["--spool", str(d / "spool"), "--engine-timeout", "120", "--log-level", "warning"],
     )
     with c:
         r = Rig(c)
@@ -255,6 +270,7 @@ def test_fuzz_every_state_with_extreme_values_on_both_sockets(rig, request):
     @given(case=cases())
     def one(case):
         target, kind, edits, payload = case
+        rig.cases.append(case)
         rig.reach(target)
         h = {"v": PROTOCOL_VERSION, "id": 5, **base_headers(rig.sync_id, rig.version)[kind]}
         for field, value in edits:
