@@ -75,11 +75,10 @@ class Rig:
         """A wait that failed, with what the daemon says and the cases that came before."""
         try:
             st_: object = self.c.status(timeout=5.0)
-        except Exception as e:  # noqa: BLE001 - the failure message reports it
+        except Exception as e:  # the failure message reports it
             st_ = f"status failed: {e!r}"
         return AssertionError(
-            f"{what}\nlast cases: {self.cases[-3:]}\nstatus: {st_}\n"
-            f"daemon log:\n{self.c.daemon.log_tail(60)}"
+            f"{what}\nlast cases: {self.cases[-3:]}\nstatus: {st_}\ndaemon log:\n{self.c.daemon.log_tail(60)}"
         )
 
     def settle(self) -> dict:
