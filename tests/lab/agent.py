@@ -7,7 +7,8 @@ small step from the last push (`"sparse"`: 50 elements of 3 tensors); `"delta": 
 sends it as a delta, through the client named by `"client"` (kept across pushes: it
 holds the base copy). Requests, each with an "id" its answer carries: {"op": "push",
 "version": V, "transport": T, "bucket_bytes": B, "timeout": S, ...}, {"op": "status"},
-{"op": "quit"}. Pushes run one after another on one thread (a kept client is used by the
+{"op": "quit"}; `"source": [k, n]` pushes this trainer's part of a sharded push (the
+version's tensors k, k+n, ... in name order) as source k of n. Pushes run one after another on one thread (a kept client is used by the
 thread that made it only); each status on a thread of its own, so one can be asked while
 a push runs. Each answer: {"ok": true, "result": ..., "seconds": S} or
 {"ok": false, "code": CODE, "message": M, "seconds": S}. Started as
@@ -61,6 +62,9 @@ def main(argv: list[str]) -> int:
             if op == "push":
                 timeout = float(req.get("timeout", 30.0))
                 w = weights(req)
+                source = req.get("source")
+                src = (int(source[0]), int(source[1])) if source else None
+                mine = w if src is None else {n: w[n] for n in sorted(w)[src[0] :: src[1]]}
                 keep = str(req.get("client", ""))  # a named client lives on (its delta base)
                 c = clients.get(keep) if keep else None
                 if c is None:
@@ -75,13 +79,14 @@ def main(argv: list[str]) -> int:
                         clients[keep] = c
                 try:
                     r = c.push(
-                        w.items(),
+                        mine.items(),
                         int(req["version"]),
                         bucket_bytes=int(req.get("bucket_bytes", 256 << 10)),
                         transport=str(req.get("transport", "auto")),
                         rollback_wait=float(req.get("rollback_wait", 120.0)),
                         engines_wait=float(req.get("engines_wait", 0.0)),
                         delta=bool(req.get("delta", False)),
+                        source=src,
                     )
                 finally:
                     if not keep:

@@ -34,11 +34,15 @@ class LabFleet:
     daemon_args: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
     backend: str = "torch"
+    sources: int = 1  # trainer hosts, each one source of a sharded push (`push_sharded`)
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.daemon_host = self.lab.host("daemon")
         self.trainer_host = self.lab.host("trainer")
+        # the other sources' hosts (source 0 is the trainer), each with an agent of its own
+        self.source_hosts = [self.lab.host(f"s{k}") for k in range(1, self.sources)]
+        self.source_agents: list[subprocess.Popen[bytes]] = []
         self.engine_hosts = [self.lab.host(f"e{i}") for i in range(self.engines)]
         self.addr = f"tcp://{self.daemon_host.addr}:{TRAINER_PORT}"
         self.engine_addr = f"tcp://{self.daemon_host.addr}:{ENGINE_PORT}"
@@ -88,6 +92,16 @@ class LabFleet:
         ready = self._read(120.0)
         if not ready.get("ready"):
             raise RuntimeError(f"the trainer agent did not start: {ready}")
+        for h in self.source_hosts:
+            a = h.popen(
+                [sys.executable, "-m", "tests.lab.agent", str(self.model_dir), self.addr, h.addr],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+            self.source_agents.append(a)
+            got = _read_line(a, 120.0)
+            if not got.get("ready"):
+                raise RuntimeError(f"source agent on {h.name} did not start: {got}")
 
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -108,12 +122,13 @@ class LabFleet:
         self.close()
 
     def close(self) -> None:
-        if self.agent is not None and self.agent.poll() is None and self.agent.stdin is not None:
-            try:
-                self.agent.stdin.write(b'{"op": "quit"}\n')
-                self.agent.stdin.flush()
-            except OSError:
-                pass
+        for a in [self.agent, *self.source_agents]:
+            if a is not None and a.poll() is None and a.stdin is not None:
+                try:
+                    a.stdin.write(b'{"op": "quit"}\n')
+                    a.stdin.flush()
+                except OSError:
+                    pass
         # the lab stops every process it started (SIGTERM, then SIGKILL)
 
     # -- the trainer --------------------------------------------------------------------
@@ -138,16 +153,24 @@ class LabFleet:
         return self.answer(self.send(req), timeout)
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        if self.agent is None or self.agent.stdout is None:
+        if self.agent is None:
             raise RuntimeError("no trainer agent")
-        ready, _, _ = select.select([self.agent.stdout], [], [], timeout)
-        line = self.agent.stdout.readline() if ready else b""
-        if not line:
-            raise TimeoutError(
-                f"the trainer agent did not answer within {timeout}s (exit {self.agent.poll()})"
-            )
-        got: dict[str, Any] = json.loads(line)
-        return got
+        return _read_line(self.agent, timeout)
+
+    def push_sharded(self, version: int, timeout: float = 120.0, **kw: Any) -> list[dict[str, Any]]:
+        """One sharded push of `version`: every source (the trainer and each source host)
+        pushes its part at once; each source's answer, in source order."""
+        n = self.sources
+        first = self.send({"op": "push", "version": version, "timeout": timeout, "source": [0, n], **kw})
+        for k, a in enumerate(self.source_agents, start=1):
+            if a.stdin is None:
+                raise RuntimeError("no source agent")
+            req = {"op": "push", "version": version, "timeout": timeout, "source": [k, n], "id": 1, **kw}
+            a.stdin.write((json.dumps(req) + "\n").encode())
+            a.stdin.flush()
+        answers = [self.answer(first, timeout + 60.0)]
+        answers += [_read_line(a, timeout + 60.0) for a in self.source_agents]
+        return answers
 
     def push(self, version: int, timeout: float = 120.0, **kw: Any) -> dict[str, Any]:
         return self.ask({"op": "push", "version": version, "timeout": timeout, **kw}, timeout=timeout + 60.0)
@@ -185,6 +208,18 @@ class LabFleet:
 
     def host_of(self, engine: int) -> Host:
         return self.engine_hosts[engine]
+
+
+def _read_line(agent: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """An agent's next answer (one JSON line on its stdout)."""
+    if agent.stdout is None:
+        raise RuntimeError("an agent without a stdout")
+    ready, _, _ = select.select([agent.stdout], [], [], timeout)
+    line = agent.stdout.readline() if ready else b""
+    if not line:
+        raise TimeoutError(f"a trainer agent did not answer within {timeout}s (exit {agent.poll()})")
+    got: dict[str, Any] = json.loads(line)
+    return got
 
 
 def _engines(st: dict[str, Any]) -> list[dict[str, Any]]:
