@@ -6,7 +6,7 @@ through the real daemon, per transport.
 Every point is one warm-up sync, then `--repeats` syncs; figures are medians with min/max,
 and the ratio is against the 1-source sync of the same transport, measured in the same
 run (the baseline). The JSON keeps every repeat and the machine. What the figures mean on
-a host whose cores the senders share is in docs/BENCHMARKS.md ("Sharded push").
+a host whose cores the sources share is in docs/BENCHMARKS.md ("Sharded push").
 
 A source process: `python -m bench.sharded --worker SPEC_DIR ADDR K N`; it builds the
 same seeded model as every other source, keeps its planned part, and answers each line

@@ -394,7 +394,7 @@ class Fleet:
                 h = part_hasher(t.name, t.dtype, tuple(t.shape))
                 h.update(buf[t.offset : t.offset + t.nbytes])
                 e.parts[t.name] = h.digest()
-        self._result(e, schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender))
+        self._result(e, schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, source=msg.source))
 
     def _report(self, e: SimEngine, now: float) -> None:
         s = e.session.reporting()
@@ -406,7 +406,7 @@ class Fleet:
         e.failed.add(msg.sync_id)
         self._result(
             e,
-            schema.Failed(sync_id=msg.sync_id, code=code.value, message=text, seq=msg.seq, sender=msg.sender),
+            schema.Failed(sync_id=msg.sync_id, code=code.value, message=text, seq=msg.seq, source=msg.source),
         )
 
     def _finalize(self, e: SimEngine, msg: schema.Finalize) -> None:

@@ -189,11 +189,11 @@ class Applier(threading.Thread):
 
     def _fail(self, job: Job | LoadJob, code: str, message: str) -> None:
         msg = job.msg if isinstance(job, LoadJob) else job
-        seq, sender = (msg.seq, msg.sender) if isinstance(msg, schema.Load) else (None, None)
+        seq, source = (msg.seq, msg.source) if isinstance(msg, schema.Load) else (None, None)
         self.failed.add(msg.sync_id)
         log.warning("engine_operation_failed", sync_id=msg.sync_id, seq=seq, code=code, reason=message)
         self._emit(
-            schema.Failed(sync_id=msg.sync_id, code=code, message=message[:4000], seq=seq, sender=sender)
+            schema.Failed(sync_id=msg.sync_id, code=code, message=message[:4000], seq=seq, source=source)
         )
 
     def _do_begin(self, msg: Begin) -> None:
@@ -227,7 +227,7 @@ class Applier(threading.Thread):
                 self._release(received)
         seconds = time.perf_counter() - t0
         self._add("load", seconds)
-        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, sender=msg.sender, seconds=seconds))
+        self._emit(schema.Loaded(sync_id=msg.sync_id, seq=msg.seq, source=msg.source, seconds=seconds))
 
     def cancel_stream(self, sync_id: str) -> None:
         """Called by the main thread (an abort): the stream of `sync_id` stops receiving,
@@ -460,7 +460,7 @@ class Applier(threading.Thread):
                     self.collective_bind,
                     seq=msg.seq,
                     next_bucket=self._queued_next(msg),
-                    mac=None if key is None or msg.mac is None else (key.hex(), msg.sender, msg.mac.hex()),
+                    mac=None if key is None or msg.mac is None else (key.hex(), msg.source, msg.mac.hex()),
                 )
                 return None
             if fut is None:  # `prefetch` started one for every group load the engine leaves to it
@@ -475,7 +475,7 @@ class Applier(threading.Thread):
             ) from None
         host = _numpy(buf if buf.device.type == "cpu" else buf.cpu())
         try:
-            stream.check_load_mac(key, msg.sender, msg.seq, host, msg.mac)
+            stream.check_load_mac(key, msg.source, msg.seq, host, msg.mac)
         except MessageError as exc:
             raise WeightSyncError(exc.reason, code=exc.code) from None
         return host

@@ -24,7 +24,7 @@ Rules, kept here and nowhere else:
 - The finalize guard: the post-load step runs at most once per sync_id, whatever the
   order of inputs; a second `finalize`, even of a sync long superseded, is refused with
   `failed{duplicate: true}`; a `finalize` of an aborted sync is refused.
-- A resent bucket (same sync_id, sender, seq) is acknowledged again, never re-applied; a
+- A resent bucket (same sync_id, source, seq) is acknowledged again, never re-applied; a
   bucket of a failed or aborted sync is dropped (the failure was reported); a new bucket
   or stream of a sync whose finalize came is refused: the post-load step has the weights.
 - The engine's served version and digest are what its sync's finalize reported; they are
@@ -146,14 +146,14 @@ class Refusal:
         return f"{self.input.value} refused in {self.phase.value}: {REFUSED_BECAUSE[self.phase]}"
 
     def failed(self, msg: schema.Message, sync_id: str) -> schema.Failed:
-        seq, sender = (msg.seq, msg.sender) if isinstance(msg, schema.Load) else (None, None)
+        seq, source = (msg.seq, msg.source) if isinstance(msg, schema.Load) else (None, None)
         where = f"bucket seq {seq}: " if seq is not None else ""
         return schema.Failed(
             sync_id=sync_id,
             code=self.code.value,
             message=where + self.reason,
             seq=seq,
-            sender=sender,
+            source=source,
             duplicate=self.duplicate,
         )
 
@@ -321,7 +321,7 @@ class Session:
             raise WeightSyncError(f"{type(msg).__name__} is no input of the engine's table")
         if isinstance(msg, schema.Load):
             s = self._of(msg.sync_id)
-            key = (msg.sender, msg.seq)
+            key = (msg.source, msg.seq)
             if s is not None and key in s.progress.applied:
                 return In.RESENT
             if s is not None and key in s.queued:
@@ -367,10 +367,10 @@ class Session:
             self.version, self.digest = None, None  # the weights are about to change
             out.append(Submit(Begin(sync_id, version)))
         elif do is Do.APPLY and isinstance(msg, schema.Load) and s is not None:
-            s.queued.add((msg.sender, msg.seq))
+            s.queued.add((msg.source, msg.seq))
             out.append(Submit(msg, payload))
         elif do is Do.ACK and isinstance(msg, schema.Load) and s is not None:
-            out.append(Send(s.progress.again(msg.sender, msg.seq)))
+            out.append(Send(s.progress.again(msg.source, msg.seq)))
         elif do is Do.GUARD and isinstance(msg, schema.Finalize):
             self.finalized.add(sync_id)
             out.append(Submit(msg))
@@ -383,7 +383,7 @@ class Session:
         elif do is Do.UNPUBLISH:
             out.append(Stop(sync_id, stream=False))
         elif do is Do.PROGRESS and isinstance(msg, schema.Loaded) and s is not None:
-            s.progress.apply(msg.sender, msg.seq, msg.seconds)
+            s.progress.apply(msg.source, msg.seq, msg.seconds)
         elif do is Do.REPORT:
             out.append(Send(msg))
         elif do is Do.SERVE and isinstance(msg, schema.Finalized):

@@ -9,8 +9,8 @@ Rules:
   finalize guard; resent buckets) is decided by `engines.session.Session`, the engine's
   own state machine; this loop carries out its actions (applier jobs, messages, stopped
   streams) and feeds it the applier's reports.
-- Progress is cumulative and coalesced: `loaded {sender, seq: k}` says every bucket of
-  that sender up to seq k is applied, sent at most once per report interval (a failure
+- Progress is cumulative and coalesced: `loaded {source, seq: k}` says every bucket of
+  that source up to seq k is applied, sent at most once per report interval (a failure
   goes at once), so the daemon reads a few reports per window, not one per bucket.
 - Every received frame is verified against its checksum again (end to end) before use.
 - An engine that serves through a server of its own (`ChecksHealth`: vllm-server) has
@@ -302,13 +302,13 @@ class Worker:
                     for load, payload in self.fanout.recv_all():
                         self._on_load(load, payload, applier)
                     if self.fanout.dropped != dropped and self.fanout.last_dropped is not None:
-                        sync_id, sender, seq, why = self.fanout.last_dropped
+                        sync_id, source, seq, why = self.fanout.last_dropped
                         log.info(
                             "published_buckets_not_taken",
                             count=self.fanout.dropped - dropped,
                             total=self.fanout.dropped,
                             sync_id=sync_id,
-                            sender=sender,
+                            source=source,
                             seq=seq,
                             reason=why,
                         )
@@ -433,7 +433,7 @@ class Worker:
         return self.fanout.report_interval(c.sync_id) if c is not None else 0.0
 
     def _report(self) -> None:
-        """Send how far each sender's buckets are applied, if that moved and the last
+        """Send how far each source's buckets are applied, if that moved and the last
         report is a report interval old (REPORT_INTERVAL, or the fan-out's for a fleet)."""
         t = self.state.reporting()
         if t is None:
@@ -447,7 +447,7 @@ class Worker:
 
     def _on_load(self, msg: schema.Load, payload: list[Frame], applier: Applier) -> None:
         """A bucket, sent to this engine or published to all."""
-        log.debug("bucket_received", sync_id=msg.sync_id, sender=msg.sender, seq=msg.seq)
+        log.debug("bucket_received", sync_id=msg.sync_id, source=msg.source, seq=msg.seq)
         self._do(self.state.feed(msg, payload[0] if payload else None), applier)
 
     def _on_message(self, frames: list[zmq.Frame], applier: Applier) -> None:

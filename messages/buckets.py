@@ -379,7 +379,7 @@ class Added(NamedTuple):
 class Assembler:
     """A receiver's tensors larger than a bucket, assembled from their pieces (in order,
     one bucket each) before anything loads them. Holds at most the tensors begun and not
-    yet complete: one at a time from one sender, since a sender's pieces are consecutive."""
+    yet complete: one at a time from one source, since a source's pieces are consecutive."""
 
     def __init__(self) -> None:
         self._open: dict[

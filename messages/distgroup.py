@@ -336,7 +336,7 @@ class Member:
 
     @property
     def group(self) -> Group | None:
-        """The group used last (one sender: the only one)."""
+        """The group used last (one source: the only one)."""
         return self.groups.newest()
 
     def _evicted(self, store: tuple[str, int], g: Group) -> None:

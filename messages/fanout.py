@@ -157,7 +157,7 @@ class Receiver:
         self.ended: deque[str] = deque(maxlen=ENDED)
         self.refused = 0  # published messages that did not decode
         self.dropped = 0  # published buckets this engine does not take
-        self.last_dropped: tuple[str, int, int, str] | None = None  # (sync, sender, seq, why)
+        self.last_dropped: tuple[str, int, int, str] | None = None  # (sync, source, seq, why)
 
     def open(self, announced: str, daemon: str, poller: zmq.Poller) -> zmq.SyncSocket | None:
         """Subscribe at the announced fan-out, polled by `poller` (the old socket leaves
@@ -221,7 +221,7 @@ class Receiver:
         )
         if why is not None:
             self.dropped += 1
-            self.last_dropped = (msg.sync_id, msg.sender, msg.seq, why)
+            self.last_dropped = (msg.sync_id, msg.source, msg.seq, why)
             return None
         return msg, decoded.payload
 

@@ -47,19 +47,19 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float = 0.0
     trainer_connected: bool = True
     prepared: int = 0
-    max_pending: int | None = None  # unanswered bucket requests per sender
-    fanout_bytes: int | None = None  # per sender's share of the fan-out's queue (None: no fan-out)
+    max_pending: int | None = None  # unanswered bucket requests per source
+    fanout_bytes: int | None = None  # per source's share of the fan-out's queue (None: no fan-out)
     # the largest bucket frame the daemon takes in this sync (None: no limit but max_frame_bytes)
     bucket_bytes: int | None = None
 
 
 class BucketAck(msgspec.Struct, frozen=True, kw_only=True):
     """The answer to `bucket`, once every engine applied it. Cumulative: `through`
-    acknowledges every bucket of this sender up to that seq (their own replies never come);
+    acknowledges every bucket of this source up to that seq (their own replies never come);
     a bucket acknowledged ahead of a gap has none."""
 
     seq: int
-    sender: int = 0
+    source: int = 0
     through: int | None = None
     duplicate: bool = False  # a resend of a seq every engine had applied
 

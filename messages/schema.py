@@ -23,7 +23,7 @@ from messages.errors import ErrorCode
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 JsonObject = dict[str, Json]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Major version of the wire protocol, checked on every message (independent of the package)."""
 
 REPORT_INTERVAL = 0.002
@@ -47,7 +47,7 @@ MAX_TENSORS_PER_BUCKET = 65536
 MAX_FLEET = 65536  # engines named in one message
 MAX_SPEC = 1 << 20
 MAX_RANK = 16
-MAX_SENDERS = 1024
+MAX_SOURCES = 1024
 # a sharded push over the collective has a group per source, and every engine keeps each
 # one open: past this many sources the daemon plans references or frames instead
 MAX_COLLECTIVE_SOURCES = 64
@@ -66,8 +66,8 @@ Id = Annotated[
 Version = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
 RequestId = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
 Seq = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
-Sender = Annotated[int, Meta(ge=0, lt=MAX_SENDERS, description=f"0..{MAX_SENDERS - 1}")]
-Senders = Annotated[int, Meta(ge=1, le=MAX_SENDERS, description=f"1..{MAX_SENDERS}")]
+SourceIndex = Annotated[int, Meta(ge=0, lt=MAX_SOURCES, description=f"0..{MAX_SOURCES - 1}")]
+SourceCount = Annotated[int, Meta(ge=1, le=MAX_SOURCES, description=f"1..{MAX_SOURCES}")]
 Size = Annotated[int, Meta(ge=0, le=2**62, description="0..2**62 bytes")]
 # MessagePack carries at most 2**64-1, and msgspec bounds must fit an int64: ge=0 is the range.
 Checksum = Annotated[int, Meta(ge=0, description="xxh3-64, 0..2**64-1")]
@@ -276,11 +276,11 @@ class Begin(Message, frozen=True, tag="begin"):
     sync_id: Id
     version: Version
     id: RequestId = 0
-    # A sharded push (v6): `senders` sources each push a disjoint part of one version; this
-    # is source `sender`. The first source's begin opens the sync; the others' begins join
+    # A sharded push (v6): `sources` sources each push a disjoint part of one version; this
+    # is source `source`. The first source's begin opens the sync; the others' begins join
     # it (the reply names its sync_id, whatever sync_id they proposed).
-    senders: Senders = 1
-    sender: Sender = 0
+    sources: SourceCount = 1
+    source: SourceIndex = 0
     # the sources' shared assignment (which source sends which tensor), as a hash: every
     # source of one sync must present the same one (a rank that planned otherwise is refused)
     plan: Checksum | None = None
@@ -309,7 +309,7 @@ class Bucket(Message, frozen=True, tag="bucket"):
     tensors: Tensors
     checksum: Checksum
     id: RequestId = 0
-    sender: Sender = 0
+    source: SourceIndex = 0
     ref: Ref | None = msgspec.field(default=None, name="shm")  # a "ref" transport's bucket
     # Set on the collective path: the bucket's `size` bytes travel by the group's
     # broadcast; a payload frame comes too only when the daemon spools (begin says so).
@@ -323,7 +323,7 @@ class Finish(Message, frozen=True, tag="finish"):
     sync_id: Id
     buckets: Count
     id: RequestId = 0
-    sender: Sender = 0
+    source: SourceIndex = 0
     digest: Digest | None = None
     # True: the trainer sends a subset of the engines' tensors on purpose; otherwise a
     # finish that leaves an engine tensor unsent is INCOMPLETE_SYNC, before any finalize.
@@ -417,20 +417,20 @@ class Goodbye(Message, frozen=True, tag="goodbye"):
 
 
 class Loaded(Message, frozen=True, tag="loaded"):
-    """Cumulative progress: every bucket of `sender` up to `seq` is applied (-1: none
+    """Cumulative progress: every bucket of `source` up to `seq` is applied (-1: none
     yet), and so are the buckets in `also` (applied ahead of a gap, e.g. out of order)."""
 
     sync_id: Id
     seq: Annotated[int, Meta(ge=-1, le=2**31 - 1, description="-1..2**31-1")]
     id: RequestId = 0
-    sender: Sender = 0
+    source: SourceIndex = 0
     seconds: Seconds = 0.0  # apply time of the `count` buckets this report newly covers
     also: Annotated[tuple[Seq, ...], Meta(max_length=MAX_ALSO)] = ()
     count: Count = 0  # buckets applied since the engine's previous report (metrics)
-    # v6, a sharded push: other senders' cumulative marks in the same report, [sender, seq]
-    # each (every bucket of that sender up to seq applied), so an engine's report costs one
+    # v6, a sharded push: other sources' cumulative marks in the same report, [source, seq]
+    # each (every bucket of that source up to seq applied), so an engine's report costs one
     # message however many sources the sync has
-    more: Annotated[tuple[tuple[Sender, Seq], ...], Meta(max_length=MAX_SENDERS)] = ()
+    more: Annotated[tuple[tuple[SourceIndex, Seq], ...], Meta(max_length=MAX_SOURCES)] = ()
 
 
 class Finalized(Message, frozen=True, tag="finalized"):
@@ -481,7 +481,7 @@ class Failed(Message, frozen=True, tag="failed"):
     message: Text
     id: RequestId = 0
     seq: Seq | None = None
-    sender: Sender | None = None
+    source: SourceIndex | None = None
     duplicate: bool = False
 
 
@@ -496,7 +496,7 @@ class Load(Message, frozen=True, tag="load"):
     tensors: Tensors
     checksum: Checksum
     id: RequestId = 0
-    sender: Sender = 0
+    source: SourceIndex = 0
     ref: Ref | None = msgspec.field(default=None, name="shm")  # a "ref" transport's bucket
     group: GroupRef | None = None  # collective: receive `size` bytes by broadcast
     size: Size | None = None

@@ -122,22 +122,22 @@ def bucket_mac(key: bytes, h: Header, data: MacBytes, metas: Buffer) -> bytes:
     return m.digest(MAC_BYTES)
 
 
-def load_mac(key: bytes, sender: int, seq: int, data: MacBytes) -> bytes:
+def load_mac(key: bytes, source: int, seq: int, data: MacBytes) -> bytes:
     """The tag of a per-bucket group load (its metadata travels over the control
-    plane; only the broadcast bytes need the MAC): over (sender, seq) and the bytes."""
+    plane; only the broadcast bytes need the MAC): over (source, seq) and the bytes."""
     m = blake3.blake3(key=key)
-    m.update(b"load\0" + sender.to_bytes(4, "little") + seq.to_bytes(8, "little"))
+    m.update(b"load\0" + source.to_bytes(4, "little") + seq.to_bytes(8, "little"))
     m.update(_buffer(data))
     return m.digest(MAC_BYTES)
 
 
-def check_load_mac(key: bytes | None, sender: int, seq: int, data: MacBytes, tag: bytes | None) -> None:
+def check_load_mac(key: bytes | None, source: int, seq: int, data: MacBytes, tag: bytes | None) -> None:
     """Raise UNAUTHORIZED unless a per-bucket group load carries the right tag."""
     if key is None:
         return
     if tag is None:
         raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {seq}: no MAC, and this group needs one")
-    if not hmac.compare_digest(load_mac(key, sender, seq, data), tag):
+    if not hmac.compare_digest(load_mac(key, source, seq, data), tag):
         raise MessageError(ErrorCode.UNAUTHORIZED, f"bucket seq {seq}: wrong MAC (forged or corrupted)")
 
 

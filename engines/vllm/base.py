@@ -220,7 +220,7 @@ class VllmBase:
     ) -> None:
         """A group transport: every vLLM worker joins the group and receives the bucket
         itself (rank = group rank + worker rank), verifies it (with keys: `mac` = (key hex,
-        sender, tag hex), checked by each worker on the bytes it received) and loads it;
+        source, tag hex), checked by each worker on the bytes it received) and loads it;
         with `next_bucket` ({seq, size} of the load queued behind this one) the workers
         post its receive before loading this one."""
         self._check(metas)

@@ -61,7 +61,7 @@ class RefWire(TypedDict):
     via: NotRequired[str]
 
 
-# With keys: [key hex, sender, tag hex] (engines.vllm.base.load_group): a JSON array of a
+# With keys: [key hex, source, tag hex] (engines.vllm.base.load_group): a JSON array of a
 # str, an int and a str, which no list type spells.
 MacWire: TypeAlias = "list[Any]"
 
@@ -278,17 +278,17 @@ def verify_received(buf: torch.Tensor, metas: list[TensorWire], expected: int) -
 
 
 def verify_mac(buf: torch.Tensor, seq: int, mac: MacWire | None) -> None:
-    """With keys (`mac` = [key hex, sender, tag hex]): the trainer's tag over exactly the
+    """With keys (`mac` = [key hex, source, tag hex]): the trainer's tag over exactly the
     bytes this worker received, checked before anything is loaded."""
     if not mac:
         return
     from messages.errors import MessageError
     from messages.stream import check_load_mac
 
-    key_hex, sender, tag_hex = mac
+    key_hex, source, tag_hex = mac
     host = buf if buf.device.type == "cpu" else buf.cpu()
     try:
-        check_load_mac(bytes.fromhex(key_hex), int(sender), seq, host.numpy(), bytes.fromhex(tag_hex))
+        check_load_mac(bytes.fromhex(key_hex), int(source), seq, host.numpy(), bytes.fromhex(tag_hex))
     except MessageError as exc:
         raise WorkerError("UNAUTHORIZED", exc.reason) from None
 

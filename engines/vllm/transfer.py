@@ -55,7 +55,7 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     checksum: int = 0
     tensors: list[TensorWire] = field(default_factory=list)
     seq: int = 0
-    mac: MacWire | None = None  # with keys: [key hex, sender, tag hex] (engines/vllm/extension.py)
+    mac: MacWire | None = None  # with keys: [key hex, source, tag hex] (engines/vllm/extension.py)
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):  # type: ignore[misc]

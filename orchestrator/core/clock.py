@@ -117,8 +117,8 @@ def _sync_deadlines(m: Model, s: SyncRecord) -> list[Deadline]:
     ]
     if s.trainer_lost_at is not None:
         out.append(Deadline(s.trainer_lost_at + lim.trainer_grace, Due.TRAINER_GONE))
-    if s.senders > 1:
-        if any(k not in s.begun for k in range(s.senders)):
+    if s.sources > 1:
+        if any(k not in s.begun for k in range(s.sources)):
             out.append(Deadline(_past(s.started_at + lim.sync_timeout), Due.NEVER_BEGAN))
         out.extend(
             Deadline(_past(t + lim.sync_timeout), Due.SOURCE_QUIET, k)
@@ -129,7 +129,7 @@ def _sync_deadlines(m: Model, s: SyncRecord) -> list[Deadline]:
         out.append(Deadline(_past(s.finished_at + lim.bucket_timeout), Due.NOT_PREPARED))
     # On a group's stream the trainer says nothing to the daemon until its finish:
     # a stalled stream is bounded by the group's deadline in every engine instead.
-    if s.senders == 1 and not (s.stream and s.finished_at is None):
+    if s.sources == 1 and not (s.stream and s.finished_at is None):
         out.append(Deadline(_past(s.last_activity + lim.sync_timeout), Due.TRAINER_SILENT))
     return out
 
@@ -189,9 +189,9 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str], due: list[Deadline]) -> W
     what = {d.what for d in due}
     late = [d.key for d in due if d.what == Due.BUCKET and isinstance(d.key, tuple)]
     if late:  # the first in the sync's order of buckets
-        (sender, seq), rec = late[0], s.buckets[late[0]]
+        (source, seq), rec = late[0], s.buckets[late[0]]
         slow = sorted(
-            x for x in s.participants if s.through.get((x, sender), -1) < seq and x not in rec.acked_by
+            x for x in s.participants if s.through.get((x, source), -1) < seq and x not in rec.acked_by
         )
         return m.error(
             ErrorCode.TIMEOUT,
@@ -200,7 +200,7 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str], due: list[Deadline]) -> W
         )
     gone_at = s.trainer_lost_at
     if Due.TRAINER_GONE in what and gone_at is not None:
-        if s.senders == 1:
+        if s.sources == 1:
             return m.error(
                 ErrorCode.ABORTED,
                 f"the trainer's connection closed "
@@ -211,16 +211,16 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str], due: list[Deadline]) -> W
         dead = sorted(k for k, t in s.lost.items() if now >= t + lim.trainer_grace)
         return m.error(
             ErrorCode.ABORTED,
-            f"source(s) {dead} of {s.senders}: connection closed {now - gone_at:.1f}s ago "
+            f"source(s) {dead} of {s.sources}: connection closed {now - gone_at:.1f}s ago "
             f"mid-sync (exited or killed); the sync is abandoned for every source",
             trainer_lost=True,
             sources=dead,
         )
     if Due.NEVER_BEGAN in what:
-        never = [k for k in range(s.senders) if k not in s.begun]
+        never = [k for k in range(s.sources) if k not in s.begun]
         return m.error(
             ErrorCode.TIMEOUT,
-            f"source(s) {never[:16]}{' ...' if len(never) > 16 else ''} of {s.senders} never began "
+            f"source(s) {never[:16]}{' ...' if len(never) > 16 else ''} of {s.sources} never began "
             f"within {lim.sync_timeout}s (--sync-timeout); the sync is abandoned for every source",
             sources=never[:64],
         )
@@ -311,7 +311,7 @@ def trainer_gone(m: Model, event: TrainerGone) -> None:
     group whose store that trainer hosted is forgotten (the next push by a group plans one)."""
     s = m.sync
     if m.admit(Trigger.TRAINER_GONE) and s is not None and s.sync_id == event.sync_id:
-        s.lost.setdefault(event.sender, m.now)
+        s.lost.setdefault(event.source, m.now)
     if event.conn:
         m.trainer_closed(event.conn)
 

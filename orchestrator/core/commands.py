@@ -33,7 +33,7 @@ class SyncOpened:
 @dataclass(frozen=True, slots=True)
 class ForwardBucket:
     sync_id: str
-    key: tuple[int, int]  # (sender, seq)
+    key: tuple[int, int]  # (source, seq)
     version: int
     engine_ids: tuple[str, ...]
     ref_engines: tuple[str, ...] = ()  # read the bucket by its reference
@@ -56,8 +56,8 @@ class OpenStreams:
 @dataclass(frozen=True, slots=True)
 class AckBucket:
     sync_id: str
-    key: tuple[int, int]  # (sender, seq): every participant applied it
-    through: int = -1  # every bucket of that sender up to this seq is acknowledged
+    key: tuple[int, int]  # (source, seq): every participant applied it
+    through: int = -1  # every bucket of that source up to this seq is acknowledged
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from messages import coverage
 from messages.checksums import add_digests
 from messages.errors import ErrorCode
 from messages.shardplan import plan_key
-from orchestrator.core import sources, syncs
+from orchestrator.core import seats, syncs
 from orchestrator.core.commands import (
     AckBucket,
     SendCommit,
@@ -41,27 +41,27 @@ S, E = State, EngineState
 
 
 def loaded(m: Model, event: Loaded) -> None:
-    """`loaded {seq: k, also}` is cumulative: every bucket of that sender up to seq k is
+    """`loaded {seq: k, also}` is cumulative: every bucket of that source up to seq k is
     applied, and so are those in `also` (ahead of a gap). Engines coalesce their reports;
-    the daemon keeps a high-water mark per engine and sender, and how many live engines
+    the daemon keeps a high-water mark per engine and source, and how many live engines
     stand at each mark (`SyncRecord.marks`): a bucket is done once the lowest mark passes
     it, so a report costs O(1) plus the buckets it completes, whatever the fleet's size
     (only a seq in `also` is compared with every live participant). Acknowledgements to
     the trainer are cumulative too (`AckBucket.through`)."""
     _loaded(m, event.engine_id, event.sync_id, event.key, event.also)
-    for key in event.more:  # a sharded push: the other senders' marks of the same report
+    for key in event.more:  # a sharded push: the other sources' marks of the same report
         _loaded(m, event.engine_id, event.sync_id, key, ())
 
 
 def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[int, ...]) -> None:
-    sender, through = key
+    source, through = key
     c = m.catchup_of(eid, sync_id)
     if c is not None:  # a catch-up's buckets (clock.py runs the catch-up)
-        # Clamped as a sync's marks are: never past what was sent (the spool's sender is
+        # Clamped as a sync's marks are: never past what was sent (the spool's source is
         # 0), so a report cannot pull the whole spool at once or finalize early.
-        through = min(through, c.sent - 1) if sender == 0 else -1
-        if through > c.through.get(sender, -1):
-            c.through[sender] = through
+        through = min(through, c.sent - 1) if source == 0 else -1
+        if through > c.through.get(source, -1):
+            c.through[source] = through
             m.send_spooled(eid, c)
         if c.applied >= c.total and not c.finalize_sent:
             c.finalize_sent = True
@@ -70,14 +70,14 @@ def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[
     s = m.participant(eid, sync_id)
     if s is None:
         return  # late: nothing to do
-    mark = (eid, sender)
+    mark = (eid, source)
     prev = s.through.get(mark, -1)
-    new = min(through, s.forwarded.get(sender, -1))  # never forwarded: the mark stops before it
+    new = min(through, s.forwarded.get(source, -1))  # never forwarded: the mark stops before it
     if new <= prev and not also:
         return  # a repeated report
     m.engines[eid].last_seen = m.now
     alive = s.alive(m.engines, m.epoch)[1]
-    counts, low = s.marks(sender, alive, m.epoch)
+    counts, low = s.marks(source, alive, m.epoch)
     if new > prev:
         s.through[mark] = new
         counts[prev] -= 1
@@ -87,29 +87,29 @@ def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[
     cur = max(new, prev)
     ahead: list[int] = []
     for q in also:
-        rec = s.buckets.get((sender, q))
+        rec = s.buckets.get((source, q))
         if q <= cur or rec is None or rec.done or eid in rec.acked_by:
             continue
         rec.acked_by.add(eid)
-        if all(s.through.get((x, sender), -1) >= q or x in rec.acked_by for x in alive):
+        if all(s.through.get((x, source), -1) >= q or x in rec.acked_by for x in alive):
             ahead.append(q)
     lowest = low
     while lowest < cur and lowest not in counts:  # up to the next mark someone stands at
         lowest += 1
-    s.low[sender] = lowest
+    s.low[source] = lowest
     for seq in [*range(low + 1, lowest + 1), *ahead]:
-        rec = s.buckets[(sender, seq)]
+        rec = s.buckets[(source, seq)]
         if not rec.done:
             rec.done = True
-            m.outbox.append(AckBucket(s.sync_id, (sender, seq), advance_acked(s, sender)))
+            m.outbox.append(AckBucket(s.sync_id, (source, seq), advance_acked(s, source)))
 
 
-def advance_acked(s: SyncRecord, sender: int) -> int:
-    """Move `sender`'s cumulative acknowledgement past every bucket done in a row."""
-    acked = s.acked_through.get(sender, -1)
-    while (r := s.buckets.get((sender, acked + 1))) is not None and r.done:
+def advance_acked(s: SyncRecord, source: int) -> int:
+    """Move `source`'s cumulative acknowledgement past every bucket done in a row."""
+    acked = s.acked_through.get(source, -1)
+    while (r := s.buckets.get((source, acked + 1))) is not None and r.done:
         acked += 1
-    s.acked_through[sender] = acked
+    s.acked_through[source] = acked
     return acked
 
 
@@ -122,12 +122,12 @@ def finish(m: Model, event: FinishSync) -> None:
         m.admit(Trigger.FINISH, m.ended_note(msg.sync_id), **cause)
     s = m.require_sync(msg.sync_id, "finish")
     m.require_own(s, event.conn, "finish")
-    sources.check_sender(m, s, msg.sender)
-    if not sources.seat_holder(m, s, msg.sender, sources.claim(msg.seat, event.conn), "finish"):
+    seats.check_source(m, s, msg.source)
+    if not seats.seat_holder(m, s, msg.source, seats.claim(msg.seat, event.conn), "finish"):
         return
     m.later = True  # answered when the sync completes (CompleteSync), unless refused below
-    finished = {**s.finished, msg.sender: msg.buckets}
-    if len(finished) < s.senders:  # another sender still streams: wait for its finish
+    finished = {**s.finished, msg.source: msg.buckets}
+    if len(finished) < s.sources:  # another source still streams: wait for its finish
         _record_finish(m, s, event)
         return
     if s.stream:
@@ -152,8 +152,8 @@ def finish(m: Model, event: FinishSync) -> None:
             missing_count=len(names),
             **({"sources": owed[:64]} if owed else {}),
         )
-    if s.senders > 1 and s.plan is not None and plan_key(s.senders, s.names) != s.plan:
-        _plan_not_carried_out(m, s, msg.sender)
+    if s.sources > 1 and s.plan is not None and plan_key(s.sources, s.names) != s.plan:
+        _plan_not_carried_out(m, s, msg.source)
         return
     _record_finish(m, s, event)
     _commit(m, s, Trigger.FINISH)
@@ -169,8 +169,8 @@ def _plan_not_carried_out(m: Model, s: SyncRecord, last: int) -> None:
     wrong: list[str] = []
     if planned is not None:
         wrong = sorted(n for n in {*planned, *s.names} if planned.get(n) != s.names.get(n))
-    sent = {k: sum(1 for v in s.names.values() if v == k) for k in range(s.senders)}
-    sources.conflict(
+    sent = {k: sum(1 for v in s.names.values() if v == k) for k in range(s.sources)}
+    seats.conflict(
         m,
         s,
         last,
@@ -210,7 +210,7 @@ def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
     if wrong is not None:
         raise m.error(ErrorCode.INCOMPLETE_SYNC, wrong)
     if m.limits.spool:  # the spool copies must all be in (the spool replays them)
-        reason = syncs.incomplete_reason(s, {msg.sender: msg.buckets})
+        reason = syncs.incomplete_reason(s, {msg.source: msg.buckets})
         if reason is not None:
             raise m.error(ErrorCode.INCOMPLETE_SYNC, f"spool copies: {reason}")
     _record_finish(m, s, event)
@@ -264,16 +264,16 @@ def _commit_if_prepared(m: Model, s: SyncRecord, trigger: Trigger) -> None:
 
 def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:
     msg = event.msg
-    s.heard(msg.sender, m.now)
-    s.finished[msg.sender] = msg.buckets
+    s.heard(msg.source, m.now)
+    s.finished[msg.source] = msg.buckets
     if msg.digest is None:
         return
-    if s.senders == 1:
+    if s.sources == 1:
         s.expected_digest = msg.digest
         return
     # a sharded push: each source's digest covers its own tensors; they add up to the version's
-    s.digests[msg.sender] = msg.digest
-    if len(s.digests) == s.senders:
+    s.digests[msg.source] = msg.digest
+    if len(s.digests) == s.sources:
         s.expected_digest = add_digests(s.digests.values())
 
 
@@ -408,15 +408,15 @@ def failed(m: Model, event: EngineFailed) -> None:
         return  # the engine's finalize guard speaking, or about a sync that is over
     code = ErrorCode(msg.code) if msg.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED
     s = m.sync
-    if s is not None and s.senders > 1 and msg.seq is not None:  # whose bucket: a source may have died
+    if s is not None and s.sources > 1 and msg.seq is not None:  # whose bucket: a source may have died
         m.close_failed(
             Trigger.FAILED,
             m.error(
                 code,
-                f"engine {eid} failed on source {msg.sender}'s bucket: {msg.message}",
+                f"engine {eid} failed on source {msg.source}'s bucket: {msg.message}",
                 engine_id=eid,
                 seq=msg.seq,
-                source=msg.sender,
+                source=msg.source,
             ),
         )
         return

@@ -92,9 +92,9 @@ class Loaded(Event):
     TRIGGER: ClassVar[Trigger] = Trigger.LOADED
     engine_id: str
     sync_id: str
-    key: tuple[int, int]  # (sender, seq): every bucket of sender up to seq is applied
-    also: tuple[int, ...] = ()  # seqs of that sender applied beyond a gap
-    more: tuple[tuple[int, int], ...] = ()  # other senders' (sender, seq) marks, cumulative
+    key: tuple[int, int]  # (source, seq): every bucket of source up to seq is applied
+    also: tuple[int, ...] = ()  # seqs of that source applied beyond a gap
+    more: tuple[tuple[int, int], ...] = ()  # other sources' (source, seq) marks, cumulative
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ class Tick(Event):
 class TrainerGone(Event):
     TRIGGER: ClassVar[Trigger] = Trigger.TRAINER_GONE
     sync_id: str  # "" when the connection began no running sync
-    sender: int = 0  # the source whose last connection closed (a sharded push has several)
+    source: int = 0  # the source whose last connection closed (a sharded push has several)
     conn: bytes = b""  # the connection that closed
 
 

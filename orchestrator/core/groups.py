@@ -1,4 +1,4 @@
-"""The broadcast groups the core keeps between syncs, for reuse: the one sender's group,
+"""The broadcast groups the core keeps between syncs, for reuse: the one source's group,
 each sharded push's source's, and the trainer connection that hosts each group's store.
 
 Rules: a kept group is reused while its members stay and its trainer stays connected. It
@@ -13,18 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from messages.bounded import LRU
-from messages.schema import MAX_SENDERS, Begin
+from messages.schema import MAX_SOURCES, Begin
 from orchestrator.core.records import GroupRecord, SyncRecord
 
 # The bounded maps (messages.bounded.LRU, least recently used first):
-MAX_SOURCE_GROUPS = MAX_SENDERS  # sharded pushes' groups kept for reuse: one per source a push may have
+MAX_SOURCE_GROUPS = MAX_SOURCES  # sharded pushes' groups kept for reuse: one per source a push may have
 GROUP_CONNS_KEPT = MAX_SOURCE_GROUPS + 1  # the trainer connection of each group kept (shared + sources)
 
 
 class KeptGroups:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.shared: GroupRecord | None = None  # the group the one sender's syncs reuse
+        self.shared: GroupRecord | None = None  # the group the one source's syncs reuse
         # sharded pushes' sources' groups, by session
         self.sources: LRU[str, GroupRecord] = LRU(MAX_SOURCE_GROUPS)
         # the trainer connection that began a group's last sync, by session: its store lives in
@@ -36,7 +36,7 @@ class KeptGroups:
         return f"g{self.chosen_count + 1}.{self.run_id}"[:128]
 
     def chosen(self, group: GroupRecord, shared: bool = True, conn: bytes = b"") -> None:
-        """`group` carries this sync's bytes: the one sender's group (`shared`), which the
+        """`group` carries this sync's bytes: the one source's group (`shared`), which the
         next sync reuses while its members stay and its trainer (`conn`, which hosts the
         store) stays connected, or one source's of a sharded push, which that source's next
         sharded push reuses (by its store's session)."""

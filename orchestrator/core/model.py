@@ -110,7 +110,7 @@ class Model:
 
     @property
     def group(self) -> GroupRecord | None:
-        """The group the one sender's syncs reuse (`kept_groups`)."""
+        """The group the one source's syncs reuse (`kept_groups`)."""
         return self.kept_groups.shared
 
     @property
@@ -325,7 +325,7 @@ class Model:
         sync_id: str,
         version: int,
         *,
-        senders: int = 1,
+        sources: int = 1,
         expected: int | None = None,
         probes: tuple[Probe, ...] = (),
         kind: str = "sync",
@@ -333,7 +333,7 @@ class Model:
         """A sync record with every live engine as a participant; catch-ups are superseded."""
         participants = tuple(sorted(x.engine_id for x in self.live_engines()))
         s = self.sync = SyncRecord(
-            sync_id, version, senders, expected, probes, participants, self.now, self.now
+            sync_id, version, sources, expected, probes, participants, self.now, self.now
         )
         s.kind = kind
         for eid, c in sorted(self.catchups.items()):  # a full sync supersedes any catch-up
@@ -391,7 +391,7 @@ class Model:
             "dirty": self.dirty,
             "at": self.now,
             "rollback": "pending" if self.want_rollback else ("failed" if s.kind == "rollback" else "none"),
-            **({"sources": s.sources_view()} if s.senders > 1 else {}),  # a sharded push: who got how far
+            **({"sources": s.sources_view()} if s.sources > 1 else {}),  # a sharded push: who got how far
         }
         if self.want_rollback:
             err.details = {**(err.details or {}), "rollback_to": self.last_ready_version}
@@ -437,7 +437,7 @@ class Model:
             raise make_error(ErrorCode.INTERNAL, "close_ready without a finalized sync")
         self.move(trigger, Outcome.ADVANCE, s)
         digest = next(iter(s.finalized.values())).digest
-        if s.senders > 1 and s.plan is not None and s.plan not in self.plans:
+        if s.sources > 1 and s.plan is not None and s.plan not in self.plans:
             self.plans[s.plan] = dict(s.names)  # verified against the plan's hash at the last finish
         if s.kind == "sync" and self.limits.spool:
             self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))

@@ -138,7 +138,7 @@ class BucketRecord:
 class SyncRecord:
     sync_id: str
     version: int
-    senders: int
+    sources: int
     expected_buckets: int | None
     probes: tuple[Probe, ...]
     participants: tuple[str, ...]
@@ -148,9 +148,9 @@ class SyncRecord:
     # queue holds: messages.fanout.max_bucket); None: none passes the daemon (a broadcast)
     bucket_bytes: int | None = None
     buckets: dict[tuple[int, int], BucketRecord] = field(default_factory=dict)
-    # (engine_id, sender) -> highest seq the engine applied every bucket through
+    # (engine_id, source) -> highest seq the engine applied every bucket through
     through: dict[tuple[str, int], int] = field(default_factory=dict)
-    acked_through: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it acked
+    acked_through: dict[int, int] = field(default_factory=dict)  # source -> every seq up to it acked
     finished: dict[int, int] = field(default_factory=dict)
     expected_digest: str | None = None
     finalize_sent: set[str] = field(default_factory=set)
@@ -172,10 +172,10 @@ class SyncRecord:
     kind: str = "sync"  # "sync" (a trainer's) | "rollback" (the daemon replays its spool)
     rollback_of: JsonObject | None = None  # the failed sync a rollback repairs
     error: WeightSyncError | None = None  # why it failed (set as it closes)
-    # tensor name -> the sender (source) that sent it: completeness over the union of the
+    # tensor name -> the source (source) that sent it: completeness over the union of the
     # sources, and a tensor two sources send is refused (DUPLICATE_TENSOR)
     names: dict[str, int] = field(default_factory=dict)
-    # Sources (a sharded push has `senders` of them; a plain push one, sender 0): when each
+    # Sources (a sharded push has `sources` of them; a plain push one, source 0): when each
     # began, when each was last heard, whose connection closed (its grace running), and
     # each one's digest over its own tensors (added up into the version's at the last finish)
     begun: dict[int, float] = field(default_factory=dict)
@@ -192,9 +192,9 @@ class SyncRecord:
     stream: bool = False
     prepared: dict[str, Prepared] = field(default_factory=dict)
     members: frozenset[str] = field(init=False)  # the participants, for membership tests
-    forwarded: dict[int, int] = field(default_factory=dict)  # sender -> every seq up to it forwarded
-    low: dict[int, int] = field(default_factory=dict)  # sender -> the lowest live engine's mark
-    _marks: dict[int, dict[int, int]] = field(default_factory=dict)  # sender -> {mark: engines}
+    forwarded: dict[int, int] = field(default_factory=dict)  # source -> every seq up to it forwarded
+    low: dict[int, int] = field(default_factory=dict)  # source -> the lowest live engine's mark
+    _marks: dict[int, dict[int, int]] = field(default_factory=dict)  # source -> {mark: engines}
     _marks_at: int = field(init=False, default=-1)  # the Epoch `_marks` was counted at
     _alive: tuple[tuple[str, ...], frozenset[str]] = field(init=False)
     _alive_at: int = field(init=False, default=-1)  # the Epoch `_alive` was made at
@@ -202,18 +202,18 @@ class SyncRecord:
     def __post_init__(self) -> None:
         self.members = frozenset(self.participants)
 
-    def marks(self, sender: int, alive: frozenset[str], epoch: Epoch) -> tuple[dict[int, int], int]:
-        """How many live participants stand at each of `sender`'s marks (every bucket up
+    def marks(self, source: int, alive: frozenset[str], epoch: Epoch) -> tuple[dict[int, int], int]:
+        """How many live participants stand at each of `source`'s marks (every bucket up
         to it applied; -1: none), and the lowest mark the buckets are done through. Counted
         again only after an engine changed (Epoch); a lowest mark never moves down."""
         if self._marks_at != epoch.value:
             self._marks, self._marks_at = {}, epoch.value
-        counts = self._marks.get(sender)
-        low = self.low.get(sender, -1)
+        counts = self._marks.get(source)
+        low = self.low.get(source, -1)
         if counts is None:
-            counts = self._marks[sender] = {}
+            counts = self._marks[source] = {}
             for x in alive:
-                k = self.through.get((x, sender), -1)
+                k = self.through.get((x, source), -1)
                 counts[k] = counts.get(k, 0) + 1
             low = max(low, min(counts, default=low))
         return counts, low
@@ -227,12 +227,12 @@ class SyncRecord:
         return self._alive
 
     chain: int | None = None  # the trainer's, from its finish
-    finished_at: float | None = None  # when the last sender finished (the prepare deadline runs)
+    finished_at: float | None = None  # when the last source finished (the prepare deadline runs)
 
-    def heard(self, sender: int, now: float) -> None:
-        """A message of source `sender`: it is alive (its grace, if running, ends)."""
-        self.last_activity = self.seen[sender] = now
-        self.lost.pop(sender, None)
+    def heard(self, source: int, now: float) -> None:
+        """A message of source `source`: it is alive (its grace, if running, ends)."""
+        self.last_activity = self.seen[source] = now
+        self.lost.pop(source, None)
 
     @property
     def trainer_lost_at(self) -> float | None:
@@ -253,7 +253,7 @@ class SyncRecord:
             row[1] += b.nbytes
             row[2] += b.done
         out: list[Json] = []
-        for k in range(self.senders):
+        for k in range(self.sources):
             buckets, nbytes, acked = sent.get(k, [0, 0, 0])
             out.append(
                 {
@@ -297,7 +297,7 @@ class SyncRecord:
             GROUP_KEY: self.group.view() if self.group else None,
             "trainer_connected": self.trainer_lost_at is None,
             **({"stream": True, "prepared": len(self.prepared)} if self.stream else {}),
-            **({"senders": self.senders, "sources": self.sources_view()} if self.senders > 1 else {}),
+            **({"source_count": self.sources, "sources": self.sources_view()} if self.sources > 1 else {}),
         }
 
 
@@ -321,8 +321,8 @@ class CatchUp:
     version: int
     total: int
     last_progress: float
-    through: dict[int, int] = field(default_factory=dict)  # sender -> highest seq applied
-    sent: int = 0  # spooled buckets sent so far (seqs 0..sent-1; the spool's sender is 0)
+    through: dict[int, int] = field(default_factory=dict)  # source -> highest seq applied
+    sent: int = 0  # spooled buckets sent so far (seqs 0..sent-1; the spool's source is 0)
     finalize_sent: bool = False
 
     @property
@@ -349,7 +349,7 @@ class Limits:
     recovery_window: int = 2  # spooled buckets a catch-up (or rollback) has in flight
     lost_expiry: float = 3600.0  # seconds a LOST engine's record is kept before it is forgotten
 
-    def pending_per_sender(self, senders: int) -> int:
-        """Unanswered bucket requests each of a sync's `senders` connections may have:
+    def pending_per_source(self, sources: int) -> int:
+        """Unanswered bucket requests each of a sync's `sources` connections may have:
         they share `max_pending` (and the fan-out's queue)."""
-        return max(1, self.max_pending // max(1, senders))
+        return max(1, self.max_pending // max(1, sources))

@@ -1,6 +1,6 @@
 """A trainer's sync opened and fed: begin (a source joins, or the sync opens) and bucket
 (checked, recorded, forwarded to every participant). How it completes (the engines'
-reports, finish, the commit, abort) is `completion`; who may speak for a source, `sources`.
+reports, finish, the commit, abort) is `completion`; who may speak for a source, `seats`.
 
 Theory of operation: a sync streams buckets to every participant (LOADING_BUCKETS); a
 bucket is acknowledged to the trainer once every live participant applied it
@@ -19,7 +19,7 @@ from messages.fanout import max_bucket
 from messages.replies import BeginReply, BucketAck, JsonObject
 from messages.replies import body as reply_body
 from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
-from orchestrator.core import completion, sources, syncs
+from orchestrator.core import completion, seats, syncs
 from orchestrator.core.commands import (
     AckBucket,
     ForwardBucket,
@@ -43,25 +43,25 @@ S, E = State, EngineState
 # -- begin ----------------------------------------------------------------------------------
 def begin(m: Model, event: BeginSync) -> None:
     msg, s = event.msg, m.sync
-    claim = sources.claim(msg.seat, event.conn)
-    if msg.sender >= msg.senders:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {msg.sender} out of range (senders={msg.senders})")
+    claim = seats.claim(msg.seat, event.conn)
+    if msg.source >= msg.sources:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"source {msg.source} out of range (sources={msg.sources})")
     if msg.transport != transports.AUTO and transports.get(msg.transport) is None:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
             f"transport {msg.transport!r} is not one this daemon has "
             f"(auto, {', '.join(transports.names())}; --transport-modules adds others)",
         )
-    if msg.senders > 1 and msg.sync_id in m.ended and (s is None or s.sync_id != msg.sync_id):
+    if msg.sources > 1 and msg.sync_id in m.ended and (s is None or s.sync_id != msg.sync_id):
         # a source that comes to its sharded sync after it ended hears how it ended, at once
         # (not a new sync it would wait in alone until --sync-timeout)
-        m.require_sync(msg.sync_id, f"source {msg.sender}'s begin")
-    if s is not None and s.kind == "sync" and msg.senders > 1 and s.senders > 1:
+        m.require_sync(msg.sync_id, f"source {msg.source}'s begin")
+    if s is not None and s.kind == "sync" and msg.sources > 1 and s.sources > 1:
         if s.version != msg.version:  # the sources of one push disagree on what they push
-            sources.conflict(
+            seats.conflict(
                 m,
                 s,
-                msg.sender,
+                msg.source,
                 f"began version {msg.version}"
                 + (f" under the same sync_id {s.sync_id!r}" if msg.sync_id == s.sync_id else ""),
                 f"version {s.version}",
@@ -71,9 +71,9 @@ def begin(m: Model, event: BeginSync) -> None:
         _join(m, s, msg, claim)  # another source of a sharded push: the sync is named for it
         return
     if s is not None and s.sync_id == msg.sync_id and s.version == msg.version and s.kind == "sync":
-        if not sources.seat_holder(m, s, msg.sender, claim, "begin"):
+        if not seats.seat_holder(m, s, msg.source, claim, "begin"):
             return
-        _reply_running(m, s, msg.sender)  # a repeated begin (its reply was lost): answered again
+        _reply_running(m, s, msg.source)  # a repeated begin (its reply was lost): answered again
         return
     # the facts the gate's refusal carries when a sync runs (begin is taken only without one)
     tail: str = ""
@@ -123,25 +123,25 @@ def begin(m: Model, event: BeginSync) -> None:
     # taken: every live engine takes part; the transport is planned for all of them
     m.move(Trigger.BEGIN, Outcome.ADVANCE, None, version=msg.version, sync_id=msg.sync_id)
     s = m.open_sync(
-        msg.sync_id, msg.version, senders=msg.senders, expected=msg.expected_buckets, probes=msg.probes
+        msg.sync_id, msg.version, sources=msg.sources, expected=msg.expected_buckets, probes=msg.probes
     )
-    s.begun[msg.sender], s.plan, s.host = m.now, msg.plan, msg.host
-    s.seats[msg.sender] = claim
-    s.heard(msg.sender, m.now)
+    s.begun[msg.source], s.plan, s.host = m.now, msg.plan, msg.host
+    s.seats[msg.source] = claim
+    s.heard(msg.source, m.now)
     # A sharded push's sources each broadcast from a group of their own (rank 0 the source,
     # the engines after it): a group's broadcast needs every rank in every call, so one group
-    # holds one sender. The engines take the groups' buckets in the order announced here.
-    current = m.group if msg.senders == 1 else m.source_group(msg)
+    # holds one source. The engines take the groups' buckets in the order announced here.
+    current = m.group if msg.sources == 1 else m.source_group(msg)
     group = (
         syncs.choose_group(msg, s.participants, m.engines, current, m.new_group_id(), m.limits.bucket_timeout)
-        if msg.senders <= MAX_COLLECTIVE_SOURCES
+        if msg.sources <= MAX_COLLECTIVE_SOURCES
         else None
     )
     if group is not None:
-        m.group_chosen(group, shared=msg.senders == 1, conn=event.conn)
+        m.group_chosen(group, shared=msg.sources == 1, conn=event.conn)
         s.group, s.carries = group, "group"
         s.transport = next(t.name for t in transports.of_kind("group"))
-        s.groups[msg.sender] = group
+        s.groups[msg.source] = group
         s.stream = syncs.can_stream(msg, s.participants, m.engines)
     else:
         via, s.ref_engines, s.mixed = syncs.choose_refs(msg, s.participants, m.engines, m.limits.host)
@@ -178,7 +178,7 @@ def _bucket_size(m: Model, msg: Begin, s: SyncRecord) -> int | None:
         return None
     size = msg.bucket_bytes or DEFAULT_BUCKET_BYTES
     if m.limits.fanout_bytes is not None:
-        size = min(size, max_bucket(m.limits.fanout_bytes, s.senders))
+        size = min(size, max_bucket(m.limits.fanout_bytes, s.sources))
     return size
 
 
@@ -225,36 +225,36 @@ def _check_base(m: Model, msg: Begin) -> None:
         )
 
 
-def _reply_running(m: Model, s: SyncRecord, sender: int) -> None:
-    s.heard(sender, m.now)
-    m.reply = _begin_reply(m, s, repeated=True, sender=sender)
+def _reply_running(m: Model, s: SyncRecord, source: int) -> None:
+    s.heard(source, m.now)
+    m.reply = _begin_reply(m, s, repeated=True, source=source)
 
 
 def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> None:
     """A source of a sharded push begins the version another source opened: it takes part
     in that sync (its reply names the sync_id), once its count and plan agree and its seat
-    is free or its own. Every disagreement fails the sync for every source (`sources.conflict`)."""
-    if msg.senders != s.senders:
-        sources.conflict(
-            m, s, msg.sender, f"began with {msg.senders} sources", f"{s.senders} sources", "senders"
+    is free or its own. Every disagreement fails the sync for every source (`seats.conflict`)."""
+    if msg.sources != s.sources:
+        seats.conflict(
+            m, s, msg.source, f"began with {msg.sources} sources", f"{s.sources} sources", "sources"
         )
         return
     if msg.plan != s.plan:
-        sources.conflict(
+        seats.conflict(
             m,
             s,
-            msg.sender,
+            msg.source,
             f"planned the assignment {msg.plan} (every source must assign the tensors the same way)",
             f"plan {s.plan}",
             "plan",
         )
         return
-    if msg.sender in s.seats:
-        if sources.seat_holder(m, s, msg.sender, claim, "begin"):
-            _reply_running(m, s, msg.sender)  # this source's repeated begin (its reply was lost)
+    if msg.source in s.seats:
+        if seats.seat_holder(m, s, msg.source, claim, "begin"):
+            _reply_running(m, s, msg.source)  # this source's repeated begin (its reply was lost)
         return
     if m.state != S.LOADING_BUCKETS:
-        _reply_running(m, s, msg.sender)
+        _reply_running(m, s, msg.source)
         return
     group = None
     if s.carries == "group":  # this source broadcasts from a group of its own
@@ -264,25 +264,25 @@ def _join(m: Model, s: SyncRecord, msg: Begin, claim: tuple[str, object]) -> Non
         if group is None:
             raise m.error(
                 ErrorCode.BAD_MESSAGE,
-                f"sync {s.sync_id!r} goes by {s.transport}: source {msg.sender} must offer its store "
+                f"sync {s.sync_id!r} goes by {s.transport}: source {msg.source} must offer its store "
                 f"(transport={s.transport}) with a backend every engine speaks",
                 sync_id_running=s.sync_id,
             )
         m.group_chosen(group, shared=False)
-        s.groups[msg.sender] = group
-    s.begun[msg.sender] = m.now
-    s.seats[msg.sender] = claim
-    s.heard(msg.sender, m.now)
-    m.reply = _begin_reply(m, s, host=msg.host, sender=msg.sender)
+        s.groups[msg.source] = group
+    s.begun[msg.source] = m.now
+    s.seats[msg.source] = claim
+    s.heard(msg.source, m.now)
+    m.reply = _begin_reply(m, s, host=msg.host, source=msg.source)
 
 
 def _begin_reply(
-    m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None, sender: int = 0
+    m: Model, s: SyncRecord, repeated: bool = False, host: str | None = None, source: int = 0
 ) -> JsonObject:
     """The begin reply (messages.replies.BeginReply), built here only: the sync as opened
-    and the limits each sender's window keeps within (its share of max_pending and, with a
+    and the limits each source's window keeps within (its share of max_pending and, with a
     fan-out, of the fan-out's per-connection budget: messages.fanout.window_cap)."""
-    senders = max(1, s.senders)
+    sources = max(1, s.sources)
     lim = m.limits
     # a joining source on another host than the one the transport was planned for cannot
     # lend the engines its references: its buckets go as frames
@@ -297,7 +297,7 @@ def _begin_reply(
             engines=tuple(s.participants),
             ref_engines=() if away else tuple(s.ref_engines),
             via="" if away else s.via,
-            group=g.view() if (g := s.groups.get(sender, s.group)) else None,
+            group=g.view() if (g := s.groups.get(source, s.group)) else None,
             stream=s.stream,
             # a group: the trainer sends the daemon a copy of each bucket to spool
             spool_copy=lim.spool if s.group is not None else False,
@@ -308,8 +308,8 @@ def _begin_reply(
             started_at=s.started_at,
             trainer_connected=s.trainer_lost_at is None,
             prepared=len(s.prepared),
-            max_pending=lim.pending_per_sender(senders),
-            fanout_bytes=lim.fanout_bytes // senders if lim.fanout_bytes is not None else None,
+            max_pending=lim.pending_per_source(sources),
+            fanout_bytes=lim.fanout_bytes // sources if lim.fanout_bytes is not None else None,
             bucket_bytes=s.bucket_bytes,
         )
     )
@@ -329,12 +329,12 @@ def bucket(m: Model, event: BucketIn) -> None:
     if s.bucket_bytes is not None and msg.size is None and event.nbytes > s.bucket_bytes:
         raise m.error(
             ErrorCode.TOO_LARGE,
-            f"bucket seq {msg.seq} of source {msg.sender} is {event.nbytes} bytes; this sync's buckets "
+            f"bucket seq {msg.seq} of source {msg.source} is {event.nbytes} bytes; this sync's buckets "
             f"are at most {s.bucket_bytes} (the begin reply's bucket_bytes: split larger tensors, "
             f"as TrainerClient.push does)",
             bucket_bytes=s.bucket_bytes,
         )
-    limit = lim.pending_per_sender(s.senders)
+    limit = lim.pending_per_source(s.sources)
     if event.pending >= limit:
         raise m.error(
             ErrorCode.TOO_LARGE,
@@ -342,43 +342,43 @@ def bucket(m: Model, event: BucketIn) -> None:
             f"this connection (max_pending {limit}); lower the window",
         )
     m.admit(Trigger.BUCKET)
-    sources.check_sender(m, s, msg.sender)
-    if not sources.seat_holder(
-        m, s, msg.sender, sources.claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"
+    seats.check_source(m, s, msg.source)
+    if not seats.seat_holder(
+        m, s, msg.source, seats.claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"
     ):
         return
     _check_route(m, s, event)
-    key = (msg.sender, msg.seq)
+    key = (msg.source, msg.seq)
     rec = s.buckets.get(key)
     if rec is not None and (rec.checksum != msg.checksum or rec.nbytes != event.nbytes):
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            f"source {msg.sender} resent bucket seq {msg.seq} with other bytes (checksum "
+            f"source {msg.source} resent bucket seq {msg.seq} with other bytes (checksum "
             f"{msg.checksum:#018x}, {event.nbytes} bytes) than it first sent (checksum "
             f"{rec.checksum:#018x}, {rec.nbytes} bytes): a resend must repeat its bucket; the "
             f"first stands",
-            source=msg.sender,
+            source=msg.source,
             seq=msg.seq,
         )
     if rec is not None:  # a resend: acknowledged now if every engine applied it, else when they have
-        s.heard(msg.sender, m.now)
+        s.heard(msg.source, m.now)
         if rec.done:
-            m.reply = reply_body(BucketAck(seq=msg.seq, sender=msg.sender, duplicate=True))
+            m.reply = reply_body(BucketAck(seq=msg.seq, source=msg.source, duplicate=True))
         else:
             m.later = True
         return
     _check_spec(m, s, msg)
-    if s.senders > 1:
-        sources.check_owner(m, s, msg)
+    if s.sources > 1:
+        seats.check_owner(m, s, msg)
     m.later = True  # acknowledged once every engine applied it (AckBucket)
-    s.heard(msg.sender, m.now)
+    s.heard(msg.source, m.now)
     s.buckets[key] = BucketRecord(event.nbytes, m.now, msg.checksum)
-    k = s.forwarded.get(msg.sender, -1)
-    while (msg.sender, k + 1) in s.buckets:
+    k = s.forwarded.get(msg.source, -1)
+    while (msg.source, k + 1) in s.buckets:
         k += 1
-    s.forwarded[msg.sender] = k
+    s.forwarded[msg.source] = k
     s.nbytes += event.nbytes
-    s.names.update((t.name, msg.sender) for t in msg.tensors)
+    s.names.update((t.name, msg.source) for t in msg.tensors)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
         m.outbox.append(
@@ -387,12 +387,12 @@ def bucket(m: Model, event: BucketIn) -> None:
                 key,
                 s.version,
                 (),
-                group=s.groups.get(msg.sender, s.group),
+                group=s.groups.get(msg.source, s.group),
                 spool=True,
                 handle=event.handle,
             )
         )
-        m.outbox.append(AckBucket(s.sync_id, key, completion.advance_acked(s, msg.sender)))
+        m.outbox.append(AckBucket(s.sync_id, key, completion.advance_acked(s, msg.source)))
         return
     alive = s.alive(m.engines, m.epoch)[0]
     m.outbox.append(
@@ -402,7 +402,7 @@ def bucket(m: Model, event: BucketIn) -> None:
             s.version,
             alive,
             ref_engines=s.ref_engines if msg.ref is not None else (),
-            group=s.groups.get(msg.sender, s.group),  # a sharded push: the bucket's source's group
+            group=s.groups.get(msg.source, s.group),  # a sharded push: the bucket's source's group
             spool=m.limits.spool and s.kind == "sync",
             handle=event.handle,
         )

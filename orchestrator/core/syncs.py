@@ -14,18 +14,18 @@ from orchestrator.core.records import EngineRecord, GroupRecord, SyncRecord
 
 
 def incomplete_reason(s: SyncRecord, finished: dict[int, int]) -> str | None:
-    """Why `s` cannot finalize with `finished` (sender -> announced count), or None."""
-    if len(finished) < s.senders:
-        return f"{s.senders - len(finished)} sender(s) have not finished"
+    """Why `s` cannot finalize with `finished` (source -> announced count), or None."""
+    if len(finished) < s.sources:
+        return f"{s.sources - len(finished)} source(s) have not finished"
     total = 0
-    for sender, count in finished.items():
-        have = {seq for (snd, seq) in s.buckets if snd == sender}
+    for source, count in finished.items():
+        have = {seq for (snd, seq) in s.buckets if snd == source}
         missing = sorted(set(range(count)) - have)
         extra = sorted(have - set(range(count)))
         if missing:
-            return f"sender {sender}: missing bucket seq {missing[:8]} of {count}"
+            return f"source {source}: missing bucket seq {missing[:8]} of {count}"
         if extra:
-            return f"sender {sender}: got seq {extra[:8]} beyond the {count} announced"
+            return f"source {source}: got seq {extra[:8]} beyond the {count} announced"
         total += count
     wrong = count_mismatch(s, total)
     if wrong is not None:
@@ -146,7 +146,7 @@ def can_stream(msg: Begin, participants: tuple[str, ...], engines: dict[str, Eng
     return (
         offer is not None
         and offer.stream
-        and msg.senders == 1
+        and msg.sources == 1
         and all(engines[e].collective_stream for e in participants)
     )
 

@@ -111,7 +111,7 @@ ROWS: tuple[Row, ...] = (
         (S.LOADING_BUCKETS,),
         Outcome.ADVANCE,
         S.FINALIZING,
-        "every sender finished; every announced bucket is applied by every participant "
+        "every source finished; every announced bucket is applied by every participant "
         "(prepared); no engine tensor left unsent unless partial: finalize is sent once "
         "to each participant",
     ),

@@ -169,10 +169,10 @@ class Dispatcher:
             elif isinstance(msg, schema.Bucket):
                 # the frames as received (copy=False), passed through by the decoder untouched
                 await self.bucket(w, msg, cast(list[zmq.Frame], decoded.payload))
-                self.inflight.own(msg.sync_id, ident, msg.sender)
+                self.inflight.own(msg.sync_id, ident, msg.source)
             elif isinstance(msg, schema.Finish):
                 await self.finish(w, msg)
-                self.inflight.own(msg.sync_id, ident, msg.sender)
+                self.inflight.own(msg.sync_id, ident, msg.source)
             elif isinstance(msg, schema.Abort):
                 await self.feed(ev.AbortSync(msg.sync_id, msg.reason, msg.code, msg.by), self._trainer(w))
         except WeightSyncError as err:
@@ -197,8 +197,8 @@ class Dispatcher:
         size = reply.get("bucket_bytes")
         opened = any(isinstance(c, SyncOpened) and c.sync_id == named for c in res.commands)
         if opened and isinstance(size, int):  # read at the sync's first bucket (its fan-out queue)
-            self.inflight.bucket_bytes[named] = (size, msg.senders)
-        self.inflight.owners[named][ident] = msg.sender  # taken: the sync runs under `named`
+            self.inflight.bucket_bytes[named] = (size, msg.sources)
+        self.inflight.owners[named][ident] = msg.source  # taken: the sync runs under `named`
 
     async def bucket(self, w: Waiter, msg: schema.Bucket, payload: list[zmq.Frame]) -> None:
         """A bucket, with the facts about its bytes that only this process can find."""
@@ -244,7 +244,7 @@ class Dispatcher:
             conn=w.ident,
         )
         del held
-        key = (msg.sync_id, (msg.sender, msg.seq))
+        key = (msg.sync_id, (msg.source, msg.seq))
         # The ack goes before the forwarding it causes, or waits for the engines (cumulative).
         answer = self._trainer(w, lambda: self.inflight.bucket_waiters[key].append(w), first=True)
         res, then = self.decide(event, answer)  # a refused bucket is not counted below
@@ -280,9 +280,9 @@ class Dispatcher:
             on_reply(None, err)
 
     async def trainer_disconnected(self, ident: bytes) -> None:
-        for sync_id, sender in self.inflight.connection_closed(ident):
-            log.warning("trainer_disconnected", sync_id=sync_id, source=sender)
-            await self.feed(ev.TrainerGone(sync_id, sender))
+        for sync_id, source in self.inflight.connection_closed(ident):
+            log.warning("trainer_disconnected", sync_id=sync_id, source=source)
+            await self.feed(ev.TrainerGone(sync_id, source))
         await self.feed(ev.TrainerGone("", conn=ident))  # the groups whose store it hosted go
 
     # -- the engine socket ----------------------------------------------------------------
@@ -331,7 +331,7 @@ class Dispatcher:
         if isinstance(msg, schema.Loaded):
             self._failpoint_crash()
             self._count_applied(engine_id, msg.count, msg.seconds)
-            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.sender, msg.seq), msg.also, msg.more))
+            await self.feed(ev.Loaded(engine_id, msg.sync_id, (msg.source, msg.seq), msg.also, msg.more))
         elif isinstance(msg, schema.Prepared):
             log.info(
                 "engine_prepared",

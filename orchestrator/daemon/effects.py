@@ -162,7 +162,7 @@ class Effects:
 
     def _ack_buckets(self, acks: list[cmd.AckBucket]) -> None:
         """Acknowledgements are cumulative: `ok {through: k}` answers every bucket of that
-        sender up to seq k, so a trainer connection gets one reply per sender per batch
+        source up to seq k, so a trainer connection gets one reply per source per batch
         for its buckets up to the batch's `through` (on its highest one); a bucket acked
         ahead of a gap is answered alone. The daemon's own requests (a rollback's replay)
         are answered one by one."""
@@ -172,16 +172,16 @@ class Effects:
             through[k] = max(through.get(k, -1), c.through)
         last: dict[tuple[str, int, bytes], tuple[int, Waiter]] = {}
         for c in acks:
-            sender, seq = c.key
+            source, seq = c.key
             for w in self.inflight.bucket_waiters.pop((c.sync_id, c.key), []):
-                if w.on_reply is not None or seq > through[(c.sync_id, sender)]:
-                    self.transport.reply_ok(w, replies.body(replies.BucketAck(seq=seq, sender=sender)))
+                if w.on_reply is not None or seq > through[(c.sync_id, source)]:
+                    self.transport.reply_ok(w, replies.body(replies.BucketAck(seq=seq, source=source)))
                     continue
-                k3 = (c.sync_id, sender, w.ident)
+                k3 = (c.sync_id, source, w.ident)
                 if k3 not in last or last[k3][0] < seq:
                     last[k3] = (seq, w)
-        for (sync_id, sender, _ident), (seq, w) in last.items():
-            ack = replies.BucketAck(seq=seq, sender=sender, through=through[(sync_id, sender)])
+        for (sync_id, source, _ident), (seq, w) in last.items():
+            ack = replies.BucketAck(seq=seq, source=source, through=through[(sync_id, source)])
             self.transport.reply_ok(w, replies.body(ack))
 
     def spooled(self) -> Spooled | None:
@@ -240,7 +240,7 @@ class Effects:
                 return [lambda: spool.fail(reason)]
         buf = getattr(data, "buffer", data)
         metas = [t.to_wire() for t in m.tensors]
-        return [lambda: spool.add(m.sync_id, m.sender, m.seq, metas, m.checksum, buf)]
+        return [lambda: spool.add(m.sync_id, m.source, m.seq, metas, m.checksum, buf)]
 
     # -- telling engines ----------------------------------------------------------------
     async def _tell(self, c: cmd.Command) -> None:
@@ -317,7 +317,7 @@ class Effects:
             seq=m.seq,
             tensors=m.tensors,
             checksum=m.checksum,
-            sender=m.sender,
+            source=m.source,
             mac=m.mac,
             hold=self.recovery is not None and self.recovery.holds(m.sync_id),
         )
@@ -344,7 +344,7 @@ class Effects:
             "bucket_forwarded",
             sync_id=m.sync_id,
             seq=m.seq,
-            sender=m.sender,
+            source=m.source,
             nbytes=m.ref.size if m.ref else len(p.frame),
             engines=len(c.engine_ids),
             ref_engines=len(ref_engines),

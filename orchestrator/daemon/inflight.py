@@ -20,7 +20,7 @@ from messages.replies import JsonObject
 from orchestrator.core.commands import SyncOpened
 from orchestrator.daemon.transport import Waiter
 
-Key = tuple[str, tuple[int, int]]  # (sync_id, (sender, seq))
+Key = tuple[str, tuple[int, int]]  # (sync_id, (source, seq))
 
 
 @dataclass(slots=True, weakref_slot=True, eq=False)
@@ -37,17 +37,17 @@ class Inflight:
         self.held: weakref.WeakSet[Pending] = weakref.WeakSet()  # bucket frames still referenced
         self.bucket_waiters: dict[Key, list[Waiter]] = defaultdict(list)
         self.finish_waiters: dict[str, list[Waiter]] = defaultdict(list)
-        # trainer connections per sync, each with the source (sender) it speaks for
+        # trainer connections per sync, each with the source (source) it speaks for
         self.owners: dict[str, dict[bytes, int]] = defaultdict(dict)
         # the sync's bucket size and sources, from its begin's reply: its fan-out queue's size
         self.bucket_bytes: dict[str, tuple[int, int]] = {}
 
-    def own(self, sync_id: str, ident: bytes, sender: int) -> None:
-        """The trainer connection `ident` speaks for `sender` of `sync_id`, which accepted
+    def own(self, sync_id: str, ident: bytes, source: int) -> None:
+        """The trainer connection `ident` speaks for `source` of `sync_id`, which accepted
         its request: noted only while the sync runs here (a refused request, or one for a
         sync that is gone, leaves nothing)."""
         if sync_id in self.routes:
-            self.owners[sync_id][ident] = sender
+            self.owners[sync_id][ident] = source
 
     def tracked(self) -> int:
         """Syncs this bookkeeping holds anything of (at most the running one, once the
@@ -64,9 +64,9 @@ class Inflight:
         a sharded push loses a source when that source's last connection closes."""
         orphaned = []
         for sync_id, owners in list(self.owners.items()):
-            sender = owners.pop(ident, None)
-            if sender is not None and sender not in owners.values():
-                orphaned.append((sync_id, sender))
+            source = owners.pop(ident, None)
+            if source is not None and source not in owners.values():
+                orphaned.append((sync_id, source))
             if not owners:
                 del self.owners[sync_id]
         return orphaned

@@ -83,7 +83,7 @@ class _Snapshot:
         g = GaugeMetricFamily(
             "weightsync_sync_sources", "Sources (trainer processes) of the running sync (0: none running)"
         )
-        g.add_metric([], sync.get("senders", 1) if sync else 0)
+        g.add_metric([], sync.get("source_count", 1) if sync else 0)
         yield g
         sent = GaugeMetricFamily(
             "weightsync_source_bytes", "Bytes a source of the running sharded push sent", labels=["source"]

@@ -122,7 +122,7 @@ class Recovery:
                 seq=c.seq,
                 tensors=tensor_metas(e),
                 checksum=e.checksum,
-                sender=0,
+                source=0,
                 hold=self.spool.layered,
             )
         )
@@ -175,7 +175,7 @@ class Recovery:
             return
         for i, e, frame in due:
             msg = schema.Bucket(
-                sync_id=f.sync_id, seq=i, tensors=tensor_metas(e), checksum=e.checksum, sender=0
+                sync_id=f.sync_id, seq=i, tensors=tensor_metas(e), checksum=e.checksum, source=0
             )
             await self.requests.local_request(msg, [frame], self._on_reply(f, (0, i)))
         if not f.inflight and f.next >= len(f.entries) and not f.finishing:

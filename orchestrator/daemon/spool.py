@@ -57,7 +57,7 @@ class SpoolInfo:
 
 @dataclass(frozen=True, slots=True)
 class SpoolEntry:
-    sender: int
+    source: int
     seq: int
     file: str
     nbytes: int
@@ -100,7 +100,7 @@ class Spool:
             raw = json.loads((target / MANIFEST).read_text())
             entries = [
                 SpoolEntry(
-                    int(b["sender"]),
+                    int(b["source"] if "source" in b else b["sender"]),  # "sender": before protocol v8
                     int(b["seq"]),
                     str(b["file"]),
                     int(b["nbytes"]),
@@ -182,7 +182,7 @@ class Spool:
     def add(
         self,
         sync_id: str,
-        sender: int,
+        source: int,
         seq: int,
         tensors: list[JsonObject],
         checksum: int,
@@ -190,7 +190,7 @@ class Spool:
     ) -> None:
         if self._incoming is None or self._incoming_sync != sync_id or self._incoming_failed:
             return
-        name = f"{self._gen:04d}-{sender:04d}-{seq:08d}.bin"
+        name = f"{self._gen:04d}-{source:04d}-{seq:08d}.bin"
         try:
             with open(self._incoming / name, "wb") as fh:
                 fh.write(data)
@@ -198,7 +198,7 @@ class Spool:
             self.fail(f"{type(exc).__name__}: {exc}")
             return
         self._incoming_entries.append(
-            SpoolEntry(sender, seq, name, memoryview(data).nbytes, checksum, tensors, self._gen)
+            SpoolEntry(source, seq, name, memoryview(data).nbytes, checksum, tensors, self._gen)
         )
 
     def fail(self, reason: str) -> None:
@@ -213,7 +213,7 @@ class Spool:
         """Make the incoming sync the spooled version (durably), or degrade."""
         if self._incoming is None or self._incoming_sync != sync_id:
             return self.info
-        entries = sorted(self._incoming_entries, key=lambda e: (e.gen, e.sender, e.seq))
+        entries = sorted(self._incoming_entries, key=lambda e: (e.gen, e.source, e.seq))
         failed = self._incoming_failed
         if failed is None:
             try:
@@ -225,7 +225,7 @@ class Spool:
                     "probes": [p.to_wire() for p in probes],
                     "buckets": [
                         {
-                            "sender": e.sender,
+                            "source": e.source,
                             "seq": e.seq,
                             "file": e.file,
                             "nbytes": e.nbytes,

@@ -72,7 +72,7 @@ class TrainerClient:
         retries: int = 3,
         finish_timeout: float = 900.0,
         ctx: zmq.SyncContext | None = None,
-        sender: int = 0,
+        source: int = 0,
         keys: ClientKeys | None = None,
         connect_timeout: float = 5.0,
         collective_host: str = "",
@@ -80,7 +80,7 @@ class TrainerClient:
         self.addr = addr
         self.collective_host = collective_host  # this host's address for the group's store
         self.finish_timeout = finish_timeout
-        self.sender = sender
+        self.source = source
         self.curve = keys is not None  # with keys, the group's plane is keyed too
         self.conn = Connection(
             addr,
@@ -95,7 +95,7 @@ class TrainerClient:
         # a new routing identity at the daemon, and the resends that follow must still be
         # this source's; a begin resent after a lost reply carries the same token.
         self.seat = secrets.randbits(64)
-        self.stream = Stream(self.conn, sender, self.seat)
+        self.stream = Stream(self.conn, source, self.seat)
         # how this client's buckets travel: each transport's slots, its group (kept across pushes)
         self.routes = Routes(addr, collective_host, self.curve)
         self.delta_base = DeltaBase()  # the copy delta pushes are encoded against (push(delta=True))
@@ -153,8 +153,8 @@ class TrainerClient:
         version: int,
         sync_id: str | None = None,
         *,
-        senders: int = 1,
-        sender: int = 0,
+        sources: int = 1,
+        source: int = 0,
         plan: int | None = None,
         expected_buckets: int | None = None,
         probes: Sequence[schema.Probe] = (),
@@ -169,7 +169,7 @@ class TrainerClient:
         needs `group_offer` (this trainer's store). The reply's `transport` says what the
         daemon chose (a transport's name, or "mixed": references for some engines, frames
         for the rest).
-        A sharded push's source (`sender` of `senders`, with the sources' `plan` hash) may be
+        A sharded push's source (`source` of `sources`, with the sources' `plan` hash) may be
         told to join a sync another source opened: the reply's `sync_id` is the one to use."""
         sync_id = sync_id or uuid.uuid4().hex
         t = transports.get(transport)
@@ -179,8 +179,8 @@ class TrainerClient:
                 sync_id=sync_id,
                 version=version,
                 id=i,
-                senders=senders,
-                sender=sender,
+                sources=sources,
+                source=source,
                 plan=plan,
                 expected_buckets=expected_buckets,
                 probes=tuple(probes),
@@ -216,7 +216,7 @@ class TrainerClient:
                 sync_id=sync_id,
                 buckets=buckets,
                 id=i,
-                sender=self.sender,
+                source=self.source,
                 digest=digest,
                 partial=partial,
                 chain=chain,
@@ -372,7 +372,7 @@ class TrainerClient:
         elif ring is not None:
             transport = via  # "auto" too: the daemon plans the transport these slots are of
         rank, world = source or (0, 1)
-        self.sender = self.stream.sender = rank
+        self.source = self.stream.source = rank
         self.began = None
         try:
             try:
@@ -552,8 +552,8 @@ class TrainerClient:
                     group_offer=offer,
                     base=base,
                     bucket_bytes=bucket_bytes,
-                    sender=source[0],
-                    senders=source[1],
+                    source=source[0],
+                    sources=source[1],
                     plan=source[2],
                 )
             except WeightSyncError as err:

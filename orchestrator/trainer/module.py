@@ -12,7 +12,7 @@ Rules:
 - Sharded parameters (FSDP2 / DTensor) are gathered one tensor at a time with
   `full_tensor()` (an all-gather): every rank must call `push_module` in lockstep; rank 0
   (the one holding a client) sends, the others only take part in the gathers. Chosen over
-  each rank sending its shard as its own sender: gathering keeps the engines' contract
+  each rank sending its shard as its own source: gathering keeps the engines' contract
   (whole tensors in checkpoint layout, which vLLM's loaders need to re-shard for their own
   TP), and costs rank 0 one full tensor of memory at a time (docs/TRAINER.md).
 - `filter(name, tensor) -> bool` picks what to send (e.g. only the layers that train).

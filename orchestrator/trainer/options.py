@@ -67,7 +67,7 @@ class ClientOptions(TypedDict, total=False):
     retries: int
     finish_timeout: float
     ctx: zmq.SyncContext | None
-    sender: int
+    source: int
     keys: ClientKeys | None
     connect_timeout: float
     collective_host: str

@@ -120,11 +120,11 @@ class _InFlight:
 
 
 class Stream:
-    """The bucket pipeline of one client: its connection and its sender index."""
+    """The bucket pipeline of one client: its connection and its source index."""
 
-    def __init__(self, conn: Connection, sender: int = 0, seat: int | None = None) -> None:
+    def __init__(self, conn: Connection, source: int = 0, seat: int | None = None) -> None:
         self.conn = conn
-        self.sender = sender
+        self.source = source
         self.seat = seat  # the client's token: its buckets are taken only from its seat
 
     def bucket_msg(
@@ -142,7 +142,7 @@ class Stream:
             tensors=b.tensors,
             checksum=b.checksum if checksum is None else checksum,
             id=rid,
-            sender=self.sender,
+            source=self.source,
             ref=ref,
             mac=mac,
             seat=self.seat,
@@ -315,7 +315,7 @@ class Stream:
             by_id[rid] = f.bucket.seq
             if coll is not None:
                 b = f.bucket
-                mac = load_mac(key, self.sender, b.seq, b.data.numpy()) if key is not None else None
+                mac = load_mac(key, self.source, b.seq, b.data.numpy()) if key is not None else None
                 msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid, mac=mac), size=b.nbytes)
                 self.conn.send(msg, [b.frame()] if (coll.planned or {}).get("spool_copy") else [])
                 if f.attempts == 1:  # a resend is for the daemon; the engines have the bytes
@@ -366,7 +366,7 @@ class Stream:
                 if seq is None:
                     return  # a reply to an earlier attempt already handled
                 raise error_from_reply(reply)
-            # cumulative: `through` acknowledges every bucket of this sender up to it
+            # cumulative: `through` acknowledges every bucket of this source up to it
             through = decode_reply(reply.body, BucketAck).through if isinstance(reply, schema.Ok) else None
             if seq is None and through is None:
                 return  # a reply to an earlier attempt already handled

@@ -96,7 +96,7 @@ class ScriptedEngine(Peer):
             load = self.recv_type(schema.Load, timeout)
             if sync_id is None or load.sync_id == sync_id:
                 break
-        self.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, sender=load.sender))
+        self.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, source=load.source))
         return load
 
     def finalize(

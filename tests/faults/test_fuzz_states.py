@@ -114,7 +114,7 @@ class Rig:
         """The scripted engine's part in a rollback: ack a load, finalize with `digest`
         (the served digest the rollback restores)."""
         if isinstance(m, schema.Load):
-            self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, sender=m.sender))
+            self.eng.send(schema.Loaded(sync_id=m.sync_id, seq=m.seq, source=m.source))
         elif isinstance(m, schema.Finalize):
             self.eng.send(
                 schema.Finalized(sync_id=m.sync_id, version=m.version, digest=digest or "0", finalize_count=1)
@@ -218,7 +218,7 @@ def cases(draw):
                         "seq",
                         "buckets",
                         "checksum",
-                        "sender",
+                        "source",
                         "engine_id",
                         "digest",
                         "reason",

@@ -138,8 +138,8 @@ def test_path_like_nul_and_odd_ids_never_reach_a_path(world):
         ("version", 2**64 - 1),
         ("version", -1),
         ("expected_buckets", 2**40),
-        ("senders", 0),
-        ("senders", 2**20),
+        ("sources", 0),
+        ("sources", 2**20),
     ],
 )
 def test_out_of_range_begin_fields_are_refused_before_any_effect(world, field, value):
@@ -158,7 +158,7 @@ def test_out_of_range_integers_on_both_sockets(world):
         "tensors": [t.to_wire() for t in bucket.tensors],
         "checksum": bucket.checksum,
     }
-    for field, value in (("seq", 2**40), ("seq", -1), ("sender", 2**20), ("checksum", -5)):
+    for field, value in (("seq", 2**40), ("seq", -1), ("source", 2**20), ("checksum", -5)):
         r = refused_fast(trainer, {**raw, "seq": 0, field: value}, (frame,))
         assert field in r.message
     refused_fast(trainer, {"type": "finish", "sync_id": "good-1", "buckets": 2**63})
@@ -364,7 +364,7 @@ def test_a_trainer_cannot_send_buckets_or_finish_into_the_daemons_own_rollback(t
             assert isinstance(err, schema.Error) and err.code == ErrorCode.INVALID_STATE.value, err
             assert "the daemon's own rollback" in err.message, err.message
         assert c.status(timeout=1.0)["sync"] == before  # nothing of it stood
-        eng.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, sender=load.sender))
+        eng.send(schema.Loaded(sync_id=load.sync_id, seq=load.seq, source=load.source))
         eng.finalize(digest="1f", sync_id=load.sync_id)
         deadline = time.monotonic() + 30  # a bound on a failure: it ends on the finalize
         while (st := c.status(timeout=1.0))["sync"] is not None and time.monotonic() < deadline:

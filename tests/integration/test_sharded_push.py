@@ -221,7 +221,7 @@ def test_status_and_metrics_show_each_source_while_a_sharded_push_runs(tmp_path,
                 "source 0 finished, source 1 still sending",
             )
             src = st["sync"]["sources"]
-            assert st["sync"]["senders"] == 2 and [x["begun"] for x in src] == [True, True]
+            assert st["sync"]["source_count"] == 2 and [x["begun"] for x in src] == [True, True]
             assert not src[1]["finished"] and src[0]["bytes"] > 0 and src[1]["bytes"] > 0
             m = wait_for(  # the metrics' snapshot may trail the status by a refresh
                 lambda: (

@@ -56,7 +56,7 @@ def test_plain_status_shows_a_sharded_pushs_sources(tmp_path, tiny_model_dir, ti
         weights = dict(perturbed(tiny_state, 7))
         buckets = list(iter_buckets(weights.items(), 64 * 1024))
         with cluster.client(timeout=60) as c:
-            sid = c.begin(7, senders=2, sender=0).sync_id
+            sid = c.begin(7, sources=2, source=0).sync_id
             c.send_bucket(sid, buckets[0])
             r = ws("status", "--addr", cluster.addr, timeout=30)
             c.abort(sid, "test over")

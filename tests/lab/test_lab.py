@@ -41,7 +41,7 @@ RECEIVER = textwrap.dedent(
     print(json.dumps({"ev": "eof", "n": n, "t0": t0, "t": time.monotonic()}), flush=True)
     """
 )
-# A sender: connects, sends N MiB, closes; reports each MiB it handed to the kernel.
+# A source: connects, sends N MiB, closes; reports each MiB it handed to the kernel.
 SENDER = textwrap.dedent(
     """
     import json, socket, sys, time
@@ -115,14 +115,14 @@ def test_hosts_see_only_their_own_link_and_hostname():
 
 
 def test_a_cut_link_drops_everything_without_a_fin_and_a_heal_resumes_the_connection():
-    """Mid-transfer the receiver's port goes down: the sender stalls (nothing is acked),
+    """Mid-transfer the receiver's port goes down: the source stalls (nothing is acked),
     the receiver gets no EOF while it is down (no FIN, no RST); healed, the same
     connection carries the rest to the end."""
     with Lab(rate_mbit=200) as lab:
         rx, tx = _pair(lab, 24)
         rx.wait("bytes", n=4 << 20)
         lab.hosts["b"].cut()
-        wait_for(lambda: _blocked_for(tx, 1.5), 60, "the sender to stall on the cut link", every=0.1)
+        wait_for(lambda: _blocked_for(tx, 1.5), 60, "the source to stall on the cut link", every=0.1)
         _drain(rx)
         assert all(e["ev"] != "eof" for e in rx.seen), rx.seen
         assert all(e["ev"] != "closed" for e in tx.seen), tx.seen
@@ -148,7 +148,7 @@ def _readable(p: subprocess.Popen[bytes]) -> bool:
 
 
 def _blocked_for(tx: Lines, seconds: float) -> bool:
-    """The sender has reported nothing new for `seconds` of its own clock (read what it
+    """The source has reported nothing new for `seconds` of its own clock (read what it
     printed so far; a blocked sendall prints nothing)."""
     _drain(tx)
     last = max((e.get("t", 0.0) for e in tx.seen), default=0.0)

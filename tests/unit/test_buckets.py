@@ -153,7 +153,7 @@ def test_one_pass_gives_the_checksum_and_every_digest_part(monkeypatch):
     assert bucket_checksum(bytes(raw), b.tensors) != b.checksum
 
 
-# -- tensors larger than a bucket: split by the sender, assembled by the receiver ----------
+# -- tensors larger than a bucket: split by the source, assembled by the receiver ----------
 from messages import codec, schema  # noqa: E402
 from messages.buckets import Assembler, Cast, Digester  # noqa: E402
 from messages.errors import MessageError  # noqa: E402

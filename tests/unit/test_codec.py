@@ -21,7 +21,7 @@ SAMPLES: list[tuple[schema.Message, list]] = [
             sync_id="s",
             version=3,
             id=2,
-            senders=2,
+            sources=2,
             expected_buckets=5,
             probes=(schema.Probe((1, 2), 4, (5, 6, 7, 8)),),
         ),
@@ -163,10 +163,10 @@ def _code(frames) -> ErrorCode:
         (
             [
                 msgpack.packb(
-                    {"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1, "senders": 0}
+                    {"v": PROTOCOL_VERSION, "type": "begin", "sync_id": "s", "version": 1, "sources": 0}
                 )
             ],
-            "zero senders",
+            "zero sources",
         ),
         (
             [
@@ -242,7 +242,7 @@ def test_peek_id_recovers_id_of_a_bad_header_and_zero_for_garbage():
 
 def test_a_refused_header_larger_than_64k_is_answered_with_its_own_id():
     """A begin whose 200 KB sync_id is refused still names its request id (readable),
-    so the sender matches the refusal instead of waiting out its timeout."""
+    so the source matches the refusal instead of waiting out its timeout."""
     raw = msgpack.packb(
         {"v": PROTOCOL_VERSION, "type": "begin", "id": 77, "sync_id": "s" * 200_000, "version": 1}
     )

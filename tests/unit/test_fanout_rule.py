@@ -50,11 +50,11 @@ def _core(fanout_bytes=192 * MiB):
 
 
 @pytest.mark.parametrize(
-    "asked,senders,cut", [(64 * MiB, 1, 192 * MiB // 5), (16 * MiB, 1, 16 * MiB), (None, 8, 192 * MiB // 19)]
+    "asked,sources,cut", [(64 * MiB, 1, 192 * MiB // 5), (16 * MiB, 1, 16 * MiB), (None, 8, 192 * MiB // 19)]
 )
-def test_the_begin_reply_says_the_bucket_size_the_daemon_takes(asked, senders, cut):
+def test_the_begin_reply_says_the_bucket_size_the_daemon_takes(asked, sources, cut):
     o = _core()
-    res = o.handle(ev.BeginSync(Begin(sync_id="s1", version=1, bucket_bytes=asked, senders=senders)), 1.0)
+    res = o.handle(ev.BeginSync(Begin(sync_id="s1", version=1, bucket_bytes=asked, sources=sources)), 1.0)
     assert decode(res.reply, BeginReply).bucket_bytes == cut
 
 

@@ -1,4 +1,4 @@
-"""Cumulative progress: an engine's `loaded {seq: k}` covers every bucket of that sender up
+"""Cumulative progress: an engine's `loaded {seq: k}` covers every bucket of that source up
 to k; a bucket is acknowledged to the trainer once, when every live participant covered it."""
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ def _core(**limits):
 
 def test_the_begin_reply_carries_each_senders_share_of_the_limits():
     core = _core(max_pending=64, fanout_bytes=192 << 20)
-    res = core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, senders=4)), 1.0)
+    res = core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, sources=4)), 1.0)
     r = decode(res.reply or {}, BeginReply)
     assert (r.sync_id, r.version, r.state, r.transport) == ("s1", 1, "LOADING_BUCKETS", "inline")
     assert (r.max_pending, r.fanout_bytes, r.engines, r.repeated) == (16, 48 << 20, ("e0",), False)
     again = decode(
-        core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, senders=4)), 2.0).reply or {}, BeginReply
+        core.handle(ev.BeginSync(Begin(sync_id="s1", version=1, sources=4)), 2.0).reply or {}, BeginReply
     )
     assert again.repeated and again.sync_id == "s1"
 

@@ -43,7 +43,7 @@ class Applier:
                 self.fail_next = False
                 self.failed.add(job.sync_id)
                 return failed(job.sync_id)
-            return schema.Loaded(sync_id=job.sync_id, seq=job.seq, sender=job.sender)
+            return schema.Loaded(sync_id=job.sync_id, seq=job.seq, source=job.source)
         if isinstance(job, schema.Finalize) and job.sync_id not in self.failed:
             self.post_load[job.sync_id] = self.post_load.get(job.sync_id, 0) + 1
             return finalized(job.sync_id, job.version)

@@ -29,40 +29,40 @@ def new(**lim) -> Core:
     return o
 
 
-def begin(o, sender, senders=2, sync_id=None, version=1, plan=None, at=1.0, seat=None):
+def begin(o, source, sources=2, sync_id=None, version=1, plan=None, at=1.0, seat=None):
     msg = Begin(
-        sync_id=sync_id or f"own-{sender}",
+        sync_id=sync_id or f"own-{source}",
         version=version,
-        senders=senders,
-        sender=sender,
+        sources=sources,
+        source=source,
         plan=plan,
-        seat=sender if seat is None else seat,
+        seat=source if seat is None else seat,
     )
     return o.handle(ev.BeginSync(msg), at)
 
 
-def bucket(o, sender, seq, names, at=1.0, size=None, seat=None, checksum=0):
+def bucket(o, source, seq, names, at=1.0, size=None, seat=None, checksum=0):
     metas = tuple(TensorMeta(n, "float32", (4,), 64 * i, 16) for i, n in enumerate(names))
     msg = Bucket(
         sync_id=o.sync.sync_id,
         seq=seq,
         tensors=metas,
         checksum=checksum,
-        sender=sender,
+        source=source,
         size=size,
-        seat=sender if seat is None else seat,
+        seat=source if seat is None else seat,
     )
     return o.handle(ev.BucketIn(msg, 64 * len(names)), at)
 
 
-def applied(o, sender, seq):
+def applied(o, source, seq):
     for e in ENGINES:
-        o.handle(ev.Loaded(e, o.sync.sync_id, (sender, seq)), 1.0)
+        o.handle(ev.Loaded(e, o.sync.sync_id, (source, seq)), 1.0)
 
 
-def finish(o, sender, n, digest=None, partial=False):
+def finish(o, source, n, digest=None, partial=False):
     msg = Finish(
-        sync_id=o.sync.sync_id, buckets=n, sender=sender, digest=digest, partial=partial, seat=sender
+        sync_id=o.sync.sync_id, buckets=n, source=source, digest=digest, partial=partial, seat=source
     )
     return o.handle(ev.FinishSync(msg), 1.0)
 
@@ -75,19 +75,19 @@ def test_the_second_source_joins_the_sync_the_first_opened_under_its_name():
     assert not r1.reply["repeated"] and begin(o, 1, sync_id="again").reply["repeated"]
     assert sorted(o.sync.begun) == [0, 1]
     view = o.snapshot(1.0)["sync"]
-    assert view["senders"] == 2 and [x["begun"] for x in view["sources"]] == [True, True]
+    assert view["source_count"] == 2 and [x["begun"] for x in view["sources"]] == [True, True]
 
 
-@pytest.mark.parametrize("field", ["senders", "plan", "version", "sync_id"])
+@pytest.mark.parametrize("field", ["sources", "plan", "version", "sync_id"])
 def test_a_source_that_disagrees_on_the_count_the_plan_or_the_version_fails_the_sync_for_all(field):
     """Each source hears what disagreed at once (the opener no longer waits for --sync-timeout)."""
     o = new()
-    begin(o, 0, senders=2, plan=7)
-    kw = {"senders": 3, "plan": 8, "version": 2, "sync_id": "own-0"}
+    begin(o, 0, sources=2, plan=7)
+    kw = {"sources": 3, "plan": 8, "version": 2, "sync_id": "own-0"}
     extra = {"version": 2} if field == "sync_id" else {}  # the opener's sync_id, another version
-    res = begin(o, 1, **{"senders": 2, "plan": 7, field: kw[field], **extra})
+    res = begin(o, 1, **{"sources": 2, "plan": 7, field: kw[field], **extra})
     word = {
-        "senders": "3 sources",
+        "sources": "3 sources",
         "plan": "plan 7",
         "version": "began version 2",
         "sync_id": "began version 2 under the same sync_id 'own-0'",
@@ -168,8 +168,8 @@ def test_a_tensor_no_source_sent_is_refused_at_the_last_finish():
 
 def test_a_source_that_never_begins_fails_the_sync_named_at_the_sync_timeout():
     o = new(sync_timeout=10.0)
-    begin(o, 0, senders=3)
-    begin(o, 2, senders=3, at=2.0)
+    begin(o, 0, sources=3)
+    begin(o, 2, sources=3, at=2.0)
     o.handle(ev.Tick(), 10.5)
     assert o.state is State.LOADING_BUCKETS
     bucket(o, 0, 0, ["a"], at=10.6)
@@ -254,8 +254,8 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
                 Begin(
                     sync_id=f"own-{k}",
                     version=1,
-                    senders=3,
-                    sender=k,
+                    sources=3,
+                    source=k,
                     transport="collective",
                     offer=offer(k),
                     seat=k,
@@ -278,7 +278,7 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
     assert [f.group.id for f in fwd] == [groups[0].id, groups[1].id]  # each bucket from its source's group
     # a source that offers no store cannot join a collective sync: refused, nothing changed
     with pytest.raises(WeightSyncError) as ei:
-        o.handle(ev.BeginSync(Begin(sync_id="x", version=1, senders=3, sender=2)), 1.0)
+        o.handle(ev.BeginSync(Begin(sync_id="x", version=1, sources=3, source=2)), 1.0)
     assert ei.value.code is ErrorCode.BAD_MESSAGE and "must offer its store" in ei.value.message
     assert sorted(o.sync.begun) == [0, 1]
 
@@ -286,7 +286,7 @@ def test_over_the_collective_each_source_broadcasts_from_a_group_of_its_own():
 def _ready(o, version, parts, plan):
     """A sharded sync of `parts` (source k sends parts[k], one bucket) through READY."""
     for k in range(len(parts)):
-        begin(o, k, senders=len(parts), version=version, plan=plan, sync_id=f"v{version}")
+        begin(o, k, sources=len(parts), version=version, plan=plan, sync_id=f"v{version}")
     for k, names in enumerate(parts):
         bucket(o, k, 0, names)
         applied(o, k, 0)
@@ -342,7 +342,7 @@ def test_a_second_claim_on_a_sources_seat_fails_the_sync_for_every_source(how):
     elif how == "bucket":
         res = bucket(o, 1, 0, ["c"], seat=99)  # "resends" seq 0, same size
     else:
-        msg = Finish(sync_id=o.sync.sync_id, buckets=1, sender=1, seat=99)
+        msg = Finish(sync_id=o.sync.sync_id, buckets=1, source=1, seat=99)
         res = o.handle(ev.FinishSync(msg), 1.0)
     err = res.refusal
     assert err is not None and err.code is ErrorCode.SOURCE_CONFLICT, res
@@ -354,11 +354,11 @@ def test_a_second_claim_on_a_sources_seat_fails_the_sync_for_every_source(how):
 
 def test_without_a_token_a_seat_belongs_to_the_connection_that_began_it():
     o = new()
-    o.handle(ev.BeginSync(Begin(sync_id="s", version=1, senders=2, sender=0), conn=b"A"), 1.0)
-    o.handle(ev.BeginSync(Begin(sync_id="t", version=1, senders=2, sender=1), conn=b"B"), 1.0)
-    again = o.handle(ev.BeginSync(Begin(sync_id="t", version=1, senders=2, sender=1), conn=b"B"), 1.0)
+    o.handle(ev.BeginSync(Begin(sync_id="s", version=1, sources=2, source=0), conn=b"A"), 1.0)
+    o.handle(ev.BeginSync(Begin(sync_id="t", version=1, sources=2, source=1), conn=b"B"), 1.0)
+    again = o.handle(ev.BeginSync(Begin(sync_id="t", version=1, sources=2, source=1), conn=b"B"), 1.0)
     assert again.reply["repeated"]
-    res = o.handle(ev.BeginSync(Begin(sync_id="u", version=1, senders=2, sender=1), conn=b"C"), 1.0)
+    res = o.handle(ev.BeginSync(Begin(sync_id="u", version=1, sources=2, source=1), conn=b"C"), 1.0)
     assert res.refusal is not None and res.refusal.code is ErrorCode.SOURCE_CONFLICT
     assert "from a connection other than" in res.refusal.message and o.sync is None
 

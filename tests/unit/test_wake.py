@@ -41,16 +41,16 @@ def new(**lim: float) -> Core:
     return o
 
 
-def begin(o: Core, at: float, senders: int = 1, sender: int = 0, version: int = 1) -> None:
-    msg = Begin(sync_id=f"own-{sender}", version=version, senders=senders, sender=sender, seat=sender)
+def begin(o: Core, at: float, sources: int = 1, source: int = 0, version: int = 1) -> None:
+    msg = Begin(sync_id=f"own-{source}", version=version, sources=sources, source=source, seat=source)
     o.handle(ev.BeginSync(msg), at)
 
 
-def bucket(o: Core, at: float, sender: int = 0, seq: int = 0) -> None:
-    names = NAMES[2 * sender + seq % 2 : 2 * sender + seq % 2 + 1]
+def bucket(o: Core, at: float, source: int = 0, seq: int = 0) -> None:
+    names = NAMES[2 * source + seq % 2 : 2 * source + seq % 2 + 1]
     metas = tuple(TensorMeta(n, "float32", (4,), 0, 16) for n in names)
     sid = o.sync.sync_id if o.sync is not None else "none"
-    msg = Bucket(sync_id=sid, seq=seq, tensors=metas, checksum=0, sender=sender, seat=sender)
+    msg = Bucket(sync_id=sid, seq=seq, tensors=metas, checksum=0, source=source, seat=source)
     o.handle(ev.BucketIn(msg, 16), at)
 
 
@@ -88,16 +88,16 @@ def _finalize(o: Core) -> None:
 
 
 def _never_began(o: Core) -> None:
-    begin(o, 1.0, senders=2)
+    begin(o, 1.0, sources=2)
 
 
 def _source_quiet(o: Core) -> None:
-    begin(o, 1.0, senders=2)
-    begin(o, 2.0, senders=2, sender=1)
-    bucket(o, 2.5, sender=1)
+    begin(o, 1.0, sources=2)
+    begin(o, 2.0, sources=2, source=1)
+    bucket(o, 2.5, source=1)
     for e in ENGINES:
         o.handle(ev.Loaded(e, "own-0", (1, 0)), 2.5)
-    o.handle(ev.FinishSync(Finish(sync_id="own-0", buckets=1, sender=1, seat=1)), 2.5)
+    o.handle(ev.FinishSync(Finish(sync_id="own-0", buckets=1, source=1, seat=1)), 2.5)
 
 
 def _forget(o: Core) -> None:
@@ -187,30 +187,30 @@ class ShardedPush(RuleBasedStateMachine):
     def _sid(self) -> str:
         return self.o.sync.sync_id if self.o.sync is not None else "none"
 
-    @rule(sender=st.integers(0, 1))
-    def do_begin(self, sender: int) -> None:
+    @rule(source=st.integers(0, 1))
+    def do_begin(self, source: int) -> None:
         if self.o.state not in (State.IDLE, State.READY, State.LOADING_BUCKETS):
             return
         if self.o.sync is None:
             self.version += 1
-        self._run(lambda: begin(self.o, self.now, senders=2, sender=sender, version=self.version))
+        self._run(lambda: begin(self.o, self.now, sources=2, source=source, version=self.version))
 
-    @rule(sender=st.integers(0, 1), seq=st.integers(0, 1))
-    def do_bucket(self, sender: int, seq: int) -> None:
-        self._run(lambda: bucket(self.o, self.now, sender, seq))
+    @rule(source=st.integers(0, 1), seq=st.integers(0, 1))
+    def do_bucket(self, source: int, seq: int) -> None:
+        self._run(lambda: bucket(self.o, self.now, source, seq))
 
-    @rule(sender=st.integers(0, 1), seq=st.integers(0, 1), engine=st.sampled_from(ENGINES))
-    def do_loaded(self, sender: int, seq: int, engine: str) -> None:
-        self._run(lambda: self.o.handle(ev.Loaded(engine, self._sid(), (sender, seq)), self.now))
+    @rule(source=st.integers(0, 1), seq=st.integers(0, 1), engine=st.sampled_from(ENGINES))
+    def do_loaded(self, source: int, seq: int, engine: str) -> None:
+        self._run(lambda: self.o.handle(ev.Loaded(engine, self._sid(), (source, seq)), self.now))
 
-    @rule(sender=st.integers(0, 1), n=st.integers(1, 2))
-    def do_finish(self, sender: int, n: int) -> None:
-        msg = Finish(sync_id=self._sid(), buckets=n, sender=sender, seat=sender)
+    @rule(source=st.integers(0, 1), n=st.integers(1, 2))
+    def do_finish(self, source: int, n: int) -> None:
+        msg = Finish(sync_id=self._sid(), buckets=n, source=source, seat=source)
         self._run(lambda: self.o.handle(ev.FinishSync(msg), self.now))
 
-    @rule(sender=st.integers(0, 1))
-    def do_trainer_gone(self, sender: int) -> None:
-        self._run(lambda: self.o.handle(ev.TrainerGone(self._sid(), sender), self.now))
+    @rule(source=st.integers(0, 1))
+    def do_trainer_gone(self, source: int) -> None:
+        self._run(lambda: self.o.handle(ev.TrainerGone(self._sid(), source), self.now))
 
     @rule(engine=st.sampled_from(ENGINES))
     def do_finalized(self, engine: str) -> None:

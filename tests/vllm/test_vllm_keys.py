@@ -42,8 +42,8 @@ def test_vllm_workers_refuse_a_collective_bucket_with_a_forged_mac(
             assert {e["digest"] for e in r1.engines} == {digest(w.items())}
             real = trainer_stream.load_mac
 
-            def forge(key, sender, seq, data):
-                return real(b"\x00" * 32, sender, seq, data) if seq == 1 else real(key, sender, seq, data)
+            def forge(key, source, seq, data):
+                return real(b"\x00" * 32, source, seq, data) if seq == 1 else real(key, source, seq, data)
 
             monkeypatch.setattr(trainer_stream, "load_mac", forge)
             with pytest.raises(WeightSyncError) as ei:

@@ -30,32 +30,32 @@ def claim(seat: int | None, conn: bytes) -> tuple[str, object]:
     return ("seat", seat) if seat is not None else ("conn", conn)
 
 
-def seat_holder(m: Model, s: SyncRecord, sender: int, claim: tuple[str, object], what: str) -> bool:
-    """Whether `claim` holds `sender`'s seat of `s` (or nobody does: a rollback's own
+def seat_holder(m: Model, s: SyncRecord, source: int, claim: tuple[str, object], what: str) -> bool:
+    """Whether `claim` holds `source`'s seat of `s` (or nobody does: a rollback's own
     requests); otherwise the sync fails for every source (False)."""
-    held = s.seats.get(sender)
+    held = s.seats.get(source)
     if held is None or held == claim:
         return True
     by = "a token" if claim[0] == "seat" else "a connection"
     conflict(
         m,
         s,
-        sender,
+        source,
         f"was claimed by a second {what} from {by} other than the one that began it (two "
-        f"processes push as source {sender}: check each rank's source index)",
+        f"processes push as source {source}: check each rank's source index)",
         None,
         "seat",
     )
     return False
 
 
-def conflict(m: Model, s: SyncRecord, sender: int, what: str, running: str | None, field: str) -> None:
+def conflict(m: Model, s: SyncRecord, source: int, what: str, running: str | None, field: str) -> None:
     """The sync fails for every source, each told what disagreed; the input is refused."""
-    where = f"sync {s.sync_id!r} (version {s.version}, {s.senders} source(s))"
+    where = f"sync {s.sync_id!r} (version {s.version}, {s.sources} source(s))"
     sentence = (
-        f"source {sender} {what}, but {where} runs with {running}"
+        f"source {source} {what}, but {where} runs with {running}"
         if running is not None
-        else f"source {sender} of {where} {what}"
+        else f"source {source} of {where} {what}"
     )
     tail = (
         "the sync failed for every source and nothing of it was committed"
@@ -66,22 +66,22 @@ def conflict(m: Model, s: SyncRecord, sender: int, what: str, running: str | Non
         m.error(
             ErrorCode.SOURCE_CONFLICT,
             f"{sentence}; {tail}",
-            source=sender,
+            source=source,
             disagreed=field,
             sync_id_running=s.sync_id,
         )
     )
 
 
-def check_sender(m: Model, s: SyncRecord, sender: int) -> None:
+def check_source(m: Model, s: SyncRecord, source: int) -> None:
     """A bucket or finish comes from one of the sync's sources, once that source began."""
-    if sender >= s.senders:
-        raise m.error(ErrorCode.BAD_MESSAGE, f"sender {sender} out of range (senders={s.senders})")
-    if s.senders > 1 and sender not in s.begun:
+    if source >= s.sources:
+        raise m.error(ErrorCode.BAD_MESSAGE, f"source {source} out of range (sources={s.sources})")
+    if s.sources > 1 and source not in s.begun:
         raise m.error(
             ErrorCode.BAD_MESSAGE,
-            f"source {sender} has not begun sync {s.sync_id!r}: begin (version {s.version}, "
-            f"senders {s.senders}) first",
+            f"source {source} has not begun sync {s.sync_id!r}: begin (version {s.version}, "
+            f"sources {s.sources}) first",
         )
 
 
@@ -93,24 +93,24 @@ def check_owner(m: Model, s: SyncRecord, msg: Bucket) -> None:
     planned = m.plans.get(s.plan) if s.plan is not None else None
     for t in msg.tensors:
         owner = planned.get(t.name) if planned is not None else None
-        if owner is not None and owner != msg.sender:
+        if owner is not None and owner != msg.source:
             raise m.error(
                 ErrorCode.DUPLICATE_TENSOR,
-                f"source {msg.sender} sent tensor {t.name!r} (bucket seq {msg.seq}), which plan "
+                f"source {msg.source} sent tensor {t.name!r} (bucket seq {msg.seq}), which plan "
                 f"{s.plan} gives source {owner}: every source must send only its own part",
                 tensor=t.name,
-                source=msg.sender,
+                source=msg.source,
                 other_source=owner,
                 plan=s.plan,
             )
         other = s.names.get(t.name)
-        if other is not None and other != msg.sender:
+        if other is not None and other != msg.source:
             raise m.error(
                 ErrorCode.DUPLICATE_TENSOR,
-                f"source {msg.sender} sent tensor {t.name!r} (bucket seq {msg.seq}), which source "
+                f"source {msg.source} sent tensor {t.name!r} (bucket seq {msg.seq}), which source "
                 f"{other} already sent: the sources' parts must be disjoint (the same assignment on "
                 f"every rank)",
                 tensor=t.name,
-                source=msg.sender,
+                source=msg.source,
                 other_source=other,
             )
