@@ -27,6 +27,13 @@ Rules:
   bucket size (`max_bucket`: the begin reply's `bucket_bytes`), a trainer splits a tensor
   larger than that across buckets, and a frame larger is refused (TOO_LARGE). A connection that breaks loses what was queued on it, like a ROUTER peer's, and
   the sync's deadlines handle it.
+- Both ends of a fan-out connection send ZMTP heartbeats (`link_options`): a connection
+  that carries nothing either way for its timeout (a cut link, a host gone dark: no FIN
+  reaches either end) is closed by libzmq, and what was queued on it is dropped, instead
+  of draining through the link once it heals ahead of the next sync's buckets. The
+  engine's SUB then connects again by itself and subscribes anew. Each end's heartbeats
+  travel the direction that carries no buckets, so a slow link that is busy is never taken
+  for a dead one.
 
 Torch-free: the engine worker and the fleet benchmark's simulated engines use `Receiver`.
 """
@@ -55,6 +62,15 @@ REPORTS_PER_SECOND = 4000  # progress reports a fleet sends the daemon at most, 
 REPORT_INTERVAL_MAX = 0.05
 
 Kind = Literal["frame", "ref"]  # what a published bucket carries (messages.transports)
+LINK_HEARTBEAT_S = 1.0  # a fan-out connection's ZMTP heartbeat interval, each end
+LINK_TIMEOUT_S = 5.0  # silent this long after a heartbeat: the connection is closed
+
+
+def link_options(sock: zmq.SyncSocket, timeout: float = LINK_TIMEOUT_S) -> None:
+    """ZMTP heartbeats on a fan-out socket (see Rules): closed after `timeout` seconds of
+    silence from the other end."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(min(LINK_HEARTBEAT_S, timeout / 3) * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
 
 
 def window_cap(queue_bytes: int | None, bucket_bytes: int, max_pending: int) -> int:
@@ -172,6 +188,7 @@ class Receiver:
         sock: zmq.SyncSocket = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        link_options(sock)
         if self.keys is not None:
             self.keys.apply(sock)
         sock.setsockopt(zmq.SUBSCRIBE, DATA)

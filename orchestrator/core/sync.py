@@ -343,9 +343,7 @@ def bucket(m: Model, event: BucketIn) -> None:
         )
     m.admit(Trigger.BUCKET)
     seats.check_source(m, s, msg.source)
-    if not seats.seat_holder(
-        m, s, msg.source, seats.claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"
-    ):
+    if not seats.seat_holder(m, s, msg.source, seats.claim(msg.seat, event.conn), f"bucket (seq {msg.seq})"):
         return
     _check_route(m, s, event)
     key = (msg.source, msg.seq)

@@ -239,6 +239,9 @@ class Service:
                 bool(s.fanout_bind),
                 s.fanout_queue_bytes,
                 s.max_pending,
+                # a cut link's connection is dropped (and its queue with it) within the
+                # time an engine's silence takes to count it lost, never sooner than 3 s
+                max(3.0, min(s.engine_timeout, fanout.LINK_TIMEOUT_S)),
             )
         if s.metrics_bind:
             self.transport.bound["metrics"] = self.metrics.serve(s.metrics_bind)

@@ -91,6 +91,7 @@ class Transport:
         self.fanout_hwm = 0  # what each fan-out connection may queue now (messages)
         self.retired: list[zmq.SyncSocket] = []  # fan-out sockets replaced, to be closed
         self.fanout_subs: dict[str, int] = defaultdict(int)  # engine id -> live subscriptions
+        self.link_timeout = fanout.LINK_TIMEOUT_S
 
     def bind(self, trainer_addr: str, engine_addr: str, max_trainer_msg: int, max_engine_msg: int) -> None:
         self.trainer = self._router(trainer_addr, max_trainer_msg, "trainer")
@@ -117,7 +118,14 @@ class Transport:
             raise
         return sock
 
-    def bind_fanout(self, addr: str, explicit: bool, budget: int, max_pending: int) -> None:
+    def bind_fanout(
+        self,
+        addr: str,
+        explicit: bool,
+        budget: int,
+        max_pending: int,
+        link_timeout: float = fanout.LINK_TIMEOUT_S,
+    ) -> None:
         """The fan-out's XPUB. A default address that cannot be bound (a port taken) leaves
         the daemon without one, said in the log: engines then get one send each.
 
@@ -128,6 +136,7 @@ class Transport:
         if not addr:
             return
         self.fanout_budget, self.max_pending = budget, max_pending
+        self.link_timeout = link_timeout  # a silent fan-out connection is closed after it
         hwm = fanout.queue_len(fanout.window_cap(budget, schema.DEFAULT_BUCKET_BYTES, max_pending))
         try:
             refuse_live_ipc(addr)
@@ -149,6 +158,7 @@ class Transport:
         sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every unsubscription (a closed connection)
         sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions only
         sock.setsockopt(zmq.LINGER, 500)
+        fanout.link_options(sock, self.link_timeout)
         try:
             sock.bind(addr)
         except zmq.ZMQError:
