@@ -159,9 +159,10 @@ class Host:
         env: dict[str, str] | None = None,
         stdin: int | IO[bytes] | None = subprocess.DEVNULL,
         stdout: int | IO[bytes] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `argv` on this host in a process group of its own (output to `log`, or
-        `stdout`); the lab stops it at close."""
+        `stdout`; in `cwd`, else this process's directory); the lab stops it at close."""
         fh = open(log, "ab") if log is not None else None
         try:
             p = subprocess.Popen(
@@ -171,6 +172,7 @@ class Host:
                 stderr=subprocess.STDOUT if fh is not None else None,
                 env=child_env(env),
                 start_new_session=True,
+                cwd=cwd,
             )
         finally:
             if fh is not None:
