@@ -49,3 +49,22 @@ def test_nothing_listens_beyond_the_addresses_configured(fleet):
     for h in (fleet.daemon_host, fleet.trainer_host, *fleet.engine_hosts):
         for a in h.listening():
             assert a.rsplit(":", 1)[0] in (h.addr, "127.0.0.1"), (h.name, a, h.listening())
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_a_sharded_push_from_two_source_hosts_commits_across_hosts(tmp_path, tiny_model_dir, transport):
+    """Two trainer hosts, each one source of a sharded push (the version's tensors split
+    between them), into two engines on hosts of their own: one sync, both sources told
+    READY with the version's digest, every engine serving it."""
+    with (
+        Lab(rate_mbit=200) as lab,
+        LabFleet(lab, tmp_path, tiny_model_dir, engines=2, sources=2) as f,
+    ):
+        for version in (1, 2):
+            answers = f.push_sharded(version, transport=transport)
+            assert all(a["ok"] for a in answers), answers
+            results = [a["result"] for a in answers]
+            assert {r["state"] for r in results} == {"READY"}, results
+            assert {r["detail"]["transport"] for r in results} == {transport}, results
+            (digest,) = {r["digest"] for r in results}
+            assert _served(f) == {"e0": (version, digest), "e1": (version, digest)}
