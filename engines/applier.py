@@ -46,7 +46,7 @@ from messages import coverage, schema, stream
 from messages.bounded import LRU
 from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
-from messages.distgroup import GroupError
+from messages.distgroup import PEER_FAILED, GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
 
 if TYPE_CHECKING:
@@ -192,8 +192,11 @@ class Applier(threading.Thread):
         seq, source = (msg.seq, msg.source) if isinstance(msg, schema.Load) else (None, None)
         self.failed.add(msg.sync_id)
         log.warning("engine_operation_failed", sync_id=msg.sync_id, seq=seq, code=code, reason=message)
+        peer = PEER_FAILED in message  # its group lost another member: the daemon looks for it
         self._emit(
-            schema.Failed(sync_id=msg.sync_id, code=code, message=message[:4000], seq=seq, source=source)
+            schema.Failed(
+                sync_id=msg.sync_id, code=code, message=message[:4000], seq=seq, source=source, peer=peer
+            )
         )
 
     def _do_begin(self, msg: Begin) -> None:

@@ -13,6 +13,9 @@ Rules:
   waits, so its caller can give up early when the control plane says the sync is over;
   giving up shuts the group down, which releases the peers blocked in the same call.
 - A group that failed once is never reused: `broken` is set and the owner builds anew.
+- On gloo with more than two members a broadcast is relayed down the chain of ranks
+  (`messages.relay`: gloo's own broadcast is a tree whose root sends one copy per
+  child); with two members, and on NCCL, it is the backend's own broadcast.
 - torch is imported here, not in `messages/__init__`: the daemon never imports this
   module, so it stays out of the byte path and light.
 """
@@ -27,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from messages.bounded import LRU
 from messages.errors import ErrorCode
 from messages.liblog import get_logger
+from messages.relay import Relayer, relays
 from messages.rendezvous import StoreClient
 from messages.schema import MAX_COLLECTIVE_SOURCES
 
@@ -43,19 +47,36 @@ log = get_logger("group")
 # A rendezvous store: ours (`messages.rendezvous.StoreClient`) or any other of torch's.
 Store = dist.Store
 Backend = Literal["gloo", "nccl"]
+
+
+class Pending(Protocol):
+    """A broadcast in progress: the backend's work, or a relay's (`messages.relay`)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: datetime.timedelta = ...) -> bool: ...
+
+
 # A broadcast begun (`Group.start`): its work and the monotonic deadline it must meet.
-Started = tuple[dist.Work, float]
+Started = tuple[Pending, float]
 
 PREFIX = "weightsync"
 ROOT_KEY = "root"  # set by rank 0 as it joins a group
 
 
+# What a failure caused by another member says (a closed connection, not a deadline): the
+# applier reports it as `failed.peer`, also when it crossed a process boundary as text
+# (vLLM's workers), and the daemon then looks for the member that failed first.
+PEER_FAILED = "another member of the group failed or left"
+
+
 class GroupError(RuntimeError):
     """A call on the group failed or passed its deadline (a member died, hung or left)."""
 
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, timed_out: bool = False, peer: bool = False) -> None:
+        super().__init__(f"{message} ({PEER_FAILED})" if peer else message)
         self.timed_out = timed_out
+        self.peer = peer
 
     @property
     def code(self) -> ErrorCode:
@@ -107,7 +128,8 @@ class Group:
     ) -> None:
         self.spec = spec
         self.broken = False
-        self._work: dist.Work | None = None  # the last broadcast started
+        self._work: Pending | None = None  # the last broadcast started
+        self._relayer: Relayer | None = None
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if spec.backend == "nccl"
@@ -146,6 +168,8 @@ class Group:
                 f"join ({type(exc).__name__}: {_short(exc)})",
                 timed_out=_timed_out(exc),
             ) from None
+        if relays(spec.backend, spec.world_size):
+            self._relayer = Relayer(self.pg, spec.rank, spec.world_size, spec.id)
         self._store = base  # keep the client connection for the group's lifetime
         self._own_store = own
         log.info(
@@ -181,15 +205,19 @@ class Group:
         threads): the caller may pack the next bucket meanwhile, then `wait`."""
         if self.broken:
             raise GroupError(f"group {self.spec.id} is broken; build a new one")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        deadline = time.monotonic() + self.spec.timeout
         try:
+            if self._relayer is not None:
+                work = self._work = self._relayer.start(tensor, deadline)
+                return (work, deadline)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
             work = self.pg.broadcast([tensor], opts)
             self._work = work
-            return (work, time.monotonic() + self.spec.timeout)
+            return (work, deadline)
         except Exception as exc:
             self.close()
-            raise GroupError(f"broadcast in group {self.spec.id} failed: {_short(exc)}") from None
+            raise GroupError(f"broadcast in group {self.spec.id} failed: {_short(exc)}", peer=True) from None
 
     def wait(
         self, started: Started, *, give_up: Callable[[], str | None] | None = None, poll: float = 0.002
@@ -213,8 +241,9 @@ class Group:
             raise
         except Exception as exc:
             self.close()
+            late = _timed_out(exc)
             raise GroupError(
-                f"broadcast in group {self.spec.id} failed: {_short(exc)}", timed_out=_timed_out(exc)
+                f"broadcast in group {self.spec.id} failed: {_short(exc)}", timed_out=late, peer=not late
             ) from None
 
     def close(self) -> None:
@@ -222,6 +251,9 @@ class Group:
         if self.broken:
             return
         self.broken = True
+        work = self._work
+        if self._relayer is not None:  # idle: its thread ends now; else when the relay fails
+            self._relayer.stop(wait=1.0 if work is None or work.is_completed() else 0.0)
         try:
             self.pg.shutdown()
         except Exception as exc:  # already torn down by a failure: nothing left to release

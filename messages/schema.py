@@ -4,9 +4,8 @@ Rules: this module is the trust boundary's single source of truth. Every id, int
 string and list a peer can send has an explicit type, range, length or pattern here, and
 `messages.codec` checks them once, while decoding MessagePack (`msgspec.msgpack`), so code
 past decode never re-checks by hand. New fields get defaults; unknown fields are ignored.
-`TYPE` is the header's `type` tag; payload frames are never part of a struct.
-docs/PROTOCOL.md's field tables are generated from these structs (`python -m
-messages.protocol_doc`) and a test keeps them equal.
+`TYPE` is the header's `type` tag; payload frames are never part of a struct. The field
+tables of docs/PROTOCOL.md are made from these (`python -m messages.protocol_doc`).
 """
 
 from __future__ import annotations
@@ -483,6 +482,7 @@ class Failed(Message, frozen=True, tag="failed"):
     seq: Seq | None = None
     source: SourceIndex | None = None
     duplicate: bool = False
+    peer: bool = False  # a group receive failed because another member failed or left
 
 
 # -- orchestrator -> engine -------------------------------------------------------------

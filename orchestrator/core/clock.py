@@ -41,6 +41,7 @@ class Due(str, Enum):
     """What falls due, in the order `tick` acts on it."""
 
     ENGINE_SILENT = "engine_silent"  # key: engine id; LOST once past engine_timeout
+    PEER_FAULT = "peer_fault"  # engines saw a group member fail; no participant lost since
     BUCKET = "bucket"  # key: (source, seq) of a bucket not applied by every participant
     TRAINER_GONE = "trainer_gone"  # the trainer's connection closed; trainer_grace ran out
     NEVER_BEGAN = "never_began"  # a sharded push: a source never began within sync_timeout
@@ -103,6 +104,15 @@ def deadlines(m: Model) -> list[Deadline]:
 
 def _sync_deadlines(m: Model, s: SyncRecord) -> list[Deadline]:
     """The running sync's deadlines, in its state."""
+    lim = m.limits
+    if s.peer_faults:  # whatever the state: the reports wait for a culprit, then name themselves
+        first = min(t for t, _ in s.peer_faults.values())
+        peer = [Deadline(_past(first + lim.engine_grace + lim.peer_fault_slack), Due.PEER_FAULT)]
+        return peer + _state_deadlines(m, s)
+    return _state_deadlines(m, s)
+
+
+def _state_deadlines(m: Model, s: SyncRecord) -> list[Deadline]:
     lim = m.limits
     if m.state == S.FINALIZING:
         if s.finalize_started is None:
@@ -187,6 +197,16 @@ def _overdue(m: Model, s: SyncRecord, lost: list[str], due: list[Deadline]) -> W
         why = [f"{x}: {_lost_cause(m, x)}" for x in gone]
         return m.error(ErrorCode.ENGINE_FAILED, f"engine(s) lost: {'; '.join(why)}", engine_ids=gone)
     what = {d.what for d in due}
+    if Due.PEER_FAULT in what:
+        saw = sorted(s.peer_faults)
+        first = min(s.peer_faults.values())[1]
+        return m.error(
+            ErrorCode.ENGINE_FAILED,
+            f"engine(s) {saw} lost a member of their group mid-broadcast and no participant "
+            f"was counted lost within {lim.engine_grace + lim.peer_fault_slack}s "
+            f"(--engine-grace + {lim.peer_fault_slack}s): {first}",
+            engine_ids=saw,
+        )
     late = [d.key for d in due if d.what == Due.BUCKET and isinstance(d.key, tuple)]
     if late:  # the first in the sync's order of buckets
         (source, seq), rec = late[0], s.buckets[late[0]]

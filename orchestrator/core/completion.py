@@ -408,6 +408,13 @@ def failed(m: Model, event: EngineFailed) -> None:
         return  # the engine's finalize guard speaking, or about a sync that is over
     code = ErrorCode(msg.code) if msg.code in ErrorCode.__members__ else ErrorCode.ENGINE_FAILED
     s = m.sync
+    if msg.peer and s is not None:
+        # Its group lost another member (a closed connection: a neighbour in the chain, or
+        # the trainer). That member's own loss names the culprit once it is counted (within
+        # engine_grace of its connection closing); the clock names the reporters only if
+        # none is counted lost by then (clock.Due.PEER_FAULT).
+        s.peer_faults.setdefault(eid, (m.now, msg.message))
+        return
     if s is not None and s.sources > 1 and msg.seq is not None:  # whose bucket: a source may have died
         m.close_failed(
             Trigger.FAILED,

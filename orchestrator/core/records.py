@@ -193,6 +193,9 @@ class SyncRecord:
     prepared: dict[str, Prepared] = field(default_factory=dict)
     members: frozenset[str] = field(init=False)  # the participants, for membership tests
     forwarded: dict[int, int] = field(default_factory=dict)  # source -> every seq up to it forwarded
+    # engines whose group receive failed because another member failed or left (a closed
+    # connection): engine id -> (when, what it said); the culprit is looked for first
+    peer_faults: dict[str, tuple[float, str]] = field(default_factory=dict)
     low: dict[int, int] = field(default_factory=dict)  # source -> the lowest live engine's mark
     _marks: dict[int, dict[int, int]] = field(default_factory=dict)  # source -> {mark: engines}
     _marks_at: int = field(init=False, default=-1)  # the Epoch `_marks` was counted at
@@ -340,6 +343,9 @@ class Limits:
     history: int = 50
     trainer_grace: float = 2.0  # seconds a sync outlives its trainer's closed connection
     engine_grace: float = 2.0  # seconds an engine outlives its closed connection (no goodbye)
+    # seconds past engine_grace a group member's report of a failed peer waits for the
+    # culprit to be counted lost before the reporters are named
+    peer_fault_slack: float = 1.0
     host: str = ""  # this daemon's host (it can read a trainer's shared memory if equal)
     spool: bool = False  # the service keeps the last READY version on disk
     max_frame_bytes: int = 4 * 1024**3  # one bucket's bytes
