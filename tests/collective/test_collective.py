@@ -60,12 +60,15 @@ def test_three_versions_reach_two_torch_engines_by_broadcast_with_exact_outputs(
         assert len(groups) == 1, "the group is built once per membership and reused"
 
 
+@pytest.mark.parametrize("engines", [2, 3])
 def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_next_push_is_ready(
-    tmp_path, tiny_model_dir, tiny_state
+    tmp_path, tiny_model_dir, tiny_state, engines
 ):
     """The top complaint against NCCL weight sync: a dead member hangs everyone. Here the
     trainer gets ENGINE_FAILED naming the engine, the survivors are rolled back from the
-    spool, and a new group carries the next push."""
+    spool, and a new group carries the next push. The broadcast is relayed down the ranks
+    (messages/relay.py): with 2 engines engine-1 is the chain's tail, with 3 its middle,
+    whose neighbours' sends and receives fail first (`failed.peer`) and must not be named."""
     import time
 
     from messages.errors import ErrorCode, WeightSyncError
@@ -79,7 +82,7 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
         "--spool",
         str(tmp_path / "spool"),
     ]
-    with running_daemon(tmp_path, tiny_model_dir, engines=2, daemon_args=args, min_engines=1) as c:
+    with running_daemon(tmp_path, tiny_model_dir, engines=engines, daemon_args=args, min_engines=1) as c:
         with c.client(timeout=30.0) as client:
             w1 = dict(perturbed(tiny_state, 1))
             r1 = client.push(w1.items(), 1, bucket_bytes=64 * 1024, transport="collective")
@@ -87,7 +90,9 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
             assert r1.detail["transport"] == "collective"
             assert st["daemon"]["bytes_received"] == r1.bytes  # the spool's copy, nothing more
             g1 = st["collective"]["group"]
-            c.procs[-1].stop()  # engine-1 comes back with a failpoint: it dies in broadcast 3
+            next(
+                p for p in c.procs if p.name == "engine-1"
+            ).stop()  # back with a failpoint: dies in broadcast 3
             victim = c.start_engine("engine-1", ["--failpoint", "kill_in_broadcast=3"])
             wait_for(
                 client,
@@ -108,19 +113,21 @@ def test_engine_killed_mid_broadcast_fails_typed_within_deadline_rolls_back_and_
             took = time.monotonic() - t0
             assert ei.value.code in (ErrorCode.ENGINE_FAILED, ErrorCode.TIMEOUT)
             assert "engine-1" in ei.value.message, ei.value.message
+            assert "engine-0" not in ei.value.message and "engine-2" not in ei.value.message, ei.value.message
             assert took < bucket_timeout + 5, took
             assert victim.popen.wait(10) == -9
             # rollback from the spool puts version 1 back on the survivor
             st = wait_for(client, lambda st: st["state"] == "READY" and not st["dirty"])
             assert st["version"] == 1, st
-            survivor = next(e for e in st["engines"] if e["engine_id"] == "engine-0")
-            assert survivor["digest"] == digest(w1.items())
+            survivors = [e for e in st["engines"] if e["engine_id"] != "engine-1"]
+            assert len(survivors) == engines - 1
+            assert all(e["digest"] == digest(w1.items()) for e in survivors), survivors
             # the next push builds a new group without the dead member
             w3 = dict(perturbed(tiny_state, 3))
             r3 = client.push(w3.items(), 3, bucket_bytes=64 * 1024, transport="collective")
             st = client.status()
             assert r3.detail["transport"] == "collective" and st["version"] == 3
-            assert st["collective"]["group"] != g1 and st["collective"]["world_size"] == 2
+            assert st["collective"]["group"] != g1 and st["collective"]["world_size"] == engines
             assert {e["digest"] for e in r3.engines} == {digest(w3.items())}
 
 
