@@ -25,7 +25,8 @@ import torch
 
 from messages.dtypes import dtype_name
 from messages.errors import make_error
-from messages.schema import ParamSpec, Probe, Ref, TensorMeta, spec_refusal
+from messages.schema import ParamSpec, Probe, Ref, Slices, TensorMeta
+from messages.specs import spec_refusal
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -42,6 +43,7 @@ class EngineInfo:
     cast_ok: bool = False
     collective_ranks: int = 1  # group members it brings (a vLLM engine: one per TP/PP worker)
     extra: JsonObject = field(default_factory=dict)  # backend details, JSON-shaped
+    slices: Slices | None = None  # what each of its ranks loads (messages/slices.py), if it knows
 
 
 class EngineOptions(TypedDict, total=False):
@@ -86,7 +88,7 @@ def validate_bucket(
     spec: dict[str, ParamSpec], tensors: Sequence[tuple[str, torch.Tensor]], *, cast_ok: bool = False
 ) -> None:
     """Raise UNKNOWN_TENSOR / SHAPE_MISMATCH for the first tensor `spec` would refuse
-    (messages.schema.spec_refusal: the daemon's rule too)."""
+    (messages.specs.spec_refusal: the daemon's rule too)."""
     for name, t in tensors:
         refused = spec_refusal(spec, name, dtype_name(t.dtype), tuple(t.shape), cast_ok)
         if refused is not None:

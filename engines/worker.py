@@ -210,6 +210,7 @@ class Worker:
             delta=self.delta_base,
             served_notice=isinstance(self.engine, HandsToReaders),
             fanout=True,
+            slices=self.info.slices,
         )
 
     def _backends(self) -> tuple[Backend, ...]:

@@ -186,21 +186,12 @@ class ParamSpec(_Wire, frozen=True):
     shape: Shape
 
 
-def spec_refusal(
-    spec: dict[str, ParamSpec], name: str, dtype: str, shape: tuple[int, ...], cast_ok: bool
-) -> tuple[ErrorCode, str] | None:
-    """Why a model with `spec` refuses tensor `name` of `dtype` and `shape` (None: it takes
-    it): the one rule the daemon checks before forwarding and each engine before loading.
-    `cast_ok`: the engine casts dtypes, so only the shape must match."""
-    want = spec.get(name)
-    if want is None:
-        return ErrorCode.UNKNOWN_TENSOR, f"no tensor {name!r}"
-    if tuple(want.shape) != tuple(shape) or (not cast_ok and want.dtype != dtype):
-        return (
-            ErrorCode.SHAPE_MISMATCH,
-            f"{name}: expects {want.dtype}{list(want.shape)}, got {dtype}{list(shape)}",
-        )
-    return None
+class Slices(_Wire, frozen=True):
+    """What an engine's ranks load of the checkpoint (messages/slices.py): the layout's
+    key (one per layout: engines of one layout share it) and the bytes each rank loads."""
+
+    key: Annotated[str, Meta(max_length=32, pattern=r"^[0-9a-f]{1,32}\Z")]
+    rank_bytes: Annotated[tuple[Size, ...], Meta(min_length=1, max_length=MAX_GROUP)]
 
 
 class Probe(_Wire, frozen=True):
@@ -400,6 +391,7 @@ class Register(Message, frozen=True, tag="register"):
     # v4: takes buckets by frame and by reference from the daemon's fan-out (one publish per bucket
     # for the whole fleet); the register reply then names the address (`fanout`)
     fanout: bool = False
+    slices: Slices | None = None  # what each of its ranks loads (recorded from its loaders)
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):

@@ -28,13 +28,16 @@ import structlog
 import torch
 
 from engines.base import EngineInfo, validate_bucket
+from engines.vllm.slices import from_json
 from messages.buckets import digest as weights_digest
 from messages.buckets import iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.checksums import bucket_checksum
+from messages.dtypes import DTYPES
 from messages.errors import ErrorCode, make_error
-from messages.schema import Probe, Ref, TensorMeta
+from messages.schema import ParamSpec, Probe, Ref, Slices, TensorMeta
 from messages.segments import VIA, Segment
+from messages.slices import Layout, layout_key, rank_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -70,8 +73,6 @@ def _arg(**kw: object) -> str:
 
 def _meta_tensor(m: TensorMeta) -> torch.Tensor:
     """A storage-free stand-in with the meta's dtype and shape, for validation only."""
-    from messages.dtypes import DTYPES
-
     return torch.empty(m.shape, dtype=DTYPES[m.dtype], device="meta")
 
 
@@ -116,7 +117,34 @@ class VllmBase:
             cast_ok=True,
             extra=self._extra(),
             collective_ranks=self._workers(),
+            slices=self.slices()[0],
         )
+
+    def slices(self) -> tuple[Slices | None, Layout]:
+        """What each worker (rank) loads of the checkpoint, recorded once from vLLM's own
+        loaders (engines/vllm/slices.py): the declaration and the layout (one map per
+        rank, in rank order). None and [] when recording is not possible here."""
+        known: tuple[Slices | None, Layout] | None = getattr(self, "_slices", None)
+        if known is not None:
+            return known
+        tensors = [[p.name, p.dtype, list(p.shape)] for p in self.spec.values()]
+        try:
+            answers = self.rpc("ws_slices", json.dumps({"tensors": tensors}))
+        except Exception as exc:
+            log.warning("slices_not_recorded", error=f"{type(exc).__name__}: {exc}"[:300])
+            self._slices: tuple[Slices | None, Layout] = (None, [])
+            return self._slices
+        ranked = sorted((cast("JsonObject", a) for a in answers), key=lambda a: int(cast(int, a["rank"])))
+        layout: Layout = [from_json(cast("dict[str, Json]", a["map"])) for a in ranked]
+        self.whole_because = {
+            n: w for a in ranked for n, w in cast("dict[str, str]", a["whole_because"]).items()
+        }
+        whole = sorted(self.whole_because)
+        sizes = rank_bytes(layout, {n: p.shape for n, p in self.spec.items()}, _itemsizes(self.spec))
+        if whole:
+            log.info("slices_whole_names", names=whole[:20], count=len(whole))
+        self._slices = (Slices(key=layout_key(layout), rank_bytes=tuple(sizes)), layout)
+        return self._slices
 
     def _workers(self) -> int:
         """Group members this engine brings: one per vLLM worker (TP x PP)."""
@@ -281,3 +309,7 @@ class VllmBase:
 
     def close(self) -> None:
         self.staging.close()
+
+
+def _itemsizes(spec: dict[str, ParamSpec]) -> dict[str, int]:
+    return {n: torch.empty((), dtype=DTYPES[p.dtype]).element_size() for n, p in spec.items()}

@@ -455,6 +455,21 @@ class WeightSyncExtension:
             return {"native": False}
         return {"native": True, **engine.info()}
 
+    def ws_slices(self, arg: str) -> JsonObject:
+        """What this rank loads of each checkpoint tensor (`arg`: {"tensors": [[name, dtype,
+        shape], ...]}), recorded from vLLM's own loaders (engines/vllm/slices.py)."""
+        from engines.vllm.slices import record_rank_map, to_json
+
+        tensors = [
+            (str(n), str(d), tuple(int(x) for x in shape)) for n, d, shape in json.loads(arg)["tensors"]
+        ]
+        rank_map, whole_because = record_rank_map(self._ws_model(), tensors, self.device)
+        return {
+            "rank": getattr(self, "rank", 0),
+            "map": to_json(rank_map),
+            "whole_because": dict(whole_because),
+        }
+
     def ws_group_close(self, arg: str = "{}") -> str:
         st = self._ws()
         member, st.posted, st.member = st.member, None, None  # the posted receive goes with the group

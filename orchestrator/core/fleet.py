@@ -84,6 +84,9 @@ def register(m: Model, event: EngineRegistered) -> None:
         labels=msg.labels,
         delta=msg.delta,
         served_notice=msg.served_notice,
+        slices=None
+        if msg.slices is None
+        else {"key": msg.slices.key, "rank_bytes": list(msg.slices.rank_bytes)},
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.

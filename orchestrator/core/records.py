@@ -48,6 +48,7 @@ class EngineRecord:
     label: str | None = None  # the label it reported last (None: none set by us)
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
     served_notice: bool = False  # hands versions to readers: told `served` once one is durable
+    slices: JsonObject | None = None  # what each of its ranks loads: {key, rank_bytes} (register)
     # its last heartbeat said its server (vllm-server) does not answer, and why; None: it
     # answers, or the engine has no server of its own. Not a lifecycle state: the engine
     # process is live and keeps its record; `serves` leaves it out.
@@ -79,6 +80,7 @@ class EngineRecord:
             **({"label": self.label} if self.labels else {}),
             "delta": self.delta,
             "server_error": self.server_error,
+            **({"slices": self.slices} if self.slices is not None else {}),
         }
 
     def serves(self, version: int | None) -> bool:

@@ -18,7 +18,8 @@ from messages.errors import ErrorCode
 from messages.fanout import max_bucket
 from messages.replies import BeginReply, BucketAck, JsonObject
 from messages.replies import body as reply_body
-from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket, spec_refusal
+from messages.schema import DEFAULT_BUCKET_BYTES, MAX_COLLECTIVE_SOURCES, Begin, Bucket
+from messages.specs import spec_refusal
 from orchestrator.core import completion, seats, syncs
 from orchestrator.core.commands import (
     AckBucket,

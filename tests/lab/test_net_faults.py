@@ -202,3 +202,49 @@ def test_one_engine_five_times_slower_still_commits(tmp_path, tiny_model_dir):
             assert r["ok"] and r["result"]["state"] == "READY", r
             engines = _engines(f.status())
             assert {x.get("version") for x in engines.values()} == {v}, engines
+
+
+def test_the_middle_of_the_relay_chain_goes_dark_mid_sync(tmp_path, tiny_model_dir):
+    """Three engines over the collective: the trainer's bytes pass e0 -> e1 -> e2
+    (messages/relay.py). e1's link goes dark mid-sync (no FIN, no RST): e0's sends and
+    e2's receives stall, not fail. The sync fails within the engine timeout + 10 s naming
+    e1 (its heartbeats stop) and no other engine; e0 and e2 are rolled back to the served
+    version; with --min-engines 1 the next push commits on them (a new chain without e1);
+    healed, e1 catches up by itself, and the next push commits on all three."""
+    args = ["--spool", str(tmp_path / "spool"), "--engine-timeout", str(ENGINE_TIMEOUT)]
+    with (
+        Lab(rate_mbit=200) as lab,
+        LabFleet(lab, tmp_path / "fleet", tiny_model_dir, engines=3, min_engines=1, daemon_args=args) as f,
+    ):
+        for h in f.engine_hosts:
+            h.rate(SLOW_MBIT)
+        v1 = f.push(1, transport="collective")
+        assert v1["ok"], v1
+        rid = f.send({"op": "push", "version": 2, "transport": "collective", "timeout": 60})
+        wait_for(lambda: _syncing(f), 60, "the second sync to be loading")
+        cut = time.monotonic()
+        f.host_of(1).cut()
+        failed = f.answer(rid, timeout=120)
+        noticed = time.monotonic() - cut
+        assert not failed["ok"] and failed["code"] in ("ENGINE_FAILED", "TIMEOUT"), failed
+        assert "e1" in failed["message"] and "e0" not in failed["message"], failed
+        assert "e2" not in failed["message"], failed
+        assert noticed <= ENGINE_TIMEOUT + 10, noticed
+        others = {e: (1, v1["result"]["digest"]) for e in ("e0", "e2")}
+        wait_for(
+            lambda: f.status()["state"] == "READY" and _served_by(f) == others, 60, "e0 and e2 back at v1"
+        )
+        settled = time.monotonic() - cut
+        v3 = f.push(3, transport="collective")
+        assert v3["ok"] and v3["result"]["state"] == "READY", v3
+        f.host_of(1).heal()
+        healed = time.monotonic()
+        want = (3, v3["result"]["digest"])
+        wait_for(lambda: _served_by(f) == {e: want for e in ("e0", "e1", "e2")}, 120, "e1 caught up to v3")
+        caught_up = time.monotonic() - healed
+        v4 = f.push(4, transport="collective")
+        assert v4["ok"] and _served_by(f) == {e: (4, v4["result"]["digest"]) for e in ("e0", "e1", "e2")}
+        print(
+            f"middle of the chain cut: failed {noticed:.1f}s after the cut, e0 and e2 at v1 {settled:.1f}s "
+            f"after it; e1 at v3 {caught_up:.1f}s after the heal"
+        )

@@ -30,7 +30,7 @@ def vllm_engine(tiny_model_dir):
     engine.close()
 
 
-def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
+def run_isolated(script: str, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> dict:
     """Run `script` in a fresh Python process and return the JSON it prints after RESULT.
 
     vLLM keeps torch.distributed state per process; a second in-process LLM (another
@@ -47,7 +47,7 @@ def run_isolated(script: str, *args: str, timeout: int = 300) -> dict:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env=child_env(env),
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:

