@@ -51,6 +51,11 @@ def test_two_vllm_engines_three_versions_finalized_once_each(vllm_cluster, tiny_
         ("vllm-inproc", "vllm", counts["vllm-inproc"] + 3, base + 3),
         ("vllm-mp", "vllm", counts["vllm-mp"] + 3, base + 3),
     ]
+    # each engine declared what its one rank loads (recorded from vLLM's loaders at
+    # register): the whole model, one layout for both, whatever runs its workers
+    whole = sum(t.numel() * t.element_size() for t in tiny_state.values())
+    assert [e["slices"]["rank_bytes"] for e in st["engines"]] == [[whole], [whole]], st["engines"]
+    assert st["engines"][0]["slices"]["key"] == st["engines"][1]["slices"]["key"]
 
 
 def test_collective_push_reaches_vllm_workers_by_broadcast_with_exact_outputs(
