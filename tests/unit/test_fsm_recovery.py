@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from messages.checksums import DIGEST_SCHEME, LEGACY_DIGEST_SCHEME
-from messages.errors import ErrorCode, StateError
+from messages.errors import ErrorCode, StateError, WeightSyncError
 from messages.schema import Begin, Failed, Finalized, Probe, Register
 from orchestrator.core import Core as Orchestrator
 from orchestrator.core import Limits, Spooled, State
@@ -315,3 +315,25 @@ def test_a_ready_sync_journals_its_digest_with_this_daemons_scheme():
     res = finalized(o, "e1")
     (row,) = [c for c in cmds(res, fsm.Journal) if c.kind == "sync"]
     assert (row.data["status"], row.data["digest_scheme"]) == ("READY", DIGEST_SCHEME)
+
+
+def test_the_daemons_late_abort_of_an_ended_rollback_leaves_the_running_sync_alone():
+    """The rollback feed gives up on a rollback (its finish was refused) after that
+    rollback already ended and a trainer's sync began: the abort is about nothing running
+    and must not touch the new sync (it used to raise, which the service counts as a bug
+    and fails the running sync with INTERNAL)."""
+    o = ready_v1_spooled()
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    o.handle(ev.Tick(), 3.0)
+    rollback = o.sync.sync_id
+    assert o.sync.kind == "rollback"
+    o.handle(ev.AbortSync(rollback, "stop it", by="operator"), 3.5)
+    assert o.sync is None or o.sync.sync_id != rollback
+    o.handle(ev.BeginSync(Begin(sync_id="s3", version=3)), 4.0)
+    assert o.state is State.LOADING_BUCKETS and o.sync.sync_id == "s3"
+    o.handle(ev.AbortSync(rollback, "its finish was refused", by="daemon"), 4.1)
+    assert o.state is State.LOADING_BUCKETS and o.sync.sync_id == "s3"
+    with pytest.raises(WeightSyncError):  # a trainer's abort of an ended sync is still refused
+        o.handle(ev.AbortSync(rollback, "late"), 4.2)
