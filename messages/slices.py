@@ -30,6 +30,9 @@ import msgspec
 import torch
 import xxhash
 
+from messages.dtypes import Dtype, tensor_nbytes
+from messages.schema import ParamSpec
+
 Box: TypeAlias = tuple[tuple[int, int], ...]  # per dimension: (start, length)
 WHOLE: Literal["whole"] = "whole"
 Part: TypeAlias = "Box | Literal['whole']"
@@ -110,16 +113,9 @@ def part_of(shape: Sequence[int], box: Box) -> Part:
     return WHOLE if box == full_box(shape) else box
 
 
-def part_bytes(shape: Sequence[int], part: Part, itemsize: int) -> int:
-    if part == WHOLE:
-        n = 1
-        for s in shape:
-            n *= int(s)
-        return n * itemsize
-    n = 1
-    for _, length in part:
-        n *= length
-    return n * itemsize
+def part_bytes(shape: Sequence[int], part: Part, dtype: Dtype) -> int:
+    """The bytes of a rank's part of a tensor of `dtype` and `shape`."""
+    return tensor_nbytes(dtype, list(shape) if part == WHOLE else [length for _, length in part])
 
 
 def cut(t: torch.Tensor, part: Part) -> torch.Tensor:
@@ -169,6 +165,6 @@ def llama_tp_layout(shapes: Mapping[str, Sequence[int]], tp: int) -> Layout:
     return layout
 
 
-def rank_bytes(layout: Layout, shapes: Mapping[str, Sequence[int]], itemsize: Mapping[str, int]) -> list[int]:
-    """Bytes each rank of `layout` loads."""
-    return [sum(part_bytes(shapes[n], p, itemsize[n]) for n, p in r.items()) for r in layout]
+def rank_bytes(layout: Layout, spec: Mapping[str, ParamSpec]) -> list[int]:
+    """Bytes each rank of `layout` loads of the checkpoint tensors `spec` describes."""
+    return [sum(part_bytes(spec[n].shape, p, spec[n].dtype) for n, p in r.items()) for r in layout]

@@ -35,7 +35,7 @@ from messages.checkpoint import checkpoint_spec, iter_safetensors
 from messages.checksums import bucket_checksum
 from messages.dtypes import DTYPES
 from messages.errors import ErrorCode, make_error
-from messages.schema import ParamSpec, Probe, Ref, Slices, TensorMeta
+from messages.schema import Probe, Ref, Slices, TensorMeta
 from messages.segments import VIA, Segment
 from messages.slices import Layout, layout_key, rank_bytes
 
@@ -100,6 +100,8 @@ class VllmBase:
         self._phases: dict[str, float] = {}
         self.sync_id: str | None = None
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
+        self._slices: tuple[Slices | None, Layout] | None = None  # recorded once (`slices`)
+        self.whole_because: dict[str, str] = {}  # names loaded whole for lack of a box, and why
 
     def rpc(self, method: str, arg: str = "{}") -> list[Json]:
         """Call `method` of the extension on every vLLM worker: their answers, JSON-like
@@ -124,15 +126,14 @@ class VllmBase:
         """What each worker (rank) loads of the checkpoint, recorded once from vLLM's own
         loaders (engines/vllm/slices.py): the declaration and the layout (one map per
         rank, in rank order). None and [] when recording is not possible here."""
-        known: tuple[Slices | None, Layout] | None = getattr(self, "_slices", None)
-        if known is not None:
-            return known
+        if self._slices is not None:
+            return self._slices
         tensors = [[p.name, p.dtype, list(p.shape)] for p in self.spec.values()]
         try:
             answers = self.rpc("ws_slices", json.dumps({"tensors": tensors}))
         except Exception as exc:
             log.warning("slices_not_recorded", error=f"{type(exc).__name__}: {exc}"[:300])
-            self._slices: tuple[Slices | None, Layout] = (None, [])
+            self._slices = (None, [])
             return self._slices
         ranked = sorted((cast("JsonObject", a) for a in answers), key=lambda a: int(cast(int, a["rank"])))
         layout: Layout = [from_json(cast("dict[str, Json]", a["map"])) for a in ranked]
@@ -140,7 +141,7 @@ class VllmBase:
             n: w for a in ranked for n, w in cast("dict[str, str]", a["whole_because"]).items()
         }
         whole = sorted(self.whole_because)
-        sizes = rank_bytes(layout, {n: p.shape for n, p in self.spec.items()}, _itemsizes(self.spec))
+        sizes = rank_bytes(layout, self.spec)
         if whole:
             log.info("slices_whole_names", names=whole[:20], count=len(whole))
         self._slices = (Slices(key=layout_key(layout), rank_bytes=tuple(sizes)), layout)
@@ -309,7 +310,3 @@ class VllmBase:
 
     def close(self) -> None:
         self.staging.close()
-
-
-def _itemsizes(spec: dict[str, ParamSpec]) -> dict[str, int]:
-    return {n: torch.empty((), dtype=DTYPES[p.dtype]).element_size() for n, p in spec.items()}

@@ -39,6 +39,21 @@ def _syncing(f: LabFleet) -> bool:
     return st["state"] == "LOADING_BUCKETS" and st.get("sync") is not None
 
 
+def _cut_e1_mid_push(f: LabFleet, version: int, transport: str) -> tuple[dict[str, Any], float, float]:
+    """Push `version`, and cut e1's link once the sync is loading: the push must fail
+    (ENGINE_FAILED or TIMEOUT) within the engine timeout + 10 s. Returns its answer, the
+    instant of the cut and how long the failure took after it."""
+    rid = f.send({"op": "push", "version": version, "transport": transport, "timeout": 60})
+    wait_for(lambda: _syncing(f), 60, f"the sync of version {version} to be loading")
+    cut = time.monotonic()
+    f.host_of(1).cut()
+    failed = f.answer(rid, timeout=120)
+    noticed = time.monotonic() - cut
+    assert not failed["ok"] and failed["code"] in ("ENGINE_FAILED", "TIMEOUT"), failed
+    assert noticed <= ENGINE_TIMEOUT + 10, noticed
+    return failed, cut, noticed
+
+
 def _fleet(lab: Lab, tmp_path, model_dir, **kw: Any) -> LabFleet:
     args = ["--spool", str(tmp_path / "spool"), "--engine-timeout", str(ENGINE_TIMEOUT)]
     return LabFleet(lab, tmp_path / "fleet", model_dir, engines=2, min_engines=1, daemon_args=args, **kw)
@@ -74,15 +89,8 @@ def test_an_engine_link_that_flaps_then_goes_dark_mid_sync(tmp_path, tiny_model_
         assert v3["ok"] and v3["result"]["state"] == "READY", v3
         assert _served_by(f) == {e: (3, v3["result"]["digest"]) for e in ("e0", "e1")}
         # the cut
-        rid = f.send({"op": "push", "version": 4, "transport": transport, "timeout": 60})
-        wait_for(lambda: _syncing(f), 60, "the fourth sync to be loading")
-        cut = time.monotonic()
-        f.host_of(1).cut()
-        failed = f.answer(rid, timeout=120)
-        noticed = time.monotonic() - cut
-        assert not failed["ok"] and failed["code"] in ("ENGINE_FAILED", "TIMEOUT"), failed
+        failed, cut, noticed = _cut_e1_mid_push(f, 4, transport)
         assert "e1" in failed["message"], failed
-        assert noticed <= ENGINE_TIMEOUT + 10, noticed
 
         def rolled_back() -> bool:
             st = f.status()
@@ -220,16 +228,9 @@ def test_the_middle_of_the_relay_chain_goes_dark_mid_sync(tmp_path, tiny_model_d
             h.rate(SLOW_MBIT)
         v1 = f.push(1, transport="collective")
         assert v1["ok"], v1
-        rid = f.send({"op": "push", "version": 2, "transport": "collective", "timeout": 60})
-        wait_for(lambda: _syncing(f), 60, "the second sync to be loading")
-        cut = time.monotonic()
-        f.host_of(1).cut()
-        failed = f.answer(rid, timeout=120)
-        noticed = time.monotonic() - cut
-        assert not failed["ok"] and failed["code"] in ("ENGINE_FAILED", "TIMEOUT"), failed
+        failed, cut, noticed = _cut_e1_mid_push(f, 2, "collective")
         assert "e1" in failed["message"] and "e0" not in failed["message"], failed
         assert "e2" not in failed["message"], failed
-        assert noticed <= ENGINE_TIMEOUT + 10, noticed
         others = {e: (1, v1["result"]["digest"]) for e in ("e0", "e2")}
         wait_for(
             lambda: f.status()["state"] == "READY" and _served_by(f) == others, 60, "e0 and e2 back at v1"

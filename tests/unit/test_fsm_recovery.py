@@ -27,6 +27,17 @@ def ready_v1_spooled() -> Orchestrator:
     return o
 
 
+def rolling_back() -> Orchestrator:
+    """Version 1 served and spooled; s2 touched the engines and was aborted: the daemon's
+    rollback to version 1 runs (opened at the tick of t=3)."""
+    o = ready_v1_spooled()
+    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
+    bucket(o, 0)
+    o.handle(ev.AbortSync("s2", "test"), 2.0)
+    o.handle(ev.Tick(), 3.0)
+    return o
+
+
 def test_a_spooled_daemon_spools_every_sync_and_commits_before_the_reply():
     o = spooled_new()
     res = o.handle(ev.BeginSync(Begin(sync_id="s1", version=1)), 1.0)
@@ -85,11 +96,7 @@ def test_a_rollback_failing_at_one_engine_fails_that_engine_and_rolls_the_others
     """The engine that refused the rollback is counted lost, named in an EngineLost; the
     rollback is opened again over the others and completes: the fleet does not end
     IDLE-dirty because one engine refused. Each retry has fewer engines, so it ends."""
-    o = ready_v1_spooled()
-    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
-    bucket(o, 0)
-    o.handle(ev.AbortSync("s2", "test"), 2.0)
-    o.handle(ev.Tick(), 3.0)
+    o = rolling_back()
     first = o.sync.sync_id
     res = o.handle(ev.EngineFailed("e0", Failed(sync_id=first, code="STALE_BASE", message="no base")), 4.0)
     lost = cmds(res, fsm.EngineLost)
@@ -322,11 +329,7 @@ def test_the_daemons_late_abort_of_an_ended_rollback_leaves_the_running_sync_alo
     rollback already ended and a trainer's sync began: the abort is about nothing running
     and must not touch the new sync (it used to raise, which the service counts as a bug
     and fails the running sync with INTERNAL)."""
-    o = ready_v1_spooled()
-    o.handle(ev.BeginSync(Begin(sync_id="s2", version=2)), 2.0)
-    bucket(o, 0)
-    o.handle(ev.AbortSync("s2", "test"), 2.0)
-    o.handle(ev.Tick(), 3.0)
+    o = rolling_back()
     rollback = o.sync.sync_id
     assert o.sync.kind == "rollback"
     o.handle(ev.AbortSync(rollback, "stop it", by="operator"), 3.5)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from messages.schema import ParamSpec
 from messages.slices import (
     WHOLE,
     NotABox,
@@ -70,7 +73,7 @@ def test_the_box_of_a_chain_cuts_what_replaying_the_chain_gives(case):
     want = _replay(t, chain)
     got = cut(t, part_of(shape, box))
     assert got.shape == want.shape and torch.equal(got, want.contiguous())
-    assert part_bytes(shape, part_of(shape, box), 4) == want.numel() * 4
+    assert part_bytes(shape, part_of(shape, box), "float32") == want.numel() * 4
 
 
 def test_ops_that_are_not_a_box_are_refused():
@@ -112,9 +115,9 @@ def test_the_llama_partition_tiles_every_split_tensor_and_replicates_the_rest(tp
             continue
         dim = 1 if ("o_proj" in name or "down_proj" in name) else 0
         assert torch.equal(torch.cat([cut(t, p) for p in parts], dim=dim), t), name
-    sizes = rank_bytes(layout, SHAPES, dict.fromkeys(SHAPES, 4))
-    whole = sum(part_bytes(s, WHOLE, 4) for s in SHAPES.values())
-    norms = sum(part_bytes(s, WHOLE, 4) for n, s in SHAPES.items() if "norm" in n)
+    sizes = rank_bytes(layout, {n: ParamSpec(n, "float32", s) for n, s in SHAPES.items()})
+    whole = sum(4 * math.prod(s) for s in SHAPES.values())
+    norms = sum(4 * math.prod(s) for n, s in SHAPES.items() if "norm" in n)
     assert all(b == (whole - norms) // tp + norms for b in sizes), (sizes, whole)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from engines.vllm.slices import from_json
 from messages.checkpoint import checkpoint_spec
+from messages.dtypes import tensor_nbytes
 from messages.slices import WHOLE, layout_key, llama_tp_layout
 
 pytestmark = pytest.mark.vllm
@@ -28,15 +29,10 @@ def test_a_vllm_engine_records_its_rank_map_from_vllms_loaders_and_declares_it(v
     shapes = {n: p.shape for n, p in spec.items()}
     assert decl is not None and decl.key == layout_key(llama_tp_layout(shapes, 1))
     assert len(decl.rank_bytes) == 1
-    assert decl.rank_bytes[0] == sum(4 * _numel(s) for s in shapes.values())  # float32 checkpoint
+    assert decl.rank_bytes[0] == sum(
+        tensor_nbytes("float32", s) for s in shapes.values()
+    )  # float32 checkpoint
     assert vllm_engine.describe().slices == decl
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 TP2_SCRIPT = r"""
@@ -89,6 +85,6 @@ def test_at_tensor_parallel_size_2_each_worker_records_its_half(tiny_model_dir):
         diff = {n: (got[rank].get(n), want[rank][n]) for n in shapes if got[rank].get(n) != want[rank][n]}
         assert not diff, (rank, diff, out["whole_because"])
     assert out["key"] == layout_key(want)
-    whole = sum(4 * _numel(s) for s in shapes.values())
+    whole = sum(tensor_nbytes("float32", s) for s in shapes.values())
     assert all(b / whole <= 0.6 for b in out["rank_bytes"]), (out["rank_bytes"], whole)
     assert out["digest_ok"] and out["probe_ok"], out
