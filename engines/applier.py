@@ -36,6 +36,7 @@ from engines.base import (
     Parts,
     ReceivesGroup,
     TakesDigestParts,
+    TakesSlices,
 )
 from engines.delta import BaseStore
 from engines.postload import Rehash, Rehashed
@@ -48,6 +49,7 @@ from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
 from messages.distgroup import PEER_FAILED, GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.slices import WHOLE
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -98,7 +100,10 @@ class Applier(threading.Thread):
         self.pass_bytes: dict[str, int] = {}  # and the bytes a phase's pass went over (checksum)
         self.collective_bind = collective_bind
         self.prefetcher: Prefetcher | None = None  # made on the first group load
-        self._spec = {p.name for p in engine.describe().spec}
+        info = engine.describe()
+        self._spec = {p.name for p in info.spec}
+        # its ranks take slices: it declared each rank's map (a sender cuts for it)
+        self.slices = isinstance(engine, TakesSlices) and info.slices is not None and bool(info.slices.ranks)
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
         # sync_id -> set when that sync's group stream must stop (the main thread's abort);
@@ -416,6 +421,9 @@ class Applier(threading.Thread):
                     self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
                     del data
             return
+        if any(m.box is not None for m in metas) or (self.slices and not _patched(metas)):
+            self._apply_parts(metas, buf, parts)
+            return
         if _patched(metas):
             # an engine that digests its whole model (not what it received) may skip loading
             # unchanged tensors its model already holds
@@ -439,6 +447,22 @@ class Applier(threading.Thread):
         self.engine.load(tensors)
         self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
+
+    def _apply_parts(self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts) -> None:
+        """An engine whose ranks take slices: each tensor with its part (a box of it, or whole)."""
+        if not self.slices or not isinstance(self.engine, TakesSlices):
+            raise WeightSyncError(
+                "a bucket holds a box of a tensor, and this engine takes whole tensors only "
+                "(its sender cut for a layout it did not declare)",
+                code=ErrorCode.BAD_MESSAGE,
+            )
+        items = [(m.name, m.box or WHOLE, t) for m, (_, t) in zip(metas, unpack(metas, buf), strict=True)]
+        self.engine.load_parts(items)
+        if any(m.box is not None for m in metas):
+            self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
+        elif self.base.keeping:
+            self.base.stage_loaded([(n, t) for n, _, t in items], parts, set())
+        del items  # drop the views before acknowledging (the frame can be freed)
 
     def _group_bytes(self, msg: schema.Load, fut: Received) -> Buffer | None:
         """The bucket the prefetcher received by broadcast (None: the engine's workers

@@ -26,6 +26,7 @@ import torch
 from messages.dtypes import dtype_name
 from messages.errors import make_error
 from messages.schema import ParamSpec, Probe, Ref, Slices, TensorMeta
+from messages.slices import Part
 from messages.specs import spec_refusal
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class EngineOptions(TypedDict, total=False):
 
     model: Required[str]  # the checkpoint directory
     threads: int | None  # torch: intra-op threads
+    tp: int  # torch: tensor-parallel ranks (engines.torch_engine: vLLM's Llama partition)
     vllm_mp: bool  # vllm: V1 multiprocessing
     llm_args: JsonObject  # vllm: keyword arguments of vllm.LLM (--vllm-arg, parsed as JSON)
     url: str | None  # vllm-server: the server's base URL
@@ -126,6 +128,20 @@ class ReceivesGroup(Protocol):
     ) -> None: ...
 
     def close_group(self) -> None: ...
+
+
+@runtime_checkable
+class TakesSlices(Protocol):
+    """Its ranks take slices (it declared `EngineInfo.slices` with each rank's map): every
+    tensor of a bucket comes to `load_parts` with its part (`messages.slices`: WHOLE, whose
+    view has the full shape, or a box, whose view has the box's); each rank takes what its
+    map says of it (cutting its box from a whole tensor). After the post-load step it
+    tells each rank's digest over the parts it holds (`messages.cuts.part_digest`) and the
+    bytes each rank was handed since `begin`."""
+
+    def load_parts(self, items: Sequence[tuple[str, Part, torch.Tensor]]) -> None: ...
+
+    def rank_report(self) -> tuple[tuple[str, ...], tuple[int, ...]]: ...
 
 
 @runtime_checkable

@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import structlog
 
-from engines.base import DropsWeights, Engine, HandsToReaders, LabelsOutputs, RehashesWeights, ReportsPhases
+from engines.base import (
+    DropsWeights,
+    Engine,
+    HandsToReaders,
+    LabelsOutputs,
+    RehashesWeights,
+    ReportsPhases,
+    TakesSlices,
+)
 from engines.delta import BaseStore
 from messages import schema
 from messages.errors import ErrorCode, WeightSyncError
@@ -89,6 +97,7 @@ def finalize(
     done = {**phases, "finalize": t1 - t0, "canary": seconds - (t1 - t0)}
     if isinstance(engine, ReportsPhases):
         done.update(engine.last_phases)  # the engine's own split
+    rank_digests, rank_received = engine.rank_report() if isinstance(engine, TakesSlices) else ((), ())
     emit(
         schema.Finalized(
             sync_id=msg.sync_id,
@@ -100,6 +109,8 @@ def finalize(
             phases=done,
             pass_bytes=dict(pass_bytes),
             delta=base.held if base.enabled else None,
+            rank_digests=rank_digests,
+            rank_received=rank_received,
         )
     )
     log.info(

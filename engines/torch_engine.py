@@ -8,6 +8,12 @@ same storage now holds the kernel). `begin` restores the checkpoint layout so bu
 be copied in by checkpoint name. Running `finalize` twice transposes the kernel again and
 the model computes garbage, which is exactly the bug class this project exists to stop;
 the worker's guard and the orchestrator's FSM keep it to once per sync.
+
+With `tp` > 1 the engine holds `tp` tensor-parallel ranks of vLLM's Llama partition
+(`messages.slices.llama_tp_layout`) and takes slices (`engines.base.TakesSlices`): rank r
+holds a view of its box of each split tensor (so the model the canaries run is the union
+of the ranks' slices, as a tensor-parallel forward computes it) and its own copy of each
+replicated tensor (rank 0's is the model's). Each rank's digest is over what it holds.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from transformers.utils import logging as hf_logging
 from engines.base import EngineInfo, EngineOptions, validate_bucket
 from messages.buckets import Digester
 from messages.canary import greedy
+from messages.checksums import combine
+from messages.cuts import cut, part_digest
 from messages.dtypes import dtype_name
 from messages.errors import ErrorCode, make_error
-from messages.schema import ParamSpec, Probe
+from messages.schema import ParamSpec, Probe, Slices
+from messages.slices import WHOLE, Part, layout_key, llama_tp_layout, rank_bytes, to_wire
 
 log = structlog.get_logger()
 
@@ -82,7 +91,10 @@ class TorchEngine:
         threads: int | None = None,
         lora_rank: int = 0,
         lora_targets: Sequence[str] = (),
+        tp: int = 1,
     ) -> None:
+        if tp > 1 and lora_rank:
+            raise ValueError("--tp with LoRA slots is not supported")
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = str(model_dir)
@@ -106,6 +118,11 @@ class TorchEngine:
         self.version: int | None = None
         self._digest: str | None = self._checkpoint_digest()
         self._prepared: str | None = None  # the digest taken at prepare, for finalize
+        self.layout = llama_tp_layout({n: p.shape for n, p in self.spec.items()}, tp) if tp > 1 else None
+        # rank -> name -> (its part, what it holds of it: a view of the model's box, or a copy)
+        self.ranks = [] if self.layout is None else [self._rank(r, m) for r, m in enumerate(self.layout)]
+        self.received = [0] * len(self.ranks)  # bytes handed to each rank since begin
+        self._rank_digests: tuple[str, ...] = ()
         self._pack()  # the model as loaded from disk is served, so it is post-processed once
 
     # -- Engine protocol ----------------------------------------------------------------
@@ -115,6 +132,13 @@ class TorchEngine:
             model=self.model_dir,
             spec=tuple(self.spec.values()),
             extra={"parameters": sum(t.numel() for t in self.params.values()), "linears": len(self.linears)},
+            slices=None
+            if self.layout is None
+            else Slices(
+                key=layout_key(self.layout),
+                rank_bytes=tuple(rank_bytes(self.layout, self.spec)),
+                ranks=to_wire(self.layout),
+            ),
         )
 
     def begin(self, sync_id: str = "", version: int = 0) -> None:
@@ -123,8 +147,13 @@ class TorchEngine:
         self.version = None
         self._digest = None
         self._prepared = None
+        self.received = [0] * len(self.ranks)
+        self._rank_digests = ()
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.ranks:
+            self.load_parts([(n, WHOLE, t) for n, t in tensors])
+            return
         if self.packed:
             raise make_error(ErrorCode.INVALID_STATE, "load while weights are packed; begin first")
         validate_bucket(self.spec, tensors)
@@ -133,15 +162,86 @@ class TorchEngine:
             for name, src in tensors:
                 self.params[name].copy_(src)
 
+    def load_parts(self, items: Sequence[tuple[str, Part, torch.Tensor]]) -> None:
+        """Each rank takes its part of each item: its box of a whole tensor, or the box sent
+        for it (a box for no rank of this layout is for another engine's, and skipped)."""
+        if not self.ranks:  # one rank (no --tp): it declared no slices, and takes whole tensors
+            if any(p != WHOLE for _, p, _ in items):
+                raise make_error(ErrorCode.BAD_MESSAGE, "a box of a tensor for an engine of one rank")
+            self.load([(n, t) for n, _, t in items])
+            return
+        if self.packed:
+            raise make_error(ErrorCode.INVALID_STATE, "load while weights are packed; begin first")
+        validate_bucket(self.spec, [(n, t) for n, p, t in items if p == WHOLE])
+        for name, part, t in items:
+            want = self.spec.get(name)
+            if part == WHOLE:
+                continue
+            if want is None:
+                raise make_error(ErrorCode.UNKNOWN_TENSOR, f"this model has no tensor {name!r}")
+            if (
+                dtype_name(t.dtype) != want.dtype
+                or len(part) != len(want.shape)
+                or tuple(t.shape) != tuple(n for _, n in part)
+                or any(a + n > d for (a, n), d in zip(part, want.shape, strict=True))
+            ):
+                raise make_error(
+                    ErrorCode.SHAPE_MISMATCH,
+                    f"{name}: box {list(part)} as {dtype_name(t.dtype)}{list(t.shape)} of "
+                    f"{want.dtype}{list(want.shape)}",
+                )
+        self._prepared = None
+        with torch.no_grad():
+            for name, part, t in items:
+                for r, rank in enumerate(self.ranks):
+                    held = rank.get(name)
+                    if held is None:
+                        continue
+                    mine, dst = held
+                    if part == WHOLE:
+                        dst.copy_(cut(t, mine))
+                    elif part == mine:
+                        dst.copy_(t)
+                    else:
+                        continue
+                    self.received[r] += t.numel() * t.element_size()
+
+    def rank_report(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Each rank's digest (taken at finalize, before the post-load step) and bytes."""
+        return self._rank_digests, tuple(self.received)
+
+    def _rank(self, r: int, rank_map: dict[str, Part]) -> dict[str, tuple[Part, torch.Tensor]]:
+        out: dict[str, tuple[Part, torch.Tensor]] = {}
+        for name, part in rank_map.items():
+            p = self.params[name].data
+            if part == WHOLE:
+                out[name] = (part, p if r == 0 else p.clone())
+                continue
+            view = p
+            for d, (start, length) in enumerate(part):
+                view = view.narrow(d, start, length)
+            out[name] = (part, view)
+        return out
+
+    def _take_rank_digests(self) -> None:
+        self._rank_digests = tuple(
+            combine(part_digest(n, self.spec[n].shape, part, held) for n, (part, held) in rank.items())
+            for rank in self.ranks
+        )
+
     def prepare_digest(self) -> str:
         """The digest `finalize` will return (phase one of the commit); kept for it."""
         if self.packed:
             raise make_error(ErrorCode.INVALID_STATE, "prepare while weights are packed; begin first")
         self._prepared = self._checkpoint_digest()
+        if self.ranks:
+            self._take_rank_digests()
         return self._prepared
 
     def finalize(self, sync_id: str = "") -> str:
         # before the checkpoint layout is released (taken at prepare when nothing changed since)
+        if self.ranks and not self._prepared:
+            self._take_rank_digests()
         digest = self._prepared or self._checkpoint_digest()
         self._prepared = None
         self._pack()
@@ -262,4 +362,5 @@ def make_engine(options: EngineOptions) -> TorchEngine:
         threads=options.get("threads"),
         lora_rank=int(options.get("lora_rank") or 0),
         lora_targets=tuple(options.get("lora_targets") or ()),
+        tp=int(options.get("tp") or 1),
     )

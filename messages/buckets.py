@@ -25,6 +25,8 @@ from messages.dtypes import DTYPES, dtype_name, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 
+Box = tuple[tuple[int, int], ...]  # messages.slices.Box: per dimension (start, length)
+
 ALIGN = 64
 
 
@@ -108,13 +110,30 @@ class Patched:
         return n * self.dtype.itemsize
 
 
+class Sliced:
+    """Box `box` of tensor `name` (an engine rank's slice, messages/slices.py), packed as
+    the box's contiguous bytes; the bucket's meta keeps the full dtype and shape and names
+    the box. `data` is the cut (`messages.slices.cut`), `shape` the full tensor's."""
+
+    __slots__ = ("data", "box", "dtype", "shape")
+
+    def __init__(self, data: torch.Tensor, box: Box, shape: tuple[int, ...]) -> None:
+        self.data, self.box, self.dtype, self.shape = data, box, data.dtype, shape
+
+    def numel(self) -> int:
+        return int(self.data.numel())
+
+    def element_size(self) -> int:
+        return int(self.data.element_size())
+
+
 class Piece:
     """Bytes [start, start + nbytes) of a tensor larger than a bucket, packed alone in a
     bucket. `src` is the whole tensor's flat bytes (made once for all its pieces) or the
     `Cast` that makes them. `full` is the tensor's digest hasher, fed every piece in order
     and shared by them: after the last piece its digest is the whole tensor's part."""
 
-    __slots__ = ("src", "dtype", "shape", "start", "nbytes", "full", "last")
+    __slots__ = ("src", "dtype", "shape", "start", "nbytes", "full", "last", "box")
 
     def __init__(
         self,
@@ -125,9 +144,10 @@ class Piece:
         nbytes: int,
         full: xxhash.xxh3_128,
         last: bool,
+        box: Box | None = None,  # a piece of this box's bytes (a `Sliced` larger than a bucket)
     ) -> None:
         self.src, self.dtype, self.shape = src, dtype, shape
-        self.start, self.nbytes, self.full, self.last = start, nbytes, full, last
+        self.start, self.nbytes, self.full, self.last, self.box = start, nbytes, full, last, box
 
     def numel(self) -> int:
         return self.nbytes
@@ -144,19 +164,22 @@ class Piece:
         return copy_hashing(dst, self.src[self.start : self.start + self.nbytes], hasher, self.full)
 
 
-def pieces(name: str, t: torch.Tensor | Cast, bucket_bytes: int) -> Iterator[Piece]:
-    """`t` cut into pieces of at most `bucket_bytes` (whole elements, at least one)."""
+def pieces(name: str, t: torch.Tensor | Cast | Sliced, bucket_bytes: int) -> Iterator[Piece]:
+    """`t` cut into pieces of at most `bucket_bytes` (whole elements, at least one); a
+    `Sliced`'s pieces are of its box's bytes."""
     size = t.element_size()
     total = t.numel() * size
     step = max(size, bucket_bytes // size * size)
-    full = part_hasher(name, dtype_name(t.dtype), tuple(t.shape))
-    src = t if isinstance(t, Cast) else as_bytes(t)  # a non-contiguous tensor is copied once
+    box = t.box if isinstance(t, Sliced) else None
+    full = part_hasher(name, dtype_name(t.dtype), tuple(t.shape), box=box)
+    # a non-contiguous tensor is copied once
+    src = t if isinstance(t, Cast) else as_bytes(t.data if isinstance(t, Sliced) else t)
     for start in range(0, total, step):
         n = min(step, total - start)
-        yield Piece(src, t.dtype, tuple(t.shape), start, n, full, start + n == total)
+        yield Piece(src, t.dtype, tuple(t.shape), start, n, full, start + n == total, box)
 
 
-Item = torch.Tensor | Cast | Patched | Piece
+Item = torch.Tensor | Cast | Patched | Piece | Sliced
 
 
 def as_bytes(t: torch.Tensor | Cast) -> torch.Tensor:
@@ -257,7 +280,8 @@ def _pack(
         nbytes = t.numel() * t.element_size()
         patch = t.patch if isinstance(t, Patched) else None
         start = t.start if isinstance(t, Piece) else None
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch, start))
+        box = t.box if isinstance(t, (Piece, Sliced)) else None
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch, start, box))
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     data = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(seq, total)
@@ -268,7 +292,7 @@ def _pack(
     for meta, (name, t) in zip(metas, items, strict=True):
         if meta.offset > pos:  # padding: zeros, so the frame is the same every time
             data[pos : meta.offset].zero_()
-        h = part_hasher(meta.name, meta.dtype, meta.shape, meta.start)
+        h = part_hasher(meta.name, meta.dtype, meta.shape, meta.start, meta.box)
         dst = data[meta.offset : meta.offset + meta.nbytes]
         if not meta.nbytes:
             pass
@@ -281,14 +305,19 @@ def _pack(
             copying, hashing = copying + done.copy_s, hashing + done.hash_s
             copied, hashed = copied + done.copied, hashed + done.hashed
         else:
-            done = copy_hashing(dst, t.data if isinstance(t, Patched) else as_bytes(t), h)
+            done = copy_hashing(
+                dst, t.data if isinstance(t, Patched) else as_bytes(t.data if isinstance(t, Sliced) else t), h
+            )
             copying, hashing = copying + done.copy_s, hashing + done.hash_s
             copied, hashed = copied + done.copied, hashed + done.hashed
         part = h.digest()
         parts.append(part)
         if isinstance(t, Piece):  # the tensor's part is over all its pieces: known at the last
             if t.last and digester is not None:
-                digester.add(name, t.full.digest())
+                digester.add(name, t.full.digest(), t.box)
+        elif isinstance(t, Sliced):
+            if digester is not None:
+                digester.add(name, part, t.box)
         elif digester is not None:  # a patch's digest part is the tensor it rebuilds
             digester.add(name, t.patch.result if isinstance(t, Patched) else part)
         pos = meta.offset + meta.nbytes
@@ -316,7 +345,7 @@ def iter_buckets(
     pending: list[tuple[str, Item]] = []
     size = 0
     for name, t in named_tensors:
-        if not isinstance(t, (torch.Tensor, Cast, Patched)):
+        if not isinstance(t, (torch.Tensor, Cast, Patched, Sliced)):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dtype_name(t.dtype)  # refuse unsupported dtypes before packing anything
         if split and isinstance(t, Patched) and t.numel() > bucket_bytes and t.dense is not None:
@@ -364,7 +393,8 @@ def unpack(metas: Sequence[TensorMeta], buf: Bytes) -> Iterator[tuple[str, torch
         raw = flat[m.offset : m.offset + m.nbytes]
         dtype = DTYPES[m.dtype]
         t = raw.view(dtype) if dtype != torch.uint8 else raw
-        yield m.name, t.view(m.shape) if m.shape else t.reshape(())
+        shape = m.shape if m.box is None else tuple(length for _, length in m.box)
+        yield m.name, t.view(shape) if shape else t.reshape(())
 
 
 class Added(NamedTuple):
@@ -391,20 +421,20 @@ class Assembler:
         piece out of order, or not matching the tensor begun, is a BAD_MESSAGE (the codec
         has bounded it already)."""
         start = m.start or 0
-        full = tensor_nbytes(m.dtype, m.shape)
+        full = tensor_nbytes(m.dtype, m.shape if m.box is None else [n for _, n in m.box])
         held = self._open.get(m.name)
         if held is None:
             if start:
                 raise MessageError(ErrorCode.BAD_MESSAGE, f"{m.name}: piece at byte {start} before its first")
-            whole = TensorMeta(m.name, m.dtype, tuple(m.shape), 0, full)
+            whole = TensorMeta(m.name, m.dtype, tuple(m.shape), 0, full, box=m.box)
             held = (
                 whole,
                 torch.empty(full, dtype=torch.uint8),
-                part_hasher(m.name, m.dtype, tuple(m.shape)),
+                part_hasher(m.name, m.dtype, tuple(m.shape), box=m.box),
                 0,
             )
         whole, data, hasher, got = held
-        if start != got or (whole.dtype, tuple(whole.shape)) != (m.dtype, tuple(m.shape)):
+        if start != got or (whole.dtype, tuple(whole.shape), whole.box) != (m.dtype, tuple(m.shape), m.box):
             raise MessageError(
                 ErrorCode.BAD_MESSAGE,
                 f"{m.name}: piece [{start}, {start + m.nbytes}) of {m.dtype}{list(m.shape)} where byte {got} "
@@ -454,6 +484,7 @@ class Digester:
 
     def __init__(self) -> None:
         self._parts: dict[str, bytes] = {}
+        self.slices: dict[tuple[str, Box], bytes] = {}  # the parts of boxes sent (a rank's slices)
 
     @staticmethod
     def start(name: str, t: torch.Tensor | Cast) -> xxhash.xxh3_128:
@@ -467,9 +498,16 @@ class Digester:
     def finish(self, name: str, h: xxhash.xxh3_128) -> None:
         self._parts[name] = h.digest()
 
-    def add(self, name: str, part: bytes) -> None:
-        """A tensor's part computed elsewhere (`hash_bucket`), from the same bytes."""
-        self._parts[name] = part
+    def add(self, name: str, part: bytes, box: Box | None = None) -> None:
+        """A tensor's part computed elsewhere (`hash_bucket`), from the same bytes; with
+        `box`, the part of that box of it (kept apart: the tensor's own part is the whole's)."""
+        if box is None:
+            self._parts[name] = part
+        else:
+            self.slices[(name, box)] = part
+
+    def part(self, name: str) -> bytes | None:
+        return self._parts.get(name)
 
     def update(self, name: str, t: torch.Tensor) -> None:
         h = self.start(name, t)

@@ -48,6 +48,8 @@ class Ranged(Protocol):
     def nbytes(self) -> int: ...
     @property
     def start(self) -> int | None: ...
+    @property
+    def box(self) -> tuple[tuple[int, int], ...] | None: ...
 
 
 def byte_view(buf: Bytes) -> memoryview:
@@ -61,15 +63,24 @@ def byte_view(buf: Bytes) -> memoryview:
     return memoryview(buf)
 
 
-def part_hasher(name: str, dtype: str, shape: tuple[int, ...], start: int | None = None) -> xxhash.xxh3_128:
+def part_hasher(
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    start: int | None = None,
+    box: tuple[tuple[int, int], ...] | None = None,
+) -> xxhash.xxh3_128:
     """A streaming hash of tensor `name`'s digest part: feed it the bytes, then `.digest()`.
     With `start`, the part of a piece (the bytes from `start` of a tensor larger than a
     bucket): it serves the bucket's checksum; the tensor's digest part is the plain hasher
-    fed every piece in order."""
+    fed every piece in order. With `box`, the part of that box of the tensor (a rank's
+    slice): its bytes, and which box of which tensor they are."""
     h = xxhash.xxh3_128()
     h.update(name.encode())
     h.update(b"\0" + dtype.encode() + b"\0")
     h.update(repr(tuple(shape)).encode())
+    if box is not None:
+        h.update(b"\0#" + repr(tuple((int(a), int(b)) for a, b in box)).encode())
     if start is not None:
         h.update(b"\0@" + str(start).encode())
     return h
@@ -88,7 +99,7 @@ def bucket_hash(buf: Bytes, metas: Iterable[Ranged]) -> tuple[int, list[bytes], 
     parts = []
     hashed = 0
     for m in metas:
-        h = part_hasher(m.name, m.dtype, tuple(m.shape), m.start)
+        h = part_hasher(m.name, m.dtype, tuple(m.shape), m.start, m.box)
         if m.nbytes:
             piece = mv[m.offset : m.offset + m.nbytes]
             h.update(piece)

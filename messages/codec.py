@@ -100,14 +100,16 @@ def _refusal(mtype: str, exc: Exception) -> MessageError:
 
 
 def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None:
-    seen: set[str] = set()
+    seen: set[tuple[str, object]] = set()
     for i, t in enumerate(tensors):
         where = f"tensors[{i}] ({t.name[:64]!r})"
-        if t.name in seen:
+        if (t.name, t.box) in seen:
             raise _bad(f"{where}: duplicate tensor name in bucket")
-        seen.add(t.name)
+        seen.add((t.name, t.box))
         itemsize = ITEMSIZE[t.dtype]
         full = tensor_nbytes(t.dtype, t.shape)
+        if t.box is not None:
+            full = _check_box(where, t, itemsize)
         numel = full // itemsize
         if t.start is not None:
             _check_piece(where, t, full, itemsize)
@@ -119,6 +121,22 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
             raise _bad(
                 f"{where}: bytes [{t.offset}, {t.offset + t.nbytes}) outside the {frame_len}-byte frame"
             )
+
+
+def _check_box(where: str, t: schema.TensorMeta, itemsize: int) -> int:
+    """A box of the tensor (an engine rank's slice): one in-bounds range per dimension,
+    never a patch; returns the box's bytes."""
+    box = t.box or ()
+    if t.patch is not None:
+        raise _bad(f"{where}: a box cannot be a patch")
+    if len(box) != len(t.shape):
+        raise _bad(f"{where}: a box of {len(box)} dimensions for a tensor of {len(t.shape)}")
+    numel = 1
+    for d, ((start, length), size) in enumerate(zip(box, t.shape, strict=True)):
+        if start + length > size:
+            raise _bad(f"{where}: box [{start}, {start + length}) outside dimension {d} of {size}")
+        numel *= length
+    return numel * itemsize
 
 
 def _check_piece(where: str, t: schema.TensorMeta, full: int, itemsize: int) -> None:

@@ -51,6 +51,9 @@ class BeginReply(msgspec.Struct, frozen=True, kw_only=True):
     fanout_bytes: int | None = None  # per source's share of the fan-out's queue (None: no fan-out)
     # the largest bucket frame the daemon takes in this sync (None: no limit but max_frame_bytes)
     bucket_bytes: int | None = None
+    # every participant takes slices: layout key -> each rank's map (`Slices.ranks`); the
+    # sender cuts for them (messages/cuts.py). Empty: whole tensors.
+    layouts: dict[str, tuple[dict[str, Any], ...]] = {}
 
 
 class BucketAck(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ from msgspec import Meta
 
 from messages.dtypes import Dtype
 from messages.errors import ErrorCode
+from messages.fields import *  # noqa: F403  # the field types and bounds (re-exported): the constraints are the documentation
 
 # A JSON value: what status views, journal rows and reply bodies are made of.
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
@@ -35,100 +36,6 @@ DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5556"  # the daemon's engine socket
 # 8MiB,16MiB,32MiB,64MiB`): receive buffers past glibc's 32 MiB mmap threshold are fresh
 # mappings that page-fault on every bucket, in the daemon and in every engine.
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
-
-# -- field types: the constraints are the documentation ---------------------------------
-
-INT63 = 2**63 - 1
-MAX_ID_LEN = 128
-MAX_NAME_LEN = 1024
-MAX_TEXT_LEN = 4096
-MAX_TENSORS_PER_BUCKET = 65536
-MAX_FLEET = 65536  # engines named in one message
-MAX_SPEC = 1 << 20
-MAX_RANK = 16
-MAX_SOURCES = 1024
-# a sharded push over the collective has a group per source, and every engine keeps each
-# one open: past this many sources the daemon plans references or frames instead
-MAX_COLLECTIVE_SOURCES = 64
-MAX_PROBES = 64
-MAX_PROBE_TOKENS = 4096
-
-Id = Annotated[
-    str,
-    Meta(
-        min_length=1,
-        max_length=MAX_ID_LEN,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*\Z",
-        description="1-128 of [A-Za-z0-9._:@+-], not starting with a dot or dash",
-    ),
-]
-Version = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
-RequestId = Annotated[int, Meta(ge=0, le=INT63, description="0..2**63-1")]
-Seq = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
-SourceIndex = Annotated[int, Meta(ge=0, lt=MAX_SOURCES, description=f"0..{MAX_SOURCES - 1}")]
-SourceCount = Annotated[int, Meta(ge=1, le=MAX_SOURCES, description=f"1..{MAX_SOURCES}")]
-Size = Annotated[int, Meta(ge=0, le=2**62, description="0..2**62 bytes")]
-# MessagePack carries at most 2**64-1, and msgspec bounds must fit an int64: ge=0 is the range.
-Checksum = Annotated[int, Meta(ge=0, description="xxh3-64, 0..2**64-1")]
-Count = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
-Dim = Annotated[int, Meta(ge=0, le=2**62, description="0..2**62")]
-Shape = Annotated[tuple[Dim, ...], Meta(max_length=MAX_RANK, description=f"rank <= {MAX_RANK}")]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1, description="0..2**31-1")]
-Tokens = Annotated[tuple[TokenId, ...], Meta(max_length=MAX_PROBE_TOKENS)]
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9, description="0..1e9")]
-MAX_PHASES = 32
-PhaseName = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]+$")]
-TensorName = Annotated[
-    str,
-    Meta(
-        min_length=1,
-        max_length=MAX_NAME_LEN,
-        pattern=r"^[^\x00-\x1f]+\Z",
-        description=f"1-{MAX_NAME_LEN} chars, no control characters",
-    ),
-]
-Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN, description=f"<= {MAX_TEXT_LEN} chars")]
-LongText = Annotated[str, Meta(max_length=65536, description="<= 65536 chars")]
-Host = Annotated[
-    str,
-    Meta(
-        max_length=255, pattern=r"^[^\x00-\x1f/]*\Z", description="<= 255 chars, no control characters or '/'"
-    ),
-]
-Digest = Annotated[
-    str, Meta(min_length=1, max_length=128, pattern=r"^[0-9a-f]+\Z", description="lowercase hex, 1-128 chars")
-]
-# Where a bucket lies by reference (a "ref" transport, messages.transports): only names the
-# segment code itself makes are accepted; never a path, never a dot-name.
-SegmentName = Annotated[
-    str,
-    Meta(
-        max_length=96,
-        pattern=r"^weightsync\.[a-z]+\.[0-9]+\.[0-9a-f]{12}\Z",
-        description="weightsync.KIND.PID.HEX12 (made by the transport's trainer side)",
-    ),
-]
-# a transport's name (messages.transports; "auto": the daemon picks); one this daemon has
-# not registered is refused at begin
-FRAMES = "inline"  # the transport every end speaks: frames through the daemon
-Transport = Annotated[
-    str, Meta(max_length=32, pattern=r"^[a-z][a-z0-9_-]{0,31}\Z", description="a transport's name, or auto")
-]
-Backend = Literal["gloo", "nccl"]
-Port = Annotated[int, Meta(ge=1, le=65535, description="1..65535")]
-Mac = Annotated[bytes, Meta(min_length=16, max_length=16, description="16 bytes")]
-Label = Annotated[
-    str, Meta(max_length=64, pattern=r"^[^\x00-\x1f]*\Z", description="<= 64 chars, no control characters")
-]
-StoreToken = Annotated[
-    str, Meta(max_length=64, pattern=r"^[0-9a-f]*\Z", description="<= 64 hex digits (the store's secret)")
-]
-CurveKey = Annotated[
-    str, Meta(max_length=40, pattern=r"^[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]*\Z", description="Z85, 40 chars")
-]
-MAX_GROUP = 4096
-MAX_ALSO = 4096  # buckets one `loaded` may report beyond its cumulative seq
-Rank = Annotated[int, Meta(ge=0, lt=MAX_GROUP, description=f"0..{MAX_GROUP - 1}")]
 
 
 class _Wire(msgspec.Struct, frozen=True):
@@ -159,12 +66,18 @@ class Patch(_Wire, frozen=True):
     count: Size = 0
 
 
+# A box of a tensor: one (start, length) per dimension (messages/slices.py)
+BoxWire = Annotated[tuple[tuple[Dim, Dim], ...], Meta(min_length=1, max_length=MAX_RANK)]
+
+
 class TensorMeta(_Wire, frozen=True, omit_defaults=True):
     """One tensor of a bucket. dtype and shape are the full tensor's, also when `patch`
     says the bytes at [offset, offset + nbytes) are a patch of it, or `start` says they are
     a piece of it: bytes [start, start + nbytes) of the full tensor. A tensor larger than a
     bucket travels as pieces, in order, one per bucket, and its receiver assembles it
-    before it loads it (protocol v7)."""
+    before it loads it (protocol v7). `box` (protocol v8, optional): the bytes are that box
+    of the full tensor, contiguous (an engine rank's slice, messages/slices.py); with
+    `start`, a piece of the box's bytes."""
 
     name: TensorName
     dtype: Dtype
@@ -173,6 +86,7 @@ class TensorMeta(_Wire, frozen=True, omit_defaults=True):
     nbytes: Size
     patch: Patch | None = None
     start: Size | None = None
+    box: BoxWire | None = None
 
 
 Tensors = Annotated[tuple[TensorMeta, ...], Meta(max_length=MAX_TENSORS_PER_BUCKET)]
@@ -186,12 +100,23 @@ class ParamSpec(_Wire, frozen=True):
     shape: Shape
 
 
+# what one rank loads of one tensor: "whole", or a box
+PartWire = Union[Literal["whole"], BoxWire]
+LayoutKey = Annotated[str, Meta(max_length=32, pattern=r"^[0-9a-f]{1,32}\Z")]
+
+
 class Slices(_Wire, frozen=True):
     """What an engine's ranks load of the checkpoint (messages/slices.py): the layout's
-    key (one per layout: engines of one layout share it) and the bytes each rank loads."""
+    key (one per layout: engines of one layout share it) and the bytes each rank loads.
+    `ranks` (each rank's map, name -> part): the engine takes slices, a sender may cut for
+    it (an engine that only declares its layout sends none and takes whole tensors)."""
 
-    key: Annotated[str, Meta(max_length=32, pattern=r"^[0-9a-f]{1,32}\Z")]
+    key: LayoutKey
     rank_bytes: Annotated[tuple[Size, ...], Meta(min_length=1, max_length=MAX_GROUP)]
+    ranks: Annotated[
+        tuple[Annotated[dict[TensorName, PartWire], Meta(max_length=MAX_SPEC)], ...],
+        Meta(max_length=MAX_GROUP),
+    ] = ()
 
 
 class Probe(_Wire, frozen=True):
@@ -321,6 +246,11 @@ class Finish(Message, frozen=True, tag="finish"):
     # v3, a collective stream: the chain over the buckets' checksums (messages/stream.py)
     chain: Checksum | None = None
     seat: Checksum | None = None  # the token of the begin that took this source's seat
+    # v8, a push cut into slices: per layout key, each rank's digest over the slices of
+    # this source's tensors it was sent (messages/slices.py: rank_digests)
+    slice_digests: Annotated[
+        dict[LayoutKey, Annotated[tuple[Digest, ...], Meta(max_length=MAX_GROUP)]], Meta(max_length=MAX_GROUP)
+    ] = {}
 
 
 class Abort(Message, frozen=True, tag="abort"):
@@ -439,6 +369,10 @@ class Finalized(Message, frozen=True, tag="finalized"):
     # it holds a base copy of what it now serves (a delta may follow); None: unchanged
     # since it registered. A collective sync its own workers received leaves it none.
     delta: bool | None = None
+    # an engine that takes slices: each rank's digest over the parts it holds, and the
+    # bytes each rank was handed in this sync
+    rank_digests: Annotated[tuple[Digest, ...], Meta(max_length=MAX_GROUP)] = ()
+    rank_received: Annotated[tuple[Size, ...], Meta(max_length=MAX_GROUP)] = ()
 
 
 class Prepared(Message, frozen=True, tag="prepared"):

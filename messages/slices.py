@@ -27,11 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import msgspec
-import torch
 import xxhash
 
 from messages.dtypes import Dtype, tensor_nbytes
-from messages.schema import ParamSpec
+from messages.schema import ParamSpec, Slices
 
 Box: TypeAlias = tuple[tuple[int, int], ...]  # per dimension: (start, length)
 WHOLE: Literal["whole"] = "whole"
@@ -118,19 +117,6 @@ def part_bytes(shape: Sequence[int], part: Part, dtype: Dtype) -> int:
     return tensor_nbytes(dtype, list(shape) if part == WHOLE else [length for _, length in part])
 
 
-def cut(t: torch.Tensor, part: Part) -> torch.Tensor:
-    """The rank's part of `t`, contiguous (a copy unless it already is one)."""
-    if part == WHOLE:
-        return t
-    if len(part) != t.dim():
-        raise ValueError(f"a box of {len(part)} dimensions for a tensor of {t.dim()}")
-    out = t
-    for d, (start, length) in enumerate(part):
-        if (start, length) != (0, t.shape[d]):
-            out = out.narrow(d, start, length)
-    return out.contiguous()
-
-
 def layout_key(layout: Layout) -> str:
     """One key per layout: the same parts for the same names give the same key."""
     canon = [sorted((n, p if p == WHOLE else [list(x) for x in p]) for n, p in r.items()) for r in layout]
@@ -168,3 +154,39 @@ def llama_tp_layout(shapes: Mapping[str, Sequence[int]], tp: int) -> Layout:
 def rank_bytes(layout: Layout, spec: Mapping[str, ParamSpec]) -> list[int]:
     """Bytes each rank of `layout` loads of the checkpoint tensors `spec` describes."""
     return [sum(part_bytes(spec[n].shape, p, spec[n].dtype) for n, p in r.items()) for r in layout]
+
+
+def layout_of(ranks: Sequence[Mapping[str, Any]]) -> Layout:
+    """Rank maps in wire form (`Slices.ranks`: "whole" or [[start, length], ...]) as a layout."""
+    return [
+        {n: WHOLE if p == WHOLE else tuple((int(a), int(b)) for a, b in p) for n, p in r.items()}
+        for r in ranks
+    ]
+
+
+def to_wire(layout: Layout) -> tuple[dict[str, Any], ...]:
+    """A layout as `Slices.ranks`."""
+    return tuple({n: p if p == WHOLE else tuple(tuple(x) for x in p) for n, p in r.items()} for r in layout)
+
+
+def layout_refusal(slices: Slices, spec: Mapping[str, ParamSpec]) -> str | None:
+    """Why a declared layout cannot be cut for (a name the engine does not expect, a box
+    outside its tensor, bytes that differ from the declared), or None."""
+    if not slices.ranks:
+        return None
+    if len(slices.ranks) != len(slices.rank_bytes):
+        return f"{len(slices.ranks)} rank maps for {len(slices.rank_bytes)} ranks"
+    layout = layout_of(slices.ranks)
+    for r, rank_map in enumerate(layout):
+        for name, part in rank_map.items():
+            p = spec.get(name)
+            if p is None:
+                return f"rank {r} loads {name!r}, which is not in its spec"
+            if part != WHOLE and (
+                len(part) != len(p.shape) or any(a + n > d for (a, n), d in zip(part, p.shape, strict=True))
+            ):
+                return f"rank {r}: box {list(part)} of {name!r} lies outside its shape {list(p.shape)}"
+    got = rank_bytes(layout, spec)
+    if list(got) != list(slices.rank_bytes):
+        return f"rank maps hold {got} bytes per rank, declared {list(slices.rank_bytes)}"
+    return None

@@ -38,6 +38,13 @@ def engine(
     connect: str = typer.Option(DEFAULT_ENGINE_ADDR, help="orchestrator engine socket"),
     engine_id: Optional[str] = typer.Option(None, help="[default HOST-PID]"),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads"),
+    tp: int = typer.Option(
+        1,
+        min=1,
+        max=64,
+        help="torch: tensor-parallel ranks, each holding vLLM's Llama partition of the model "
+        "(a sender cuts each rank its slices)",
+    ),
     vllm_mp: bool = typer.Option(
         False, "--vllm-mp/--no-vllm-mp", help="vLLM V1 multiprocessing (workers in their own processes)"
     ),
@@ -120,6 +127,7 @@ def engine(
             {
                 "model": str(model),
                 "threads": threads,
+                "tp": tp,
                 "vllm_mp": vllm_mp,
                 "llm_args": llm_args,
                 "url": url,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from messages import coverage
 from messages.checksums import add_digests
-from messages.errors import ErrorCode
+from messages.errors import ErrorCode, WeightSyncError
+from messages.schema import Finalized
 from messages.shardplan import plan_key
 from orchestrator.core import seats, syncs
 from orchestrator.core.commands import (
@@ -266,6 +267,8 @@ def _record_finish(m: Model, s: SyncRecord, event: FinishSync) -> None:
     msg = event.msg
     s.heard(msg.source, m.now)
     s.finished[msg.source] = msg.buckets
+    if msg.slice_digests:
+        s.slice_digests[msg.source] = dict(msg.slice_digests)
     if msg.digest is None:
         return
     if s.sources == 1:
@@ -282,6 +285,8 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     x = m.engines.get(eid)
     if x is not None and msg.delta is not None:
         x.delta = msg.delta  # what it holds now decides whether the next delta may begin
+    if x is not None and x.slices is not None and msg.rank_received:
+        x.slices = {**x.slices, "received": list(msg.rank_received)}  # per rank, this sync (status)
     if not m.admit(Trigger.FINALIZED):
         return
     c = m.catchup_of(eid, msg.sync_id)
@@ -311,6 +316,10 @@ def finalized(m: Model, event: EngineFinalized) -> None:
         _wrong_version(m, Trigger.FINALIZED, eid, msg.version, s.version)
         return
     want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
+    rank = _rank_refusal(m, s, eid, msg)
+    if rank is not None:
+        m.close_failed(Trigger.FINALIZED, rank)
+        return
     if want is not None and msg.digest != want:
         m.close_failed(
             Trigger.FINALIZED,
@@ -435,3 +444,35 @@ def failed(m: Model, event: EngineFailed) -> None:
     m.close_failed(
         Trigger.FAILED, m.error(code, f"engine {eid} failed: {msg.message}", engine_id=eid, seq=msg.seq)
     )
+
+
+def _rank_refusal(m: Model, s: SyncRecord, eid: str, msg: Finalized) -> WeightSyncError | None:
+    """An engine that takes slices: each rank's digest against what the sources computed
+    for that rank of its layout (added up over the sources), naming the first that differs.
+    None when it holds what it was sent, or when there is nothing to compare (a push that
+    was not cut: its digest alone is checked)."""
+    x = m.engines.get(eid)
+    key = None if x is None or x.slices is None else str(x.slices["key"])
+    if key is None or not s.slice_digests or len(s.slice_digests) < max(1, s.sources):
+        return None
+    per_source = [d.get(key) for d in s.slice_digests.values()]
+    if any(d is None for d in per_source):
+        return None
+    want = [add_digests(ranks) for ranks in zip(*[d for d in per_source if d is not None], strict=True)]
+    if len(msg.rank_digests) != len(want):
+        return m.error(
+            ErrorCode.ENGINE_FAILED,
+            f"engine {eid} reported {len(msg.rank_digests)} rank digests for a layout of {len(want)} ranks",
+            engine_id=eid,
+        )
+    for r, (got, exp) in enumerate(zip(msg.rank_digests, want, strict=True)):
+        if got != exp:
+            return m.error(
+                ErrorCode.ENGINE_FAILED,
+                f"engine {eid} rank {r} holds slices with digest {got}, its sender computed {exp}",
+                engine_id=eid,
+                rank=r,
+                digest=got,
+                expected=exp,
+            )
+    return None

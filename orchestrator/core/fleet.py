@@ -20,6 +20,7 @@ from messages.errors import ErrorCode
 from messages.replies import HeartbeatReply, RegisterReply
 from messages.replies import body as reply_body
 from messages.schema import ParamSpec
+from messages.slices import layout_refusal
 from orchestrator.core.events import EngineGone, EngineRegistered, Heartbeat
 from orchestrator.core.model import Model
 from orchestrator.core.records import EngineRecord
@@ -32,6 +33,9 @@ S, E = State, EngineState
 def register(m: Model, event: EngineRegistered) -> None:
     msg = event.msg
     old, s = m.engines.get(msg.engine_id), m.sync
+    refused = None if msg.slices is None else layout_refusal(msg.slices, {p.name: p for p in msg.spec})
+    if refused is not None:  # a sender would cut by it: refused before anything changes
+        raise m.error(ErrorCode.BAD_MESSAGE, f"register.slices: {refused}")
     if (
         old is not None
         and event.other_connection
@@ -87,6 +91,7 @@ def register(m: Model, event: EngineRegistered) -> None:
         slices=None
         if msg.slices is None
         else {"key": msg.slices.key, "rank_bytes": list(msg.slices.rank_bytes)},
+        layout=tuple(dict(r) for r in msg.slices.ranks) if msg.slices is not None else (),
     )
     # A catch-up in flight for this id is over (its process restarted, or it was lost):
     # end it so its feed stops, then start afresh below if the engine is stale.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from messages import transports
 from messages.checksums import DIGEST_SCHEME
@@ -49,6 +50,8 @@ class EngineRecord:
     delta: bool = False  # keeps a base copy: takes delta patches against the served version
     served_notice: bool = False  # hands versions to readers: told `served` once one is durable
     slices: JsonObject | None = None  # what each of its ranks loads: {key, rank_bytes} (register)
+    # it takes slices: each rank's map (`Slices.ranks`, wire form), which senders cut for
+    layout: tuple[dict[str, Any], ...] = ()
     # its last heartbeat said its server (vllm-server) does not answer, and why; None: it
     # answers, or the engine has no server of its own. Not a lifecycle state: the engine
     # process is live and keeps its record; `serves` leaves it out.
@@ -184,6 +187,8 @@ class SyncRecord:
     seen: dict[int, float] = field(default_factory=dict)
     lost: dict[int, float] = field(default_factory=dict)
     digests: dict[int, str] = field(default_factory=dict)
+    # a push cut into slices: source -> {layout key: each rank's digest over its tensors}
+    slice_digests: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
     # source -> who holds its seat: ("seat", the begin's token) or ("conn", the connection
     # that began it without one). Only the holder's begin, buckets and finish are taken.
     seats: dict[int, tuple[str, object]] = field(default_factory=dict)

@@ -13,6 +13,8 @@ changed nothing), then acts: records, commands, reply. Read top to bottom per tr
 
 from __future__ import annotations
 
+from typing import Any
+
 from messages import transports
 from messages.errors import ErrorCode
 from messages.fanout import max_bucket
@@ -312,8 +314,21 @@ def _begin_reply(
             max_pending=lim.pending_per_source(sources),
             fanout_bytes=lim.fanout_bytes // sources if lim.fanout_bytes is not None else None,
             bucket_bytes=s.bucket_bytes,
+            layouts=_layouts(m, s),
         )
     )
+
+
+def _layouts(m: Model, s: SyncRecord) -> dict[str, tuple[dict[str, Any], ...]]:
+    """The participants' layouts by key when every one takes slices (else none: an engine
+    that takes whole tensors needs every tensor whole, and the others cut theirs from it)."""
+    out: dict[str, tuple[dict[str, Any], ...]] = {}
+    for eid in s.participants:
+        x = m.engines.get(eid)
+        if x is None or not x.layout or x.slices is None:
+            return {}
+        out[str(x.slices["key"])] = x.layout
+    return out
 
 
 # -- bucket ---------------------------------------------------------------------------------

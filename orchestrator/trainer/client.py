@@ -24,6 +24,7 @@ import zmq
 
 from messages import schema, transports
 from messages.buckets import Cast, Digester, Item, PackedBucket
+from messages.cuts import Cuts
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
@@ -209,8 +210,10 @@ class TrainerClient:
         timeout: float | None = None,
         partial: bool = False,
         chain: int | None = None,
+        slice_digests: dict[str, tuple[str, ...]] | None = None,
     ) -> FinishReply:
-        """Finish the sync; its answer comes once every participant finalized (READY)."""
+        """Finish the sync; its answer comes once every participant finalized (READY).
+        slice_digests: a push cut into slices, each rank's digest per layout key."""
         body = self.conn.request(
             lambda i: schema.Finish(
                 sync_id=sync_id,
@@ -221,6 +224,7 @@ class TrainerClient:
                 partial=partial,
                 chain=chain,
                 seat=self.seat,
+                slice_digests=slice_digests or {},
             ),
             self.finish_timeout if timeout is None else timeout,
         )
@@ -404,6 +408,9 @@ class TrainerClient:
                 log.info("bucket_size_capped", asked=bucket_bytes, bucket_bytes=started.bucket_bytes)
                 bucket_bytes = started.bucket_bytes  # what the daemon's fan-out queue holds
             digester = Digester()
+            # engines that take slices: each rank is sent only what it loads (a delta is whole)
+            cuts = Cuts.of(started.layouts) if base is None else None
+            named_tensors = named_tensors if cuts is None else cuts.items(named_tensors, digester)
             t_stream = time.perf_counter()
             try:
                 if coll is not None and started.stream:
@@ -431,6 +438,7 @@ class TrainerClient:
                     digest=None if partial else digester.hexdigest(),
                     partial=partial,
                     chain=streamed.chain,
+                    slice_digests=cuts.rank_digests(digester) if cuts is not None and not partial else None,
                 )
                 trainer_phases = {
                     "begin": t_stream - t0,

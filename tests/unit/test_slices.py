@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from messages.cuts import cut
 from messages.schema import ParamSpec
 from messages.slices import (
     WHOLE,
     NotABox,
     box_of_chain,
-    cut,
     layout_key,
     llama_tp_layout,
     part_bytes,

@@ -1,0 +1,174 @@
+"""Pushes cut into slices (issue: slices, not copies): a real daemon, real torch engine
+subprocesses holding 2 tensor-parallel ranks each (`--tp 2`), the real client. Each rank
+is handed only its slices, and its digest over them is checked by the daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.torch_engine import greedy, load_model
+from examples.tiny import perturbed
+from messages.buckets import digest
+from messages.errors import ErrorCode, WeightSyncError
+from messages.schema import ParamSpec, Probe
+from messages.slices import llama_tp_layout, rank_bytes
+
+from .helpers import running_daemon
+
+PROMPTS = [(1, 17, 42, 99), (1, 250, 3)]
+
+
+def _probes(model_dir, weights):
+    m = load_model(model_dir)
+    m.load_state_dict(weights)
+    return [Probe(p, 6, greedy(m, p, 6)) for p in PROMPTS]
+
+
+def _per_rank(weights, tp):
+    spec = {n: ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()}
+    return rank_bytes(llama_tp_layout({n: p.shape for n, p in spec.items()}, tp), spec)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_each_rank_is_sent_its_slices_and_the_fleet_serves_the_trainers_model(
+    tmp_path, tiny_model_dir, tiny_state, transport
+):
+    whole = sum(t.numel() * t.element_size() for t in tiny_state.values())
+    want = _per_rank(tiny_state, 2)
+    with (
+        running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"]) as cluster,
+        cluster.client() as client,
+    ):
+        for v in (1, 2):
+            weights = dict(perturbed(tiny_state, v))
+            probes = _probes(tiny_model_dir, weights)
+            r = client.push(weights.items(), v, bucket_bytes=64 * 1024, probes=probes, transport=transport)
+            assert r.state == "READY" and r.digest == digest(weights.items())
+            assert r.bytes < whole * 1.05  # each distinct slice sent once: about the model, not tp copies
+            for e in r.engines:
+                assert [tuple(p) for p in e["probes"]] == [p.expected for p in probes]
+            st = client.status()
+            for e in st["engines"]:
+                got = e["slices"]["received"]
+                # each rank was handed exactly its part: half the split tensors + the replicated
+                assert got == want, (e["engine_id"], got, want)
+                assert max(got) <= 0.6 * whole
+                assert e["digest"] == r.digest and e["finalize_count"] == v
+
+
+def test_a_rank_holding_other_bytes_than_its_sender_computed_fails_the_sync(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """The per-rank check can fail: a push whose finish claims other rank digests than
+    the engines computed is refused, naming the engine and the rank, and nothing is served."""
+    from messages.checksums import add_digests
+    from orchestrator.trainer import client as client_mod
+
+    with (
+        running_daemon(tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2"]) as cluster,
+        cluster.client() as client,
+    ):
+        real = client_mod.Cuts.rank_digests
+
+        def lying(self, digester):
+            out = real(self, digester)
+            return {k: (v[0], add_digests([v[1], "1"])) for k, v in out.items()}
+
+        client_mod.Cuts.rank_digests = lying
+        try:
+            with pytest.raises(WeightSyncError) as err:
+                client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=64 * 1024)
+        finally:
+            client_mod.Cuts.rank_digests = real
+        assert err.value.code is ErrorCode.ENGINE_FAILED
+        assert "rank 1" in err.value.message and "engine-0" in err.value.message
+        st = client.status()
+        assert st["version"] is None or st["version"] != 1
+        # the trainer retries with the truth: committed
+        r = client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024)
+        assert r.state == "READY"
+
+
+def _lying_rank_digests(client_mod):
+    """Make the client's finish claim another digest for rank 1 (every layout)."""
+    from messages.checksums import add_digests
+
+    real = client_mod.Cuts.rank_digests
+
+    def lying(self, digester):
+        return {k: (v[0], add_digests([v[1], "1"]), *v[2:]) for k, v in real(self, digester).items()}
+
+    return real, lying
+
+
+def test_a_failed_sliced_sync_rolls_the_fleet_back_by_slices_and_a_new_engine_catches_up(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """A sync whose rank 1 does not hold what its sender computed fails; the daemon rolls
+    both engines back to the served version from its spool, which holds that version's
+    boxes; a third engine of the same layout, started later, catches up from it."""
+    from orchestrator.trainer import client as client_mod
+
+    want = _per_rank(tiny_state, 2)
+    daemon = ["--engine-timeout", "10", "--spool", str(tmp_path / "spool"), "--min-engines", "1"]
+    with (
+        running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"], daemon_args=daemon) as cluster,
+        cluster.client() as client,
+    ):
+        v1 = dict(perturbed(tiny_state, 1))
+        r1 = client.push(v1.items(), 1, bucket_bytes=64 * 1024)
+        assert r1.state == "READY"
+        real, lying = _lying_rank_digests(client_mod)
+        client_mod.Cuts.rank_digests = lying
+        try:
+            with pytest.raises(WeightSyncError) as err:
+                client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024)
+        finally:
+            client_mod.Cuts.rank_digests = real
+        assert err.value.code is ErrorCode.ENGINE_FAILED and "rank 1" in err.value.message
+
+        def rolled_back():
+            st = client.status()
+            engines = st["engines"]
+            ok = st["state"] == "READY" and all(
+                e["state"] == "READY" and e["version"] == 1 and e["digest"] == r1.digest for e in engines
+            )
+            return st if ok and len(engines) == 2 else None
+
+        from .helpers import wait_for
+
+        st = wait_for(rolled_back, 120, "both engines rolled back to version 1")
+        for e in st["engines"]:
+            assert e["slices"]["received"] == want  # the rollback replayed each rank its slices
+        cluster.start_engine("engine-2")
+
+        def caught_up():
+            st = client.status()
+            e2 = [e for e in st["engines"] if e["engine_id"] == "engine-2"]
+            return e2[0] if e2 and e2[0]["state"] == "READY" and e2[0]["version"] == 1 else None
+
+        e2 = wait_for(caught_up, 120, "engine-2 caught up to version 1")
+        assert e2["digest"] == r1.digest and e2["slices"]["received"] == want
+        r3 = client.push(dict(perturbed(tiny_state, 3)).items(), 3, bucket_bytes=64 * 1024)
+        assert r3.state == "READY" and len(r3.engines) == 3
+
+
+def test_a_delta_push_after_a_sliced_one_goes_dense_and_cut(tmp_path, tiny_model_dir, tiny_state):
+    """A sliced sync leaves a rank's box, no base for a whole tensor's patch: the next delta
+    push is refused (STALE_BASE) and the client sends it dense, cut again."""
+    want = _per_rank(tiny_state, 2)
+    with (
+        running_daemon(
+            tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2", "--delta-base"]
+        ) as cluster,
+        cluster.client() as client,
+    ):
+        # the first delta push goes dense (no copy of a served version yet), and is cut
+        r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=64 * 1024, delta=True)
+        assert r1.state == "READY"
+        v2 = dict(perturbed(tiny_state, 2))
+        r2 = client.push(v2.items(), 2, bucket_bytes=64 * 1024, delta=True)
+        assert r2.state == "READY" and r2.digest == digest(v2.items())
+        assert "refused" in r2.detail["delta"], r2.detail["delta"]
+        (e,) = client.status()["engines"]
+        assert e["slices"]["received"] == want
