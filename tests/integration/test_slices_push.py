@@ -172,3 +172,42 @@ def test_a_delta_push_after_a_sliced_one_goes_dense_and_cut(tmp_path, tiny_model
         assert "refused" in r2.detail["delta"], r2.detail["delta"]
         (e,) = client.status()["engines"]
         assert e["slices"]["received"] == want
+
+
+def test_two_sources_into_two_rank_engines_over_the_collective(tmp_path, tiny_model_dir, tiny_state):
+    """A sharded push of two sources over the collective to two engines of two ranks each:
+    each source cuts its own tensors, the daemon adds the sources' rank digests up, and
+    every rank ends up with exactly its slices."""
+    import threading
+
+    want = _per_rank(tiny_state, 2)
+    v1 = dict(perturbed(tiny_state, 1))
+    items = sorted(v1.items())
+    parts = [items[0::2], items[1::2]]
+    results: dict[int, object] = {}
+    with running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"]) as cluster:
+
+        def run(k: int) -> None:
+            with cluster.client() as client:
+                try:
+                    results[k] = client.push(
+                        parts[k], 1, source=(k, 2), transport="collective", bucket_bytes=64 * 1024
+                    )
+                except WeightSyncError as err:
+                    results[k] = err
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        for k in (0, 1):
+            r = results.get(k)
+            assert not isinstance(r, Exception) and r is not None, r
+            assert r.state == "READY" and r.digest == digest(v1.items())
+            assert r.detail["transport"] == "collective", r.detail["transport"]
+        with cluster.client() as client:
+            st = client.status()
+        for e in st["engines"]:
+            assert (e["version"], e["digest"]) == (1, digest(v1.items()))
+            assert e["slices"]["received"] == want
