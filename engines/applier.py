@@ -104,6 +104,7 @@ class Applier(threading.Thread):
         self._spec = {p.name for p in info.spec}
         # its ranks take slices: it declared each rank's map (a sender cuts for it)
         self.slices = isinstance(engine, TakesSlices) and info.slices is not None and bool(info.slices.ranks)
+        self.boxed = 0  # buckets holding a box it has loaded (the fail_slices_at failpoint counts them)
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
         # sync_id -> set when that sync's group stream must stop (the main thread's abort);
@@ -457,8 +458,13 @@ class Applier(threading.Thread):
                 code=ErrorCode.BAD_MESSAGE,
             )
         items = [(m.name, m.box or WHOLE, t) for m, (_, t) in zip(metas, unpack(metas, buf), strict=True)]
+        boxes = any(m.box is not None for m in metas)
+        self.boxed += boxes
+        if boxes and self.failpoints.get("fail_slices_at") == self.boxed:  # fault injection:
+            self.engine.load_parts(items[: max(1, len(items) // 2)])  # a rank's load failing mid-bucket
+            raise WeightSyncError(f"failpoint fail_slices_at={self.boxed}", code=ErrorCode.ENGINE_FAILED)
         self.engine.load_parts(items)
-        if any(m.box is not None for m in metas):
+        if boxes:
             self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
         elif self.base.keeping:
             self.base.stage_loaded([(n, t) for n, _, t in items], parts, set())

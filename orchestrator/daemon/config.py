@@ -109,6 +109,8 @@ FAILPOINTS = {
     "kill_in_broadcast": "engine: SIGKILL itself as it joins the broadcast of bucket seq N "
     "(a group transport; on the stream: its header read, its receive not yet posted), "
     "leaving the trainer mid-broadcast",
+    "fail_slices_at": "engine (one that takes slices): fail, as its ranks load, the Nth bucket that "
+    "holds a box since it started, with some of its ranks' slices of that bucket written",
     "kill_in_receive": "engine: SIGKILL itself with the receive of stream bucket seq N posted "
     "(blocked inside the broadcast)",
 }

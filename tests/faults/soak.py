@@ -1,6 +1,7 @@
 """`python -m tests.faults.soak --syncs 500`: many syncs with random faults injected.
 
-A daemon with a spool and two torch engines; a trainer pushes version after version over
+A daemon with a spool and two torch engines (`--tp N`: of N ranks each, so every push is
+cut into slices); a trainer pushes version after version over
 a transport drawn each time (inline, shm, collective, or sharded: two sources each
 pushing half of the version into one sync); for some syncs a fault is drawn among those
 that transport can suffer (trainer abort, corrupted bucket, resent bucket, engine SIGKILL,
@@ -73,7 +74,9 @@ BUCKET = 128 * 1024
 
 
 class Soak:
-    def __init__(self, workdir: Path, seed: int, fault_rate: float, engine_failpoint: str = "") -> None:
+    def __init__(
+        self, workdir: Path, seed: int, fault_rate: float, engine_failpoint: str = "", tp: int = 1
+    ) -> None:
         from engines.torch_engine import load_model
         from examples.launch import Cluster
         from examples.tiny import build_tiny_llama
@@ -101,6 +104,7 @@ class Soak:
                 "1",
                 "--heartbeat-interval",
                 "0.5",
+                *(["--tp", str(tp)] if tp > 1 else []),  # ranks that take slices: every push is cut
                 *(["--failpoint", engine_failpoint] if engine_failpoint else []),
             ],
             digest_files=True,  # settle() asks every READY engine what it holds
@@ -457,14 +461,19 @@ def leaked_processes(workdir: Path) -> int:
 
 
 def run(
-    syncs: int, seed: int = 0, fault_rate: float = 0.25, progress: bool = True, engine_failpoint: str = ""
+    syncs: int,
+    seed: int = 0,
+    fault_rate: float = 0.25,
+    progress: bool = True,
+    engine_failpoint: str = "",
+    tp: int = 1,
 ) -> dict[str, Any]:
     from messages.segments import list_segments
 
     shm_before = set(list_segments())
     with tempfile.TemporaryDirectory(prefix="weightsync-soak-") as tmp:
         work = Path(tmp)
-        soak = Soak(work, seed, fault_rate, engine_failpoint)
+        soak = Soak(work, seed, fault_rate, engine_failpoint, tp)
         t0 = time.monotonic()
         with soak.cluster:
             for i in range(syncs):
@@ -503,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-rate", type=float, default=0.25)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="each engine's tensor-parallel ranks (pushes are cut)")
     args = ap.parse_args(argv)
-    r = run(args.syncs, args.seed, args.fault_rate)
+    r = run(args.syncs, args.seed, args.fault_rate, tp=args.tp)
     print(
         f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']} ({r['failed_touching']} after "
         f"touching engines), rolled back {r['rolled_back']}, unsettled {r['unsettled']} "

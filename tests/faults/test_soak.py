@@ -9,8 +9,9 @@ from tests.faults.soak import run
 pytestmark = pytest.mark.slow
 
 
-def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights():
-    r = run(24, seed=3, fault_rate=0.5, progress=False)
+@pytest.mark.parametrize("tp", [1, 2])  # tp 2: engines of two ranks, every push cut into slices
+def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights(tp):
+    r = run(24, seed=3, fault_rate=0.5, progress=False, tp=tp)
     assert sum(r["faults"].values()) == 24 and r["faults"].get("none", 0) < 24
     assert set(r["transports"]) == {"inline", "shm", "collective", "sharded"}  # faults drawn on each
     assert r["ok"] > 0 and r["failed"] > 0 and r["failed_touching"] > 0

@@ -211,3 +211,61 @@ def test_two_sources_into_two_rank_engines_over_the_collective(tmp_path, tiny_mo
         for e in st["engines"]:
             assert (e["version"], e["digest"]) == (1, digest(v1.items()))
             assert e["slices"]["received"] == want
+
+
+def test_a_rank_failing_mid_sync_rolls_the_whole_fleet_back(tmp_path, tiny_model_dir, tiny_state):
+    """engine-1's ranks fail while loading the third sliced bucket of version 2, with part
+    of that bucket written (`--failpoint fail_slices_at`): the sync fails naming engine-1,
+    nothing is served of version 2, and both engines are rolled back to version 1 by
+    slices; the next push commits on both."""
+    from messages.buckets import Digester, iter_buckets
+    from messages.cuts import Cuts
+    from messages.slices import layout_key
+
+    from .helpers import wait_for
+
+    want = _per_rank(tiny_state, 2)
+    spec_shapes = {n: tuple(t.shape) for n, t in tiny_state.items()}
+    layout = llama_tp_layout(spec_shapes, 2)
+    v1 = dict(perturbed(tiny_state, 1))
+    # the sliced buckets engine-1 loads catching up to version 1 (the spool replays them)
+    boxed = sum(
+        any(m.box is not None for m in b.tensors)
+        for b in iter_buckets(Cuts({layout_key(layout): layout}).items(v1.items(), Digester()), 64 * 1024)
+    )
+    daemon = ["--engine-timeout", "10", "--spool", str(tmp_path / "spool"), "--min-engines", "1"]
+    with (
+        running_daemon(
+            tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2"], daemon_args=daemon
+        ) as c,
+        c.client() as client,
+    ):
+        r1 = client.push(v1.items(), 1, bucket_bytes=64 * 1024)
+        assert r1.state == "READY"
+        c.start_engine("engine-1", extra=["--failpoint", f"fail_slices_at={boxed + 3}"])
+
+        def serving(version, digest_):
+            def check():
+                st = client.status()
+                es = st["engines"]
+                ok = st["state"] == "READY" and len(es) == 2
+                return (
+                    st
+                    if ok
+                    and all(
+                        (e["state"], e["version"], e["digest"]) == ("READY", version, digest_) for e in es
+                    )
+                    else None
+                )
+
+            return check
+
+        wait_for(serving(1, r1.digest), 120, "engine-1 caught up to version 1")
+        with pytest.raises(WeightSyncError) as err:
+            client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024)
+        assert err.value.code is ErrorCode.ENGINE_FAILED and "engine-1" in err.value.message, err.value
+        assert "fail_slices_at" in err.value.message, err.value  # the injected failure, not another
+        st = wait_for(serving(1, r1.digest), 120, "both engines rolled back to version 1")
+        assert all(e["slices"]["received"] == want for e in st["engines"])
+        r3 = client.push(dict(perturbed(tiny_state, 3)).items(), 3, bucket_bytes=64 * 1024)
+        assert r3.state == "READY" and sorted(e["engine_id"] for e in r3.engines) == ["engine-0", "engine-1"]

@@ -249,3 +249,47 @@ def test_the_middle_of_the_relay_chain_goes_dark_mid_sync(tmp_path, tiny_model_d
             f"middle of the chain cut: failed {noticed:.1f}s after the cut, e0 and e2 at v1 {settled:.1f}s "
             f"after it; e1 at v3 {caught_up:.1f}s after the heal"
         )
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_sliced_pushes_to_two_rank_engines_over_a_slow_link_and_a_cut_one(
+    tmp_path, tiny_model_dir, transport
+):
+    """Two engines of two ranks each (`--tp 2`: every push is cut into slices), each on its
+    own host. e1's link is five times slower than e0's: the push waits for it and commits,
+    each rank handed only its slices. Then e1's link goes dark mid-sync: the sync fails
+    within the engine timeout + 10 s naming e1; e0 is rolled back to the served version by
+    slices from the spool; the next push commits on e0; healed, e1 catches up by itself,
+    and the next push commits on both."""
+    with Lab(rate_mbit=40) as lab, _fleet(lab, tmp_path, tiny_model_dir, engine_args=["--tp", "2"]) as f:
+        f.host_of(1).rate(8)
+        v1 = f.push(1, transport=transport)
+        assert v1["ok"] and v1["result"]["state"] == "READY", v1
+        received = {e: x["slices"]["received"] for e, x in _engines(f.status()).items()}
+        whole = v1["result"]["bytes"]
+        for e, got in received.items():  # each rank: about half the model, not all of it
+            assert len(got) == 2 and max(got) <= 0.6 * whole, (e, got, whole)
+        failed, cut, noticed = _cut_e1_mid_push(f, 2, transport)
+        assert "e1" in failed["message"], failed
+        wait_for(
+            lambda: f.status()["state"] == "READY" and _served_by(f).get("e0") == (1, v1["result"]["digest"]),
+            60,
+            "e0 back at v1",
+        )
+        settled = time.monotonic() - cut
+        assert _engines(f.status())["e0"]["slices"]["received"] == received["e0"]  # replayed by slices
+        v3 = f.push(3, transport=transport)
+        assert v3["ok"] and v3["result"]["state"] == "READY", v3
+        f.host_of(1).heal()
+        healed = time.monotonic()
+        want = (3, v3["result"]["digest"])
+        wait_for(lambda: _served_by(f) == {"e0": want, "e1": want}, 120, "e1 caught up to v3")
+        caught_up = time.monotonic() - healed
+        v4 = f.push(4, transport=transport)
+        assert v4["ok"] and _served_by(f) == {e: (4, v4["result"]["digest"]) for e in ("e0", "e1")}
+        for e, x in _engines(f.status()).items():
+            assert x["slices"]["received"] == received[e], (e, x["slices"])
+        print(
+            f"tp 2, {transport}: failed {noticed:.1f}s after the cut, e0 at v1 {settled:.1f}s after it; "
+            f"e1 at v3 {caught_up:.1f}s after the heal"
+        )
