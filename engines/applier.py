@@ -377,7 +377,9 @@ class Applier(threading.Thread):
         ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
             self.engine.load_ref(msg.tensors, msg.ref, msg.checksum, parts=v.parts)
-            if self.base.keeping:
+            if any(m.box is not None for m in msg.tensors):
+                self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
+            elif self.base.keeping:
                 self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
@@ -422,8 +424,15 @@ class Applier(threading.Thread):
                     self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
                     del data
             return
-        if any(m.box is not None for m in metas) or (self.slices and not _patched(metas)):
-            self._apply_parts(metas, buf, parts)
+        boxes = any(m.box is not None for m in metas)
+        if boxes and not self.slices:
+            raise WeightSyncError(
+                "a bucket holds a box of a tensor, and this engine takes whole tensors only "
+                "(its sender cut for a layout it did not declare)",
+                code=ErrorCode.BAD_MESSAGE,
+            )
+        if self.slices and not _patched(metas) and not isinstance(self.engine, LoadsBuckets):
+            self._apply_parts(metas, buf, parts, boxes)
             return
         if _patched(metas):
             # an engine that digests its whole model (not what it received) may skip loading
@@ -439,9 +448,11 @@ class Applier(threading.Thread):
                 self.engine.load(tensors)
             self.base.stage_loaded(tensors, parts, skip)
             return
-        if isinstance(self.engine, LoadsBuckets):
+        if isinstance(self.engine, LoadsBuckets):  # (a vLLM engine's workers take their own boxes)
             self.engine.load_bucket(metas, buf, parts=parts)
-            if self.base.keeping:
+            if boxes:
+                self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
+            elif self.base.keeping:
                 self.base.stage_loaded(list(unpack(metas, buf)), parts, set())
             return
         tensors = list(unpack(metas, buf))
@@ -449,16 +460,13 @@ class Applier(threading.Thread):
         self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
 
-    def _apply_parts(self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts) -> None:
+    def _apply_parts(
+        self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts, boxes: bool
+    ) -> None:
         """An engine whose ranks take slices: each tensor with its part (a box of it, or whole)."""
-        if not self.slices or not isinstance(self.engine, TakesSlices):
-            raise WeightSyncError(
-                "a bucket holds a box of a tensor, and this engine takes whole tensors only "
-                "(its sender cut for a layout it did not declare)",
-                code=ErrorCode.BAD_MESSAGE,
-            )
+        if not isinstance(self.engine, TakesSlices):  # `self.slices` says it is
+            raise WeightSyncError("an engine that takes slices without load_parts", code=ErrorCode.INTERNAL)
         items = [(m.name, m.box or WHOLE, t) for m, (_, t) in zip(metas, unpack(metas, buf), strict=True)]
-        boxes = any(m.box is not None for m in metas)
         self.boxed += boxes
         if boxes and self.failpoints.get("fail_slices_at") == self.boxed:  # fault injection:
             self.engine.load_parts(items[: max(1, len(items) // 2)])  # a rank's load failing mid-bucket

@@ -55,6 +55,7 @@ class EngineOptions(TypedDict, total=False):
     threads: int | None  # torch: intra-op threads
     tp: int  # torch: tensor-parallel ranks (engines.torch_engine: vLLM's Llama partition)
     vllm_mp: bool  # vllm: V1 multiprocessing
+    vllm_slices: bool  # vllm: its workers take slices (engines/vllm/base.py)
     llm_args: JsonObject  # vllm: keyword arguments of vllm.LLM (--vllm-arg, parsed as JSON)
     url: str | None  # vllm-server: the server's base URL
     pause_mode: str  # vllm-server: keep | wait | abort
@@ -142,6 +143,11 @@ class TakesSlices(Protocol):
     def load_parts(self, items: Sequence[tuple[str, Part, torch.Tensor]]) -> None: ...
 
     def rank_report(self) -> tuple[tuple[str, ...], tuple[int, ...]]: ...
+
+    def expect_digest(self, digest: str | None) -> None:
+        """The version's digest, as the daemon's `finalize` says it (None: not known), before
+        `finalize`: an engine whose ranks hold only slices cannot compute it, and reports it."""
+        ...
 
 
 @runtime_checkable

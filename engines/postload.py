@@ -87,6 +87,8 @@ def finalize(
     t0 = time.perf_counter()
     if failpoints.get("finalize_sleep"):  # fault injection: a slow post-load step
         time.sleep(failpoints["finalize_sleep"])
+    if isinstance(engine, TakesSlices):
+        engine.expect_digest(msg.digest)
     digest = engine.finalize(msg.sync_id)
     base.commit()  # what this sync loaded is the base of the next delta
     if prefetcher is not None:  # the groups kept open: this sync's, one per source

@@ -463,6 +463,9 @@ class Finalize(Message, frozen=True, tag="finalize"):
     version: Version
     id: RequestId = 0
     probes: Annotated[tuple[Probe, ...], Meta(max_length=MAX_PROBES)] = ()
+    # v8: the version's digest when the daemon knows it (an engine whose ranks hold only
+    # slices reports it; the daemon checks each rank's digest instead)
+    digest: Digest | None = None
 
 
 class Commit(Message, frozen=True, tag="commit"):

@@ -13,6 +13,13 @@ worker sees the bucket; workers take the parts instead of hashing again. Names a
 are validated first (vLLM casts dtypes, so a dtype difference is allowed). After the
 single finalize the prefix cache is reset before `finalized` is reported: cached KV
 blocks were computed with old weights.
+
+With `take_slices` (and a recorded layout with a box in it) the engine takes slices
+(`engines.base.TakesSlices`): it declares each rank's map, so a sender cuts for it; each
+worker takes only its boxes (engines/vllm/extension.py) and its digest is its rank's. The
+workers then hold no whole tensor to digest: the engine reports the version's digest the
+daemon sent with `finalize` (`expect_digest`), which the daemon accepts only with every
+rank's digest equal to what the sender computed for that rank.
 """
 
 from __future__ import annotations
@@ -29,15 +36,15 @@ import torch
 
 from engines.base import EngineInfo, validate_bucket
 from engines.vllm.slices import from_json
+from messages.buckets import Sliced, iter_buckets
 from messages.buckets import digest as weights_digest
-from messages.buckets import iter_buckets
 from messages.checkpoint import checkpoint_spec, iter_safetensors
-from messages.checksums import bucket_checksum
+from messages.checksums import add_digests, bucket_checksum
 from messages.dtypes import DTYPES
 from messages.errors import ErrorCode, make_error
 from messages.schema import Probe, Ref, Slices, TensorMeta
 from messages.segments import VIA, Segment
-from messages.slices import Layout, layout_key, rank_bytes
+from messages.slices import WHOLE, Layout, Part, layout_key, rank_bytes, to_wire
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -91,7 +98,7 @@ class VllmBase:
     backend = "vllm"
     digest_parts = True  # the engine process hashes each bucket once, for checksum and digest
 
-    def _setup(self, model_dir: str | Path, staging_bytes: int) -> None:
+    def _setup(self, model_dir: str | Path, staging_bytes: int, take_slices: bool = False) -> None:
         self.model_dir = str(model_dir)
         self.spec = checkpoint_spec(model_dir)
         self.staging = Segment(staging_bytes, kind="vllm")
@@ -102,6 +109,9 @@ class VllmBase:
         self._digest: str | None = weights_digest(iter_safetensors(model_dir))
         self._slices: tuple[Slices | None, Layout] | None = None  # recorded once (`slices`)
         self.whole_because: dict[str, str] = {}  # names loaded whole for lack of a box, and why
+        self.take_slices = take_slices  # asked for: it takes slices once its layout has a box
+        self._expected: str | None = None  # the version's digest, from `finalize` (slices)
+        self._rank_report: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())
 
     def rpc(self, method: str, arg: str = "{}") -> list[Json]:
         """Call `method` of the extension on every vLLM worker: their answers, JSON-like
@@ -144,15 +154,40 @@ class VllmBase:
         sizes = rank_bytes(layout, self.spec)
         if whole:
             log.info("slices_whole_names", names=whole[:20], count=len(whole))
-        self._slices = (Slices(key=layout_key(layout), rank_bytes=tuple(sizes)), layout)
+        sliced = self.take_slices and any(p != WHOLE for r in layout for p in r.values())
+        decl = Slices(
+            key=layout_key(layout), rank_bytes=tuple(sizes), ranks=to_wire(layout) if sliced else ()
+        )
+        self._slices = (decl, layout)
         return self._slices
+
+    @property
+    def sliced(self) -> bool:
+        """It takes slices: it declared each rank's map."""
+        decl = self.slices()[0]
+        return decl is not None and bool(decl.ranks)
+
+    def load_parts(self, items: Sequence[tuple[str, Part, torch.Tensor]]) -> None:
+        """Tensors with their parts (a box's contents, or whole), as one bucket with boxes."""
+        for b in iter_buckets(
+            [(n, t if p == WHOLE else Sliced(t, p, self.spec[n].shape)) for n, p, t in items], 1 << 62
+        ):
+            self.load_bucket(b.tensors, b.frame())
+
+    def expect_digest(self, digest: str | None) -> None:
+        """The version's digest (the daemon's `finalize`), reported when it takes slices."""
+        self._expected = digest
+
+    def rank_report(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        return self._rank_report
 
     def _workers(self) -> int:
         """Group members this engine brings: one per vLLM worker (TP x PP)."""
         return 1
 
     def begin(self, sync_id: str, version: int) -> None:
-        self.rpc("ws_begin", _arg(sync_id=sync_id, version=version))
+        self.rpc("ws_begin", _arg(sync_id=sync_id, version=version, slices=self.sliced))
+        self._expected, self._rank_report = None, ((), ())
         self.sync_id = sync_id
         self._digest = None
         self._phases = {}
@@ -280,6 +315,13 @@ class VllmBase:
             raise make_error(ErrorCode.INVALID_STATE, f"vLLM workers refused a second finalize of {sync_id}")
         digests = {r["digest"] for r in results}
         digest = next(iter(digests)) if len(digests) == 1 else None
+        if self.sliced:  # each worker's digest is its rank's; the version's is the daemon's
+            ranked = sorted(results, key=lambda r: r["rank"])
+            self._rank_report = (
+                tuple(str(r["digest"]) for r in ranked),
+                tuple(int(r["received"]) for r in ranked),
+            )
+            digest = self._expected or add_digests(self._rank_report[0])
         if digest is None:  # they disagree (a finalize that ran always reports its digest)
             raise make_error(ErrorCode.ENGINE_FAILED, f"vLLM workers disagree on the digest: {digests}")
         t0 = time.perf_counter()

@@ -49,6 +49,7 @@ class VllmEngine(VllmBase):
         multiprocessing: bool = False,
         llm_args: LlmArgs | None = None,
         staging_bytes: int = 64 << 20,
+        take_slices: bool = False,
     ) -> None:
         from vllm import LLM
 
@@ -65,7 +66,7 @@ class VllmEngine(VllmBase):
         self.startup_seconds = time.perf_counter() - t0
         self.llm_args = args
         self.multiprocessing = multiprocessing
-        self._setup(model_dir, staging_bytes)
+        self._setup(model_dir, staging_bytes, take_slices=take_slices)
         self.lora_request: LoRARequest | None = None  # the adapter generations use (VllmLoraEngine)
         log.info(
             "vllm_started",
@@ -248,4 +249,9 @@ def make_engine(options: EngineOptions) -> VllmEngine:
             multiprocessing=multiprocessing,
             llm_args=llm_args,
         )
-    return VllmEngine(options["model"], multiprocessing=multiprocessing, llm_args=llm_args)
+    return VllmEngine(
+        options["model"],
+        multiprocessing=multiprocessing,
+        llm_args=llm_args,
+        take_slices=bool(options.get("vllm_slices", False)),
+    )

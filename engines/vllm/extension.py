@@ -13,18 +13,22 @@ Rules:
   sync is refused here too, independently of the engine worker and the orchestrator.
 - The digest is over the checkpoint-format tensors received and applied (vLLM repacks
   into its own layout); the canary probes prove the internal state.
+- A sync that takes slices (`ws_begin` with `slices`, after `ws_slices` recorded this
+  rank's map) loads only this rank's boxes (engines/vllm/loading.py), and the digest is
+  this rank's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, Required, TypeAlias, TypedDict
 
 import torch
 
+from engines.vllm.loading import TensorWire, box_of, load_into
 from messages import transports
 from messages.buckets import Digester, hash_bucket
 from messages.checksums import bucket_checksum
@@ -32,26 +36,16 @@ from messages.distgroup import Member
 from messages.dtypes import DTYPES
 from messages.schema import Ref, TensorMeta
 from messages.segments import frombuffer
+from messages.slices import Part
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from messages.distgroup import Posted
-    from messages.dtypes import Dtype
     from messages.replies import Json, JsonObject
 
 
 # -- the rpc arguments (JSON strings, decoded here) and answers (JSON-like dicts) --------
-class TensorWire(TypedDict):
-    """A tensor of a load rpc (`TensorMeta.to_wire()`): the fields a worker reads."""
-
-    name: str
-    dtype: Dtype
-    shape: list[int]
-    offset: int
-    nbytes: int
-
-
 class RefWire(TypedDict):
     """A reference (`Ref.to_wire()`; `via` left out when it is the first transport)."""
 
@@ -72,6 +66,7 @@ class SyncArg(TypedDict):
 
 class BeginArg(SyncArg):
     version: int
+    slices: NotRequired[bool]  # this sync takes slices (its buckets may hold boxes)
 
 
 class LoadArg(SyncArg):
@@ -119,6 +114,7 @@ class WorkerInfo(TypedDict):
     mode: str | None
     loaded: int
     kept: int
+    received: int  # bytes of the entries this rank took in this sync
 
 
 class FinalizeAnswer(WorkerInfo):
@@ -173,79 +169,6 @@ class _VllmConfig(Protocol):
     model_config: object
 
 
-def pending_weights(flat: torch.Tensor) -> Iterator[tuple[dict[str, object], str, torch.Tensor]]:
-    """The weights vLLM's layerwise reload still holds as views of `flat`: (the loader
-    call's bound arguments, the argument's name, the view).
-
-    vLLM's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
-    `make_online_process_loader`) does not load a weight when it arrives: it appends the
-    loader call's bound arguments, the weight tensor included, to
-    `LAYERWISE_INFO[layer].loaded_weights` and replays them in `_layerwise_process` once
-    the layer's last weight has arrived. Weights of a layer split across buckets therefore
-    outlive the bucket's `load_weights` call; everything else was consumed by the layer's
-    processing."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    ptr = flat.untyped_storage().data_ptr()
-    for info in list(LAYERWISE_INFO.values()):
-        for _name, bound in info.loaded_weights:
-            for key, value in bound.arguments.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
-                    yield bound.arguments, key, value
-
-
-def keep_pending_weights(flat: torch.Tensor) -> int:
-    """Copy out the weights vLLM still holds from `flat` when a bucket's load returns
-    (`pending_weights`): `flat` (a receive buffer or a reference transport's slot) is about to
-    be reused. Those, and only those, are cloned; returns how many."""
-    kept = 0
-    for args, key, value in list(pending_weights(flat)):
-        args[key] = value.clone()
-        kept += 1
-    return kept
-
-
-def load_into(
-    model: torch.nn.Module,
-    flat: torch.Tensor,
-    metas: list[TensorWire],
-    digester: Digester,
-    *,
-    layerwise: bool,
-    parts: Mapping[str, bytes | str] | None = None,
-    phases: dict[str, float] | None = None,
-) -> int:
-    """Load one bucket from views of `flat` (the received bytes): vLLM's weight loaders
-    make the one copy into the parameters; the views are not cloned first. Feeds the
-    digest (from `parts`, the engine process's hashes of the same bytes, when given);
-    returns how many weights had to be kept past the call (layerwise reload)."""
-    t0 = time.perf_counter()
-    tensors = []
-    for m in metas:
-        t = flat[m["offset"] : m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
-        tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
-    with torch.no_grad():
-        model.load_weights(iter(tensors))  # type: ignore[operator]  # vLLM models define it
-    t1 = time.perf_counter()
-    kept = keep_pending_weights(flat) if layerwise else 0
-    t2 = time.perf_counter()
-    if parts is not None:  # hex from the engine process, bytes from this worker's own pass
-        for name, _t in tensors:
-            p = parts[name]
-            digester.add(name, p if isinstance(p, bytes) else bytes.fromhex(p))
-    else:
-        for name, t in tensors:
-            digester.update(name, t)
-    if phases is not None:
-        for phase, s in (
-            ("vllm_load_weights", t1 - t0),
-            ("vllm_keep_pending", t2 - t1),
-            ("worker_digest", time.perf_counter() - t2),
-        ):
-            phases[phase] = phases.get(phase, 0.0) + s
-    return kept
-
-
 class WorkerError(ValueError):
     """A typed refusal in a vLLM worker (`code`: an ErrorCode value). The load RPCs return it
     as data, `{"error": {"code", "message"}}` (engines.vllm.base.WorkerLoad), so the engine
@@ -260,7 +183,10 @@ class WorkerError(ValueError):
 
 
 def _metas(wire: list[TensorWire]) -> list[TensorMeta]:
-    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"]) for m in wire]
+    return [
+        TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), m["offset"], m["nbytes"], box=box_of(m))
+        for m in wire
+    ]
 
 
 def verify_received(buf: torch.Tensor, metas: list[TensorWire], expected: int) -> dict[str, bytes]:
@@ -317,6 +243,9 @@ class WorkerReload:
     member: Member | None = None  # this worker's group member
     # a receive posted ahead: (group id, seq, size) of its bucket, and the receive
     posted: tuple[tuple[Json, int | None, int], Posted] | None = None
+    rank_map: dict[str, Part] | None = None  # what this rank loads (recorded by ws_slices)
+    slices: bool = False  # this sync takes slices
+    received: int = 0
 
 
 def _view(st: WorkerReload, ref: RefWire) -> memoryview:
@@ -355,6 +284,7 @@ class WeightSyncExtension:
             "mode": st.mode,
             "loaded": st.loaded,
             "kept": st.kept,
+            "received": st.received,
         }
 
     def ws_begin(self, arg: str) -> WorkerInfo:
@@ -375,7 +305,8 @@ class WeightSyncExtension:
         except ImportError:
             st.mode = "process_weights_after_loading"
         st.sync_id, st.version, st.reloading = a["sync_id"], a["version"], True
-        st.digester, st.digest, st.loaded, st.kept = Digester(), None, 0, 0
+        st.digester, st.digest, st.loaded, st.kept, st.received = Digester(), None, 0, 0, 0
+        st.slices = bool(a.get("slices")) and st.rank_map is not None
         return self.ws_info()
 
     def _ws_running(self, a: SyncArg, method: str) -> WorkerReload:
@@ -464,6 +395,7 @@ class WeightSyncExtension:
             (str(n), str(d), tuple(int(x) for x in shape)) for n, d, shape in json.loads(arg)["tensors"]
         ]
         rank_map, whole_because = record_rank_map(self._ws_model(), tensors, self.device)
+        self._ws().rank_map = rank_map
         return {
             "rank": getattr(self, "rank", 0),
             "map": to_json(rank_map),
@@ -485,7 +417,7 @@ class WeightSyncExtension:
         phases: dict[str, float] | None = None,
     ) -> None:
         st = self._ws()
-        st.kept += load_into(
+        kept, received = load_into(
             self._ws_model(),
             flat,
             metas,
@@ -493,7 +425,10 @@ class WeightSyncExtension:
             layerwise=st.mode == "layerwise",
             parts=parts,
             phases=phases,
+            rank_map=st.rank_map if st.slices else None,
         )
+        st.kept += kept
+        st.received += received
         st.loaded += len(metas)
 
     def ws_finalize(self, arg: str) -> FinalizeAnswer:

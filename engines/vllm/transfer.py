@@ -29,7 +29,8 @@ from vllm.distributed.weight_transfer.base import (
 from messages.buckets import Digester
 
 if TYPE_CHECKING:
-    from engines.vllm.extension import MacWire, TensorWire, TransferInfo
+    from engines.vllm.extension import MacWire, TransferInfo
+    from engines.vllm.loading import TensorWire
     from messages.distgroup import Member
     from messages.replies import JsonObject
 
@@ -97,7 +98,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("update_weights before init_weight_transfer_engine / start_weight_update")
         t0 = time.perf_counter()
         buf = self.member.receive(info.group, info.size)
-        from engines.vllm.extension import load_into, verify_mac, verify_received
+        from engines.vllm.extension import verify_mac, verify_received
+        from engines.vllm.loading import load_into
 
         verify_mac(buf, info.seq, info.mac)
         parts = verify_received(buf, info.tensors, info.checksum)

@@ -48,6 +48,12 @@ def engine(
     vllm_mp: bool = typer.Option(
         False, "--vllm-mp/--no-vllm-mp", help="vLLM V1 multiprocessing (workers in their own processes)"
     ),
+    vllm_slices: bool = typer.Option(
+        False,
+        "--vllm-slices/--no-vllm-slices",
+        help="vLLM: each tensor-parallel worker is sent only the slices its loaders keep "
+        "(recorded from them at startup)",
+    ),
     vllm_arg: list[str] = typer.Option(
         [], "--vllm-arg", help="KEY=VALUE passed to vllm.LLM (VALUE parsed as JSON if it can be)"
     ),
@@ -129,6 +135,7 @@ def engine(
                 "threads": threads,
                 "tp": tp,
                 "vllm_mp": vllm_mp,
+                "vllm_slices": vllm_slices,
                 "llm_args": llm_args,
                 "url": url,
                 "pause_mode": pause_mode,

@@ -299,6 +299,7 @@ def _open_rollback(m: Model) -> None:
     s = m.open_sync(sync_id, sp.version, expected=sp.buckets, probes=sp.probes, kind="rollback")
     s.rollback_of = m.last_sync
     s.expected_digest = m.served_digest
+    s.slice_digests = {0: dict(sp.slice_digests)} if sp.slice_digests else {}  # each rank's, replayed
     m.want_rollback = False
     m.outbox.append(SyncOpened(sync_id, sp.version, "rollback", s.carries, False, False))
     m.outbox.append(

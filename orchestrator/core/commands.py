@@ -66,6 +66,7 @@ class SendFinalize:
     sync_id: str
     version: int
     probes: tuple[Probe, ...]
+    digest: str | None = None  # the version's, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ class SpoolCommit:
     version: int
     digest: str
     probes: tuple[Probe, ...] = ()  # kept with the version: a rollback re-checks them
+    slice_digests: dict[str, tuple[str, ...]] = field(default_factory=dict)  # and each rank's digest
 
 
 @dataclass(frozen=True, slots=True)

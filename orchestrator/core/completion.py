@@ -66,7 +66,7 @@ def _loaded(m: Model, eid: str, sync_id: str, key: tuple[int, int], also: tuple[
             m.send_spooled(eid, c)
         if c.applied >= c.total and not c.finalize_sent:
             c.finalize_sent = True
-            m.outbox.append(SendFinalize(eid, sync_id, c.version, m.spooled_probes))
+            m.outbox.append(SendFinalize(eid, sync_id, c.version, m.spooled_probes, m.served_digest))
         return
     s = m.participant(eid, sync_id)
     if s is None:
@@ -193,7 +193,7 @@ def _commit(m: Model, s: SyncRecord, trigger: Trigger) -> None:
             continue
         s.finalize_sent.add(eid)
         m.engines[eid].move(Life.START_FINALIZE)
-        m.outbox.append(SendFinalize(eid, s.sync_id, s.version, s.probes))
+        m.outbox.append(SendFinalize(eid, s.sync_id, s.version, s.probes, s.expected_digest))
 
 
 def _finish_stream(m: Model, s: SyncRecord, event: FinishSync) -> None:
@@ -292,8 +292,11 @@ def finalized(m: Model, event: EngineFinalized) -> None:
     c = m.catchup_of(eid, msg.sync_id)
     if c is not None:  # a catch-up's finalize
         mismatch = syncs.canary_mismatch(m.spooled_probes, msg.probes)
+        ranks = _rank_refusal(m, eid, msg, m.spooled.slice_digests if m.spooled is not None else {})
         if mismatch is not None:
             m.end_catchup(eid, False, f"CANARY_MISMATCH: {syncs.mismatch_text(mismatch)}")
+        elif ranks is not None:
+            m.end_catchup(eid, False, ranks.message)
         elif msg.version == c.version and msg.digest == m.served_digest and c.finalize_sent:
             x = m.engines[eid]
             x.version, x.digest, x.finalize_count = msg.version, msg.digest, msg.finalize_count
@@ -316,7 +319,7 @@ def finalized(m: Model, event: EngineFinalized) -> None:
         _wrong_version(m, Trigger.FINALIZED, eid, msg.version, s.version)
         return
     want = s.expected_digest or (next(iter(s.finalized.values())).digest if s.finalized else None)
-    rank = _rank_refusal(m, s, eid, msg)
+    rank = _rank_refusal(m, eid, msg, s.rank_digests())
     if rank is not None:
         m.close_failed(Trigger.FINALIZED, rank)
         return
@@ -446,19 +449,18 @@ def failed(m: Model, event: EngineFailed) -> None:
     )
 
 
-def _rank_refusal(m: Model, s: SyncRecord, eid: str, msg: Finalized) -> WeightSyncError | None:
-    """An engine that takes slices: each rank's digest against what the sources computed
-    for that rank of its layout (added up over the sources), naming the first that differs.
-    None when it holds what it was sent, or when there is nothing to compare (a push that
-    was not cut: its digest alone is checked)."""
+def _rank_refusal(
+    m: Model, eid: str, msg: Finalized, expected: dict[str, tuple[str, ...]]
+) -> WeightSyncError | None:
+    """An engine that takes slices: each rank's digest against what the sender computed for
+    that rank of its layout (`expected`: per layout key; a sync's sources added up, or the
+    spool's for a replay), naming the first that differs. None when it holds what it was
+    sent, or when there is nothing to compare (a push that was not cut: its digest alone
+    is checked)."""
     x = m.engines.get(eid)
-    key = None if x is None or x.slices is None else str(x.slices["key"])
-    if key is None or not s.slice_digests or len(s.slice_digests) < max(1, s.sources):
+    want = None if x is None or x.slices is None else expected.get(str(x.slices["key"]))
+    if want is None:
         return None
-    per_source = [d.get(key) for d in s.slice_digests.values()]
-    if any(d is None for d in per_source):
-        return None
-    want = [add_digests(ranks) for ranks in zip(*[d for d in per_source if d is not None], strict=True)]
     if len(msg.rank_digests) != len(want):
         return m.error(
             ErrorCode.ENGINE_FAILED,

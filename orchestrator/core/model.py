@@ -440,7 +440,7 @@ class Model:
         if s.sources > 1 and s.plan is not None and s.plan not in self.plans:
             self.plans[s.plan] = dict(s.names)  # verified against the plan's hash at the last finish
         if s.kind == "sync" and self.limits.spool:
-            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes))
+            self.outbox.append(SpoolCommit(s.sync_id, s.version, digest, s.probes, s.rank_digests()))
         self.last_ready_version, self.served_digest = s.version, digest
         self.served_scheme = DIGEST_SCHEME  # reported by engines of this daemon's protocol
         for eid, fin in s.finalized.items():

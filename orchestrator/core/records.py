@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messages import transports
-from messages.checksums import DIGEST_SCHEME
+from messages.checksums import DIGEST_SCHEME, add_digests
 from messages.errors import WeightSyncError
 from messages.replies import GROUP_KEY, Json, JsonObject
 from messages.schema import Backend, Finalized, ParamSpec, Prepared, Probe
@@ -310,6 +310,19 @@ class SyncRecord:
             **({"source_count": self.sources, "sources": self.sources_view()} if self.sources > 1 else {}),
         }
 
+    def rank_digests(self) -> dict[str, tuple[str, ...]]:
+        """A push cut into slices: per layout key, each rank's digest, the sources' added up
+        (empty until every source finished, or when the push was not cut)."""
+        if not self.slice_digests or len(self.slice_digests) < max(1, self.sources):
+            return {}
+        keys = set.intersection(*(set(d) for d in self.slice_digests.values()))
+        return {
+            key: tuple(
+                add_digests(r) for r in zip(*(d[key] for d in self.slice_digests.values()), strict=True)
+            )
+            for key in sorted(keys)
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Spooled:
@@ -321,6 +334,8 @@ class Spooled:
     probes: tuple[Probe, ...] = ()  # the version's canaries: replayed by a rollback or catch-up
     chain: int = 0  # delta versions on top of the last dense one (replayed in order)
     scheme: str = DIGEST_SCHEME  # what made `digest` (messages.checksums): replayed only if ours
+    # a version cut into slices: per layout key, each rank's digest (checked on replay)
+    slice_digests: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -188,7 +188,9 @@ class Effects:
         info = self.spool.info if self.spool else None
         if info is None:
             return None
-        return Spooled(info.version, info.digest, info.buckets, info.probes, info.chain, info.scheme)
+        return Spooled(
+            info.version, info.digest, info.buckets, info.probes, info.chain, info.scheme, info.slice_digests
+        )
 
     # -- persisting (closures for the storage thread) ----------------------------------
     def persist_now(self, c: cmd.Journal) -> None:
@@ -217,7 +219,7 @@ class Effects:
         if isinstance(c, cmd.SpoolBegin):
             return lambda: spool.begin(c.sync_id, c.version, c.base)
         if isinstance(c, cmd.SpoolCommit):
-            return lambda: spool.commit(c.sync_id, c.version, c.digest, c.probes)
+            return lambda: spool.commit(c.sync_id, c.version, c.digest, c.probes, c.slice_digests)
         if isinstance(c, cmd.SpoolDiscard):
             return lambda: spool.discard(c.sync_id)
         raise make_error(ErrorCode.INTERNAL, f"not a storage command: {c!r}")
@@ -252,7 +254,7 @@ class Effects:
             self._open_streams(c)
         elif isinstance(c, cmd.SendFinalize):
             header = codec.encode_header(
-                schema.Finalize(sync_id=c.sync_id, version=c.version, probes=c.probes)
+                schema.Finalize(sync_id=c.sync_id, version=c.version, probes=c.probes, digest=c.digest)
             )
             if not self.transport.send_engine(c.engine_id, [header]):
                 if self.feed is not None:  # unreachable: lost at once

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -53,6 +53,8 @@ class SpoolInfo:
     probes: tuple[Probe, ...] = ()  # the version's canaries (checked again on replay)
     chain: int = 0  # delta generations on top of the last dense version
     scheme: str = DIGEST_SCHEME  # what made `digest` (messages.checksums)
+    # a version cut into slices: per layout key, each rank's digest (checked on replay)
+    slice_digests: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,7 @@ class Spool:
                 tuple(msgspec.convert(raw.get("probes", []), type=list[Probe])),
                 max((e.gen for e in entries), default=0),
                 msgspec.convert(raw.get("digest_scheme", UNRECORDED_DIGEST_SCHEME), type=str),
+                msgspec.convert(raw.get("slice_digests", {}), type=dict[str, tuple[str, ...]]),
             )
             self._dir, self._entries = target, entries
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
@@ -208,7 +211,12 @@ class Spool:
         self._incoming_failed = reason
 
     def commit(
-        self, sync_id: str, version: int, digest: str, probes: tuple[Probe, ...] = ()
+        self,
+        sync_id: str,
+        version: int,
+        digest: str,
+        probes: tuple[Probe, ...] = (),
+        slice_digests: dict[str, tuple[str, ...]] | None = None,
     ) -> SpoolInfo | None:
         """Make the incoming sync the spooled version (durably), or degrade."""
         if self._incoming is None or self._incoming_sync != sync_id:
@@ -223,6 +231,7 @@ class Spool:
                     "digest_scheme": DIGEST_SCHEME,
                     "sync_id": sync_id,
                     "probes": [p.to_wire() for p in probes],
+                    "slice_digests": {k: list(v) for k, v in (slice_digests or {}).items()},
                     "buckets": [
                         {
                             "source": e.source,
@@ -267,6 +276,7 @@ class Spool:
                     sum(e.nbytes for e in entries),
                     tuple(probes),
                     max((e.gen for e in entries), default=0),
+                    slice_digests=dict(slice_digests or {}),
                 )
                 self.error = None
                 self._incoming = None

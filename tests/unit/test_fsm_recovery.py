@@ -129,7 +129,7 @@ def test_engine_registering_at_ready_catches_up_privately_and_counts_once_finali
     assert (start.engine_id, start.version, start.seq) == ("e2", 1, 0)
     out = o.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
     assert not cmds(out, fsm.SendSpooled) and cmds(out, fsm.SendFinalize) == [
-        fsm.SendFinalize("e2", start.sync_id, 1, ())
+        fsm.SendFinalize("e2", start.sync_id, 1, (), "d")
     ]
     out = o.handle(
         ev.EngineFinalized("e2", Finalized(sync_id=start.sync_id, version=1, digest="d", finalize_count=1)),
@@ -152,7 +152,7 @@ def test_the_core_paces_a_catch_up_within_its_window_and_finalizes_after_the_las
     assert [c.seq for c in cmds(out, fsm.SendSpooled)] == [3, 4] and not cmds(out, fsm.SendFinalize)
     out = o.handle(ev.Loaded("e2", sid, (0, 4)), 5.4)
     assert not cmds(out, fsm.SendSpooled) and cmds(out, fsm.SendFinalize) == [
-        fsm.SendFinalize("e2", sid, 1, ())
+        fsm.SendFinalize("e2", sid, 1, (), "d")
     ]
 
 
@@ -171,7 +171,7 @@ def test_a_catch_up_report_past_what_was_sent_is_clamped_to_it():
     out = o.handle(ev.Loaded("e2", sid, (0, 3)), 5.3)
     assert [c.seq for c in cmds(out, fsm.SendSpooled)] == [4] and not cmds(out, fsm.SendFinalize)
     out = o.handle(ev.Loaded("e2", sid, (0, 4)), 5.4)
-    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", sid, 1, ())]
+    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", sid, 1, (), "d")]
 
 
 def test_catch_up_with_a_wrong_digest_leaves_the_engine_stale():
@@ -260,7 +260,7 @@ def test_a_rollback_and_a_catch_up_check_the_spooled_versions_canaries():
         o2.handle(ev.EngineRegistered(Register(engine_id="e2", backend="torch")), 5.0), fsm.SendSpooled
     )
     out = o2.handle(ev.Loaded("e2", start.sync_id, (0, 0)), 5.0)
-    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", start.sync_id, 1, (probe,))]
+    assert cmds(out, fsm.SendFinalize) == [fsm.SendFinalize("e2", start.sync_id, 1, (probe,), "d")]
     out = o2.handle(
         ev.EngineFinalized(
             "e2", Finalized(sync_id=start.sync_id, version=1, digest="d", finalize_count=1, probes=((5, 0),))

@@ -53,3 +53,15 @@ def test_the_manifest_records_the_digest_scheme_and_an_unrecorded_one_reads_as_v
     raw["digest_scheme"] = 128  # not a name: unreadable, not trusted
     path.write_text(json.dumps(raw))
     assert Spool(tmp_path).info is None
+
+
+def test_a_version_cut_into_slices_keeps_each_ranks_digest_across_a_restart(tmp_path):
+    box = {"name": "w", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8, "box": [[0, 2]]}
+    s = Spool(tmp_path)
+    s.begin("s1", 3)
+    s.add("s1", 0, 0, [box], 1, b"x" * 8)
+    info = s.commit("s1", 3, "digest-3", (), {"abc": ("r0", "r1")})
+    assert info is not None and info.slice_digests == {"abc": ("r0", "r1")}
+    again = Spool(tmp_path)
+    assert again.info is not None and again.info.slice_digests == {"abc": ("r0", "r1")}
+    assert again.entries()[0].tensors == [box]  # the boxes are replayed as they were sent

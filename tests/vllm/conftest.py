@@ -137,9 +137,10 @@ def server_cluster(workdir, model_dir, url):
 
 
 @contextlib.contextmanager
-def vllm_fleet(workdir, model_dir, engines: dict[str, list[str]], daemon_args=(), engine_args=()):
+def vllm_fleet(workdir, model_dir, engines: dict[str, list[str]], daemon_args=(), engine_args=(), env=None):
     """A daemon and one `--backend vllm` engine per entry of `engines` (name -> its extra
-    arguments), all registered before it yields; every log shown on failure."""
+    arguments), all registered before it yields; every log shown on failure. `env`: more
+    environment for the processes (vLLM reads its CPU binding there)."""
     from examples.launch import Cluster
 
     c = Cluster(
@@ -150,6 +151,7 @@ def vllm_fleet(workdir, model_dir, engines: dict[str, list[str]], daemon_args=()
         backend="vllm",
         daemon_args=["--engine-timeout", "30", *daemon_args],
         engine_args=list(engine_args),
+        **({"env": env} if env else {}),
     )
     try:
         c.start_daemon()
