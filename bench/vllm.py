@@ -58,7 +58,7 @@ def _direct(llm: Any, buckets: list) -> float:
 
 def _kept_bytes(llm: Any, buckets: list) -> int:
     """The bytes of the weights vLLM still holds when a bucket's `load_weights` returns,
-    over the same buckets (what the engine copies out: engines.vllm.extension
+    over the same buckets (what the engine copies out: engines.vllm.loading
     `keep_pending_weights`), counted in an untimed direct reload."""
 
     def reload(worker: Any) -> int:
@@ -67,7 +67,7 @@ def _kept_bytes(llm: Any, buckets: list) -> int:
             initialize_layerwise_reload,
         )
 
-        from engines.vllm.extension import pending_weights
+        from engines.vllm.loading import pending_weights
 
         model = worker.model_runner.get_model()
         initialize_layerwise_reload(model)

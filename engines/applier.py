@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ from engines.session import Begin, Job
 from engines.verify import Verifier, Verifying
 from messages import coverage, schema, stream
 from messages.bounded import LRU
-from messages.buckets import Assembler, has_pieces, iter_buckets, unpack
+from messages.buckets import Assembler, has_patches, has_pieces, iter_buckets, unpack
 from messages.checksums import bucket_hash
 from messages.distgroup import PEER_FAILED, GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
@@ -227,6 +227,7 @@ class Applier(threading.Thread):
             self.base.hold()
         t0 = time.perf_counter()
         try:
+            self._boxes(msg.tensors)  # before any path hands them on (workers, refs, groups)
             if msg.group is not None:
                 self._load_group(msg, received)
             else:
@@ -372,7 +373,7 @@ class Applier(threading.Thread):
             msg.ref is not None
             and not msg.ref.via  # workers map shared memory themselves; another transport's is read here
             and isinstance(self.engine, LoadsRefs)
-            and not _patched(msg.tensors)
+            and not has_patches(msg.tensors)
             and not has_pieces(msg.tensors)
         ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
@@ -424,17 +425,11 @@ class Applier(threading.Thread):
                     self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
                     del data
             return
-        boxes = any(m.box is not None for m in metas)
-        if boxes and not self.slices:
-            raise WeightSyncError(
-                "a bucket holds a box of a tensor, and this engine takes whole tensors only "
-                "(its sender cut for a layout it did not declare)",
-                code=ErrorCode.BAD_MESSAGE,
-            )
-        if self.slices and not _patched(metas) and not isinstance(self.engine, LoadsBuckets):
+        boxes = self._boxes(metas)
+        if self.slices and not has_patches(metas) and not isinstance(self.engine, LoadsBuckets):
             self._apply_parts(metas, buf, parts, boxes)
             return
-        if _patched(metas):
+        if has_patches(metas):
             # an engine that digests its whole model (not what it received) may skip loading
             # unchanged tensors its model already holds
             tensors, rebuilt, skip = self.base.rebuild(metas, buf, skip_same=not self.verifier.parts)
@@ -459,6 +454,14 @@ class Applier(threading.Thread):
         self.engine.load(tensors)
         self.base.stage_loaded(tensors, parts, set())
         del tensors  # drop the views before acknowledging (the frame can be freed)
+
+    def _boxes(self, metas: Sequence[schema.TensorMeta]) -> bool:
+        """Whether a bucket holds a box of a tensor; refused unless this engine takes slices."""
+        boxes = any(m.box is not None for m in metas)
+        if boxes and not self.slices:  # its sender cut for a layout it did not declare
+            why = "a bucket holds a box of a tensor, and this engine takes whole tensors only"
+            raise WeightSyncError(why, code=ErrorCode.BAD_MESSAGE)
+        return boxes
 
     def _apply_parts(
         self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts, boxes: bool
@@ -594,7 +597,3 @@ def _numpy(t: torch.Tensor) -> Buffer:
 def _buffer(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes as a buffer."""
     return memoryview(_numpy(t))
-
-
-def _patched(metas: Iterable[schema.TensorMeta]) -> bool:
-    return any(m.patch is not None for m in metas)

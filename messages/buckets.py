@@ -461,6 +461,10 @@ def has_pieces(metas: Sequence[TensorMeta]) -> bool:
     return any(m.start is not None for m in metas)
 
 
+def has_patches(metas: Sequence[TensorMeta]) -> bool:
+    return any(m.patch is not None for m in metas)
+
+
 class Hashed(NamedTuple):
     checksum: int
     parts: dict[str, bytes] | None

@@ -96,6 +96,8 @@ def load_into(
     for m in metas:
         t = flat[m["offset"] : m["offset"] + m["nbytes"]].view(DTYPES[m["dtype"]])
         box = box_of(m)
+        if box is not None and rank_map is None:
+            raise ValueError(f"{m['name']}: a box of a tensor, in a sync that takes no slices")
         if rank_map is None or box is None:
             tensors.append((m["name"], t.view(m["shape"]) if m["shape"] else t.reshape(())))
             received += m["nbytes"]

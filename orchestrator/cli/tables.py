@@ -119,15 +119,19 @@ def _engines_table(st: dict[str, Any]) -> Table:
         for eid, m in (group.get("members") or {}).items():
             r, n = int(m["rank"]), int(m["ranks"])
             ranks[eid] = str(r) if n == 1 else f"{r}-{r + n - 1}"
+    if any((e.get("slices") or {}).get("received") for e in engines):
+        cols.append("slices MB")  # each rank's bytes in its last sync, of a sliced engine
     t = Table(title=title, title_justify="left")
     for col in cols:
         t.add_column(col)
     for e in engines:
+        got = (e.get("slices") or {}).get("received")
         row = {
             **e,
             "state": _state_cell(e),
             "digest": (e.get("digest") or "")[:12] or None,
             "ranks": ranks.get(e["engine_id"], "-"),
+            "slices MB": "/".join(f"{n / 1e6:.1f}" for n in got) if got else "-",
         }
         t.add_row(*[str(row.get(c)) for c in cols])
     return t

@@ -153,6 +153,18 @@ def finish(m: Model, event: FinishSync) -> None:
             missing_count=len(names),
             **({"sources": owed[:64]} if owed else {}),
         )
+    lost = None if msg.partial or s.stream else syncs.missing_slices(s, m.engines)
+    if lost is not None:
+        eid, rank, parts = lost
+        raise m.error(
+            ErrorCode.INCOMPLETE_SYNC,
+            f"engine {eid} rank {rank} would be left with {len(parts)} slice(s) of the old version: "
+            f"{coverage.listed(parts)} (send each rank its box, or the whole tensor); nothing was finalized",
+            engine_id=eid,
+            rank=rank,
+            missing=parts[:64],
+            missing_count=len(parts),
+        )
     if s.sources > 1 and s.plan is not None and plan_key(s.sources, s.names) != s.plan:
         _plan_not_carried_out(m, s, msg.source)
         return

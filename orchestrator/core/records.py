@@ -180,6 +180,8 @@ class SyncRecord:
     # tensor name -> the source (source) that sent it: completeness over the union of the
     # sources, and a tensor two sources send is refused (DUPLICATE_TENSOR)
     names: dict[str, int] = field(default_factory=dict)
+    # tensor name -> the parts of it sent: its boxes, None for the whole (per-rank coverage)
+    parts: dict[str, set[tuple[tuple[int, int], ...] | None]] = field(default_factory=dict)
     # Sources (a sharded push has `sources` of them; a plain push one, source 0): when each
     # began, when each was last heard, whose connection closed (its grace running), and
     # each one's digest over its own tensors (added up into the version's at the last finish)

@@ -393,6 +393,8 @@ def bucket(m: Model, event: BucketIn) -> None:
     s.forwarded[msg.source] = k
     s.nbytes += event.nbytes
     s.names.update((t.name, msg.source) for t in msg.tensors)
+    for t in msg.tensors:
+        s.parts.setdefault(t.name, set()).add(t.box)
     if s.stream:  # a spool copy: the engines have the bytes from the stream
         s.buckets[key].done = True
         m.outbox.append(

@@ -53,6 +53,28 @@ def missing_tensors(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[st
     return None
 
 
+def missing_slices(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[str, int, list[str]] | None:
+    """The first engine that takes slices (by id; one check per layout) with a rank that
+    was sent neither its box of some tensor nor the whole of it: (engine, rank, which)."""
+    seen: set[str] = set()
+    for eid in sorted(s.participants):
+        x = engines[eid]
+        key = None if x.slices is None else str(x.slices["key"])
+        if not x.layout or key is None or key in seen:
+            continue
+        seen.add(key)
+        for r, rank_map in enumerate(x.layout):
+            lost = []
+            for name, part in rank_map.items():
+                sent = s.parts.get(name, set())
+                box = None if part == "whole" else tuple((int(a), int(b)) for a, b in part)
+                if None not in sent and box not in sent:
+                    lost.append(name if box is None else f"{name}{[list(b) for b in box]}")
+            if lost:
+                return eid, r, lost
+    return None
+
+
 def canary_mismatch(
     probes: tuple[Probe, ...], got: tuple[tuple[int, ...], ...]
 ) -> tuple[int, int, int | None, int | None] | None:

@@ -66,15 +66,22 @@ class _Snapshot:
             "Seconds since the engine was last heard from",
             labels=["engine_id"],
         )
+        ranks = GaugeMetricFamily(
+            "weightsync_engine_rank_bytes_received",
+            "Bytes each rank of an engine that takes slices was handed in its last sync",
+            labels=["engine_id", "rank"],
+        )
         for e in engines:
             eid = e["engine_id"]
+            for r, n in enumerate((e.get("slices") or {}).get("received") or ()):
+                ranks.add_metric([eid, str(r)], n)
             ver.add_metric([eid], -1 if e["version"] is None else e["version"])
             if served is not None:
                 skew.add_metric([eid], served - (e["version"] if e["version"] is not None else 0))
             fin.add_metric([eid], e["finalize_count"])
             if e.get("heartbeat_age_s") is not None:
                 age.add_metric([eid], max(0.0, time.monotonic() - mono + e["heartbeat_age_s"]))
-        yield from (ver, skew, fin, age)
+        yield from (ver, skew, fin, age, ranks)
         spool = st.get("spool") or {}
         g = GaugeMetricFamily("weightsync_spool_bytes", "Bytes of the version held in the spool")
         g.add_metric([], spool.get("bytes", 0))

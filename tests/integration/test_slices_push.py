@@ -33,10 +33,14 @@ def _per_rank(weights, tp):
 def test_each_rank_is_sent_its_slices_and_the_fleet_serves_the_trainers_model(
     tmp_path, tiny_model_dir, tiny_state, transport
 ):
+    from .helpers import FAST_DAEMON
+    from .test_metrics import scrape, until, value
+
     whole = sum(t.numel() * t.element_size() for t in tiny_state.values())
     want = _per_rank(tiny_state, 2)
+    daemon = [*FAST_DAEMON, "--metrics-bind", "127.0.0.1:0"]
     with (
-        running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"]) as cluster,
+        running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"], daemon_args=daemon) as cluster,
         cluster.client() as client,
     ):
         for v in (1, 2):
@@ -54,6 +58,19 @@ def test_each_rank_is_sent_its_slices_and_the_fleet_serves_the_trainers_model(
                 assert got == want, (e["engine_id"], got, want)
                 assert max(got) <= 0.6 * whole
                 assert e["digest"] == r.digest and e["finalize_count"] == v
+        # in the status table (MB per rank, of the last sync)
+        from .helpers import ws
+
+        table = ws("status", "--addr", cluster.addr).stdout
+        assert "slices MB" in table and "/".join(f"{n / 1e6:.1f}" for n in want) in table, table
+        # and in the metrics, per engine and rank
+        addr = client.status()["daemon"]["metrics_addr"]
+        m = until(lambda: (mm := scrape(addr)) and value(mm, "weightsync_served_version") == 2 and mm)
+        for eid in ("engine-0", "engine-1"):
+            got = [
+                value(m, "weightsync_engine_rank_bytes_received", engine_id=eid, rank=str(r)) for r in (0, 1)
+            ]
+            assert got == want, (eid, got)
 
 
 def test_a_rank_holding_other_bytes_than_its_sender_computed_fails_the_sync(

@@ -175,3 +175,32 @@ def test_worker_heartbeats_and_reregisters_when_unknown(harness):
     orch.send(schema.Ok(id=hb.id, body={"known": False}))
     again = orch.recv(want=("register",))
     assert again.engine_id == "e0"
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_box_for_an_engine_that_takes_whole_tensors_is_refused_and_nothing_loads(
+    harness, tiny_state, transport
+):
+    """An engine of one rank declared no slices: a bucket holding a box of a tensor (a
+    sender that cut for a layout it did not declare) is BAD_MESSAGE before any path hands
+    it on, by frame or by reference, and nothing is loaded."""
+    from messages.buckets import Sliced
+    from messages.cuts import cut
+    from messages.segments import Segment
+
+    orch, _, eng, reg = harness
+    assert reg.slices is None
+    name = "model.layers.0.self_attn.q_proj.weight"
+    t = dict(perturbed(tiny_state, 1))[name]
+    box = ((0, t.shape[0] // 2), (0, t.shape[1]))
+    (b,) = list(iter_buckets([(name, Sliced(cut(t, box), box, tuple(t.shape)))]))
+    assert b.tensors[0].box == box
+    load = schema.Load(sync_id="s1", version=1, seq=0, tensors=b.tensors, checksum=b.checksum)
+    with Segment(b.nbytes, kind="trainer") as seg:
+        if transport == "shm":
+            seg.write(bytes(b.frame()))
+            orch.send(msgspec.structs.replace(load, ref=schema.Ref(seg.name, 0, b.nbytes)))
+        else:
+            orch.send(load, [b.frame()])
+        failed = orch.recv(want=("failed",))
+    assert failed.code == "BAD_MESSAGE" and "box" in failed.message and eng.loads == 0

@@ -59,3 +59,38 @@ def test_a_register_whose_layout_does_not_fit_its_spec_is_refused_and_changes_no
         o.handle(ev.EngineRegistered(Register(engine_id="e9", backend="torch", spec=SPEC, slices=bad)), 5.0)
     assert set(o.engines) == before
     assert Finalize(sync_id="s", version=1, digest="d").digest == "d"
+
+
+def test_a_finish_that_left_a_rank_without_its_box_is_incomplete_and_names_the_rank():
+    import pytest
+
+    from messages.errors import ErrorCode, WeightSyncError
+    from messages.schema import Begin, Bucket, Finish, TensorMeta
+    from orchestrator.core import Core, Limits
+
+    def fleet():
+        o = Core(Limits(min_engines=1))
+        _register_sliced(o, "e0")
+        o.handle(ev.BeginSync(Begin(sync_id="s1", version=1)), 1.0)
+        return o
+
+    def send(o, seq, tensors):
+        o.handle(ev.BucketIn(Bucket(sync_id="s1", seq=seq, tensors=tensors, checksum=0), 64), 1.0)
+        o.handle(ev.Loaded("e0", "s1", (0, seq)), 1.0)
+
+    n = TensorMeta("n", "float32", (2,), 0, 8)
+    w0 = TensorMeta("w", "float32", (4, 2), 64, 16, box=((0, 2), (0, 2)))
+    w1 = TensorMeta("w", "float32", (4, 2), 0, 16, box=((2, 2), (0, 2)))
+    o = fleet()
+    send(o, 0, (n, w0))  # rank 1's box of w never sent
+    with pytest.raises(WeightSyncError) as err:
+        o.handle(ev.FinishSync(Finish(sync_id="s1", buckets=1)), 1.0)
+    assert err.value.code is ErrorCode.INCOMPLETE_SYNC and "e0 rank 1" in err.value.message, err.value
+    assert "w[[2, 2], [0, 2]]" in err.value.message and o.state.value == "LOADING_BUCKETS"
+    send(o, 1, (w1,))  # the trainer sends it and finishes again: taken
+    o.handle(ev.FinishSync(Finish(sync_id="s1", buckets=2)), 1.0)
+    assert o.state.value == "FINALIZING"
+    o2 = fleet()  # the whole tensor covers every rank's box
+    send(o2, 0, (n, TensorMeta("w", "float32", (4, 2), 64, 32)))
+    o2.handle(ev.FinishSync(Finish(sync_id="s1", buckets=1)), 1.0)
+    assert o2.state.value == "FINALIZING"

@@ -162,7 +162,8 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
     Every push is cut for the maps the workers recorded; each rank is handed only its
     part (status: slices.received equals the declared rank_bytes, each <= 0.6 of the
     model), the daemon checks each rank's digest, and the canaries (greedy outputs of the
-    trainer's model) pass, over frames and over shared memory."""
+    trainer's model) pass, over frames, over shared memory and over the collective (each
+    worker receives every bucket in the group and keeps its boxes)."""
     from pathlib import Path
 
     from engines.torch_engine import load_model
@@ -187,7 +188,7 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
         vllm_fleet(Path(tmp_path), tiny_model_dir, {"vllm-tp2": args}, env=env) as cluster,
         cluster.client(timeout=180.0) as client,
     ):
-        for v, transport in ((1, "inline"), (2, "shm")):
+        for v, transport in ((1, "inline"), (2, "shm"), (3, "collective")):
             weights = dict(perturbed(tiny_state, v))
             m = load_model(tiny_model_dir)
             m.load_state_dict(weights)
