@@ -18,7 +18,10 @@ store).
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
+import signal
 import sys
 import threading
 import time
@@ -35,6 +38,10 @@ from tests.integration.helpers import small_step
 
 
 def main(argv: list[str]) -> int:
+    # its stderr is the fleet's agent.log: the library's log, and every thread's stack when
+    # the test sends SIGUSR1 (a push that does not answer)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     model_dir, addr = argv[0], argv[1]
     host = argv[2] if len(argv) > 2 else ""
     state = {k: v.detach().clone() for k, v in load_model(model_dir).state_dict().items()}

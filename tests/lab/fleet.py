@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -88,6 +89,7 @@ class LabFleet:
             [sys.executable, "-m", "tests.lab.agent", str(self.model_dir), self.addr, self.trainer_host.addr],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            errlog=self.log("agent"),  # its library's log, and its threads' stacks when it hangs
         )
         ready = self._read(120.0)
         if not ready.get("ready"):
@@ -155,7 +157,14 @@ class LabFleet:
     def _read(self, timeout: float) -> dict[str, Any]:
         if self.agent is None:
             raise RuntimeError("no trainer agent")
-        return _read_line(self.agent, timeout)
+        try:
+            return _read_line(self.agent, timeout)
+        except TimeoutError as exc:  # what the trainer was doing: its threads' stacks, its log
+            if self.agent.poll() is None:
+                self.agent.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
+            tail = self.log("agent").read_text(errors="replace")[-6000:] if self.log("agent").exists() else ""
+            raise TimeoutError(f"{exc}\n----- agent log (tail) -----\n{tail}") from None
 
     def push_sharded(self, version: int, timeout: float = 120.0, **kw: Any) -> list[dict[str, Any]]:
         """One sharded push of `version`: every source (the trainer and each source host)

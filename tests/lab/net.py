@@ -160,23 +160,27 @@ class Host:
         stdin: int | IO[bytes] | None = subprocess.DEVNULL,
         stdout: int | IO[bytes] | None = None,
         cwd: Path | None = None,
+        errlog: Path | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `argv` on this host in a process group of its own (output to `log`, or
-        `stdout`; in `cwd`, else this process's directory); the lab stops it at close."""
+        `stdout`, and then its stderr to `errlog`; in `cwd`, else this process's
+        directory); the lab stops it at close."""
         fh = open(log, "ab") if log is not None else None
+        eh = open(errlog, "ab") if errlog is not None and fh is None else None
         try:
             p = subprocess.Popen(
                 self.argv(argv),
                 stdin=stdin,
                 stdout=fh if fh is not None else stdout,
-                stderr=subprocess.STDOUT if fh is not None else None,
+                stderr=subprocess.STDOUT if fh is not None else eh,
                 env=child_env(env),
                 start_new_session=True,
                 cwd=cwd,
             )
         finally:
-            if fh is not None:
-                fh.close()
+            for h in (fh, eh):
+                if h is not None:
+                    h.close()
         self.procs.append(p)
         return p
 
