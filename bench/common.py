@@ -1,5 +1,5 @@
 """What every benchmark measures the same way: sizes, a process's CPU and peak RSS from
-/proc, and the machine it ran on."""
+/proc, and the machine it ran on; and the bf16 Llama the model benchmarks save."""
 
 from __future__ import annotations
 
@@ -107,3 +107,36 @@ def machine() -> dict[str, Any]:
 
 
 # The data-plane targets (docs/BENCHMARKS.md): name -> (what, predicate over a value, target text)
+
+
+def build_llama(
+    path: Path, hidden: int, layers: int, vocab: int, *, heads: int, kv_heads: int, mlp: int
+) -> Any:
+    """A random bf16 Llama (hidden size, layers, vocabulary, attention and KV heads, MLP
+    width) saved with its tokenizer into `path`; the model, for the trainer's side."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from examples.tiny import build_tokenizer
+
+    hf_logging.set_verbosity_error()
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    build_tokenizer(vocab).save_pretrained(path)
+    return model

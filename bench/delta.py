@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import build_llama
+
 BYTES_TARGET = 0.2  # delta wire bytes / dense, after one step
 TIME_TARGET = 0.6  # delta push seconds / dense, on inline and collective
 MAX_TIME_RATIO = 1.2  # delta push seconds / dense, on every transport (never much worse)
@@ -67,33 +69,16 @@ def summarize(rows: list[dict[str, Any]], transports: list[str]) -> dict[str, An
 
 
 def build(path: Path, hidden: int, layers: int, vocab: int) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from examples.tiny import build_tokenizer
-
-    hf_logging.set_verbosity_error()
     heads = max(1, hidden // 128)
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=hidden // heads,
-        vocab_size=vocab,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        dtype="bfloat16",
+    return build_llama(
+        path,
+        hidden,
+        layers,
+        vocab,
+        heads=heads,
+        kv_heads=max(1, heads // 4),
+        mlp=int(hidden * 2.75) // 64 * 64,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    build_tokenizer(vocab).save_pretrained(path)
-    return model
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -26,39 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine
+from bench.common import build_llama, machine
 
 TARGETS = {2: 0.6, 4: 0.35}  # the largest rank's bytes / the whole model's
 
 
 def build(path: Path, hidden: int, layers: int, vocab: int) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from examples.tiny import build_tokenizer
-
-    hf_logging.set_verbosity_error()
-    heads = max(4, hidden // 64)
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=4,  # >= the largest tp: each rank keeps whole heads, as vLLM's split
-        head_dim=hidden // heads,
-        vocab_size=vocab,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    build_tokenizer(vocab).save_pretrained(path)
-    return model
+    # 4 KV heads (>= the largest tp): each rank keeps whole heads, as vLLM's split does
+    return build_llama(path, hidden, layers, vocab, heads=max(4, hidden // 64), kv_heads=4, mlp=hidden * 3)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,11 +32,20 @@ from engines.base import EngineInfo, EngineOptions, validate_bucket
 from messages.buckets import Digester
 from messages.canary import greedy
 from messages.checksums import combine
-from messages.cuts import cut, part_digest
+from messages.cuts import box_view, cut, part_digest
 from messages.dtypes import dtype_name
 from messages.errors import ErrorCode, make_error
 from messages.schema import ParamSpec, Probe, Slices
-from messages.slices import WHOLE, Part, layout_key, llama_tp_layout, rank_bytes, to_wire
+from messages.slices import (
+    WHOLE,
+    Part,
+    box_refusal,
+    box_shape,
+    layout_key,
+    llama_tp_layout,
+    rank_bytes,
+    to_wire,
+)
 
 log = structlog.get_logger()
 
@@ -181,9 +190,8 @@ class TorchEngine:
                 raise make_error(ErrorCode.UNKNOWN_TENSOR, f"this model has no tensor {name!r}")
             if (
                 dtype_name(t.dtype) != want.dtype
-                or len(part) != len(want.shape)
-                or tuple(t.shape) != tuple(n for _, n in part)
-                or any(a + n > d for (a, n), d in zip(part, want.shape, strict=True))
+                or box_refusal(part, want.shape) is not None
+                or tuple(t.shape) != box_shape(part)
             ):
                 raise make_error(
                     ErrorCode.SHAPE_MISMATCH,
@@ -220,10 +228,7 @@ class TorchEngine:
             if part == WHOLE:
                 out[name] = (part, p if r == 0 else p.clone())
                 continue
-            view = p
-            for d, (start, length) in enumerate(part):
-                view = view.narrow(d, start, length)
-            out[name] = (part, view)
+            out[name] = (part, box_view(p, part))
         return out
 
     def _take_rank_digests(self) -> None:

@@ -24,8 +24,7 @@ from messages.checksums import Bytes, bucket_hash, byte_view, checksum_of, combi
 from messages.dtypes import DTYPES, dtype_name, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
-
-Box = tuple[tuple[int, int], ...]  # messages.slices.Box: per dimension (start, length)
+from messages.slices import Box, box_shape
 
 ALIGN = 64
 
@@ -393,7 +392,7 @@ def unpack(metas: Sequence[TensorMeta], buf: Bytes) -> Iterator[tuple[str, torch
         raw = flat[m.offset : m.offset + m.nbytes]
         dtype = DTYPES[m.dtype]
         t = raw.view(dtype) if dtype != torch.uint8 else raw
-        shape = m.shape if m.box is None else tuple(length for _, length in m.box)
+        shape = m.shape if m.box is None else box_shape(m.box)
         yield m.name, t.view(shape) if shape else t.reshape(())
 
 
@@ -421,7 +420,7 @@ class Assembler:
         piece out of order, or not matching the tensor begun, is a BAD_MESSAGE (the codec
         has bounded it already)."""
         start = m.start or 0
-        full = tensor_nbytes(m.dtype, m.shape if m.box is None else [n for _, n in m.box])
+        full = tensor_nbytes(m.dtype, m.shape if m.box is None else box_shape(m.box))
         held = self._open.get(m.name)
         if held is None:
             if start:

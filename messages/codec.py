@@ -11,6 +11,7 @@ bytes never enter MessagePack. Limits are explicit arguments so the service can 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -23,6 +24,7 @@ from messages import schema
 from messages.dtypes import ITEMSIZE, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import INDEX32_MAX, MAX_TENSORS_PER_BUCKET, MESSAGE_TYPES, PROTOCOL_VERSION, Message, Ok
+from messages.slices import box_refusal, box_shape
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
@@ -129,14 +131,10 @@ def _check_box(where: str, t: schema.TensorMeta, itemsize: int) -> int:
     box = t.box or ()
     if t.patch is not None:
         raise _bad(f"{where}: a box cannot be a patch")
-    if len(box) != len(t.shape):
-        raise _bad(f"{where}: a box of {len(box)} dimensions for a tensor of {len(t.shape)}")
-    numel = 1
-    for d, ((start, length), size) in enumerate(zip(box, t.shape, strict=True)):
-        if start + length > size:
-            raise _bad(f"{where}: box [{start}, {start + length}) outside dimension {d} of {size}")
-        numel *= length
-    return numel * itemsize
+    refused = box_refusal(box, t.shape)
+    if refused is not None:
+        raise _bad(f"{where}: {refused}")
+    return math.prod(box_shape(box)) * itemsize
 
 
 def _check_piece(where: str, t: schema.TensorMeta, full: int, itemsize: int) -> None:

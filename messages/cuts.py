@@ -21,20 +21,23 @@ import torch
 from messages.buckets import Cast, Digester, Item, Sliced, as_bytes, tensor_view
 from messages.checksums import combine, part_hasher
 from messages.dtypes import dtype_name
-from messages.slices import WHOLE, Layout, Part, layout_of
+from messages.slices import WHOLE, Box, Layout, Part, layout_of
+
+
+def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of `t` that `box` cuts (no copy: writing it writes `t`)."""
+    if len(box) != t.dim():
+        raise ValueError(f"a box of {len(box)} dimensions for a tensor of {t.dim()}")
+    out = t
+    for d, (start, length) in enumerate(box):
+        if (start, length) != (0, t.shape[d]):
+            out = out.narrow(d, start, length)
+    return out
 
 
 def cut(t: torch.Tensor, part: Part) -> torch.Tensor:
     """The rank's part of `t`, contiguous (a copy unless it already is one)."""
-    if part == WHOLE:
-        return t
-    if len(part) != t.dim():
-        raise ValueError(f"a box of {len(part)} dimensions for a tensor of {t.dim()}")
-    out = t
-    for d, (start, length) in enumerate(part):
-        if (start, length) != (0, t.shape[d]):
-            out = out.narrow(d, start, length)
-    return out.contiguous()
+    return t if part == WHOLE else box_view(t, part).contiguous()
 
 
 class Cuts:

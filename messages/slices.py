@@ -112,9 +112,25 @@ def part_of(shape: Sequence[int], box: Box) -> Part:
     return WHOLE if box == full_box(shape) else box
 
 
+def box_shape(box: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The shape of what `box` cuts: its lengths."""
+    return tuple(int(length) for _, length in box)
+
+
+def box_refusal(box: Sequence[Sequence[int]], shape: Sequence[int]) -> str | None:
+    """Why `box` is not a box of a tensor of `shape` (another number of dimensions, a
+    range past a dimension's end), or None."""
+    if len(box) != len(shape):
+        return f"a box of {len(box)} dimensions for a tensor of {len(shape)}"
+    for d, ((start, length), size) in enumerate(zip(box, shape, strict=True)):
+        if start + length > size:
+            return f"box [{start}, {start + length}) outside dimension {d} of {size}"
+    return None
+
+
 def part_bytes(shape: Sequence[int], part: Part, dtype: Dtype) -> int:
     """The bytes of a rank's part of a tensor of `dtype` and `shape`."""
-    return tensor_nbytes(dtype, list(shape) if part == WHOLE else [length for _, length in part])
+    return tensor_nbytes(dtype, list(shape) if part == WHOLE else list(box_shape(part)))
 
 
 def layout_key(layout: Layout) -> str:
@@ -182,10 +198,11 @@ def layout_refusal(slices: Slices, spec: Mapping[str, ParamSpec]) -> str | None:
             p = spec.get(name)
             if p is None:
                 return f"rank {r} loads {name!r}, which is not in its spec"
-            if part != WHOLE and (
-                len(part) != len(p.shape) or any(a + n > d for (a, n), d in zip(part, p.shape, strict=True))
-            ):
-                return f"rank {r}: box {list(part)} of {name!r} lies outside its shape {list(p.shape)}"
+            bad = None if part == WHOLE else box_refusal(part, p.shape)
+            if bad is not None:
+                return (
+                    f"rank {r}: box {list(part)} of {name!r} lies outside its shape {list(p.shape)} ({bad})"
+                )
     got = rank_bytes(layout, spec)
     if list(got) != list(slices.rank_bytes):
         return f"rank maps hold {got} bytes per rank, declared {list(slices.rank_bytes)}"

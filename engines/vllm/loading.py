@@ -18,9 +18,9 @@ from typing import NotRequired, TypedDict
 import torch
 
 from messages.buckets import Digester
-from messages.cuts import cut, part_digest
+from messages.cuts import box_view, cut, part_digest
 from messages.dtypes import DTYPES, Dtype
-from messages.slices import WHOLE, Box, Part
+from messages.slices import WHOLE, Box, Part, box_shape
 
 
 class TensorWire(TypedDict):
@@ -104,12 +104,9 @@ def load_into(
             continue
         if rank_map.get(m["name"]) != box:
             continue  # another rank's box
-        held = t.view([n for _, n in box])
+        held = t.view(box_shape(box))
         full = torch.empty(m["shape"], dtype=held.dtype)  # only the box is ever read
-        region = full
-        for d, (start, length) in enumerate(box):
-            region = region.narrow(d, start, length)
-        region.copy_(held)
+        box_view(full, box).copy_(held)
         tensors.append((m["name"], full))
         rank_parts[m["name"]] = part_digest(m["name"], m["shape"], box, held)
         received += m["nbytes"]

@@ -10,6 +10,7 @@ import dataclasses
 from messages import coverage, transports
 from messages.replies import SyncSummary
 from messages.schema import Begin, Probe
+from messages.slices import WHOLE, layout_of
 from orchestrator.core.records import EngineRecord, GroupRecord, SyncRecord
 
 
@@ -63,11 +64,11 @@ def missing_slices(s: SyncRecord, engines: dict[str, EngineRecord]) -> tuple[str
         if not x.layout or key is None or key in seen:
             continue
         seen.add(key)
-        for r, rank_map in enumerate(x.layout):
+        for r, rank_map in enumerate(layout_of(x.layout)):
             lost = []
             for name, part in rank_map.items():
                 sent = s.parts.get(name, set())
-                box = None if part == "whole" else tuple((int(a), int(b)) for a, b in part)
+                box = None if part == WHOLE else part
                 if None not in sent and box not in sent:
                     lost.append(name if box is None else f"{name}{[list(b) for b in box]}")
             if lost:

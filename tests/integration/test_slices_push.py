@@ -4,6 +4,8 @@ is handed only its slices, and its digest over them is checked by the daemon."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from engines.torch_engine import greedy, load_model
@@ -73,30 +75,35 @@ def test_each_rank_is_sent_its_slices_and_the_fleet_serves_the_trainers_model(
             assert got == want, (eid, got)
 
 
+@contextlib.contextmanager
+def _rank_1_misreported():
+    """The client's finish claims another digest for rank 1 (every layout) while inside."""
+    from messages.checksums import add_digests
+    from orchestrator.trainer import client as client_mod
+
+    real = client_mod.Cuts.rank_digests
+
+    def lying(self, digester):
+        return {k: (v[0], add_digests([v[1], "1"]), *v[2:]) for k, v in real(self, digester).items()}
+
+    client_mod.Cuts.rank_digests = lying
+    try:
+        yield
+    finally:
+        client_mod.Cuts.rank_digests = real
+
+
 def test_a_rank_holding_other_bytes_than_its_sender_computed_fails_the_sync(
     tmp_path, tiny_model_dir, tiny_state
 ):
     """The per-rank check can fail: a push whose finish claims other rank digests than
     the engines computed is refused, naming the engine and the rank, and nothing is served."""
-    from messages.checksums import add_digests
-    from orchestrator.trainer import client as client_mod
-
     with (
         running_daemon(tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2"]) as cluster,
         cluster.client() as client,
     ):
-        real = client_mod.Cuts.rank_digests
-
-        def lying(self, digester):
-            out = real(self, digester)
-            return {k: (v[0], add_digests([v[1], "1"])) for k, v in out.items()}
-
-        client_mod.Cuts.rank_digests = lying
-        try:
-            with pytest.raises(WeightSyncError) as err:
-                client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=64 * 1024)
-        finally:
-            client_mod.Cuts.rank_digests = real
+        with _rank_1_misreported(), pytest.raises(WeightSyncError) as err:
+            client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=64 * 1024)
         assert err.value.code is ErrorCode.ENGINE_FAILED
         assert "rank 1" in err.value.message and "engine-0" in err.value.message
         st = client.status()
@@ -106,26 +113,12 @@ def test_a_rank_holding_other_bytes_than_its_sender_computed_fails_the_sync(
         assert r.state == "READY"
 
 
-def _lying_rank_digests(client_mod):
-    """Make the client's finish claim another digest for rank 1 (every layout)."""
-    from messages.checksums import add_digests
-
-    real = client_mod.Cuts.rank_digests
-
-    def lying(self, digester):
-        return {k: (v[0], add_digests([v[1], "1"]), *v[2:]) for k, v in real(self, digester).items()}
-
-    return real, lying
-
-
 def test_a_failed_sliced_sync_rolls_the_fleet_back_by_slices_and_a_new_engine_catches_up(
     tmp_path, tiny_model_dir, tiny_state
 ):
     """A sync whose rank 1 does not hold what its sender computed fails; the daemon rolls
     both engines back to the served version from its spool, which holds that version's
     boxes; a third engine of the same layout, started later, catches up from it."""
-    from orchestrator.trainer import client as client_mod
-
     want = _per_rank(tiny_state, 2)
     daemon = ["--engine-timeout", "10", "--spool", str(tmp_path / "spool"), "--min-engines", "1"]
     with (
@@ -135,13 +128,8 @@ def test_a_failed_sliced_sync_rolls_the_fleet_back_by_slices_and_a_new_engine_ca
         v1 = dict(perturbed(tiny_state, 1))
         r1 = client.push(v1.items(), 1, bucket_bytes=64 * 1024)
         assert r1.state == "READY"
-        real, lying = _lying_rank_digests(client_mod)
-        client_mod.Cuts.rank_digests = lying
-        try:
-            with pytest.raises(WeightSyncError) as err:
-                client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024)
-        finally:
-            client_mod.Cuts.rank_digests = real
+        with _rank_1_misreported(), pytest.raises(WeightSyncError) as err:
+            client.push(dict(perturbed(tiny_state, 2)).items(), 2, bucket_bytes=64 * 1024)
         assert err.value.code is ErrorCode.ENGINE_FAILED and "rank 1" in err.value.message
 
         def rolled_back():
@@ -195,29 +183,14 @@ def test_two_sources_into_two_rank_engines_over_the_collective(tmp_path, tiny_mo
     """A sharded push of two sources over the collective to two engines of two ranks each:
     each source cuts its own tensors, the daemon adds the sources' rank digests up, and
     every rank ends up with exactly its slices."""
-    import threading
+    from .test_sharded_push import _sources
 
     want = _per_rank(tiny_state, 2)
     v1 = dict(perturbed(tiny_state, 1))
     items = sorted(v1.items())
     parts = [items[0::2], items[1::2]]
-    results: dict[int, object] = {}
     with running_daemon(tmp_path, tiny_model_dir, engine_args=["--tp", "2"]) as cluster:
-
-        def run(k: int) -> None:
-            with cluster.client() as client:
-                try:
-                    results[k] = client.push(
-                        parts[k], 1, source=(k, 2), transport="collective", bucket_bytes=64 * 1024
-                    )
-                except WeightSyncError as err:
-                    results[k] = err
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        results = _sources(cluster.client, parts, 1, transport="collective", bucket_bytes=64 * 1024)
         for k in (0, 1):
             r = results.get(k)
             assert not isinstance(r, Exception) and r is not None, r
