@@ -121,6 +121,7 @@ class Cluster:
     keys: Path | None = None  # CURVE keys directory (daemon, engines and clients use it)
     digest_files: bool = False  # engines answer `fresh_digests` (`weightsync engine --digest-file`)
     procs: list[Proc] = field(default_factory=list)
+    started: set[int] = field(default_factory=set)  # every pid this cluster spawned, restarts too
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -148,6 +149,7 @@ class Cluster:
             self.log_dir,
             self.env,
         )
+        self.started.add(p.popen.pid)
         if self.procs and self.procs[0].name == "daemon":
             self.procs[0] = p  # a restart replaces the old daemon
         else:
@@ -172,6 +174,7 @@ class Cluster:
             self.log_dir,
             self.env,
         )
+        self.started.add(p.popen.pid)
         # a restart under the same id replaces the dead process
         self.procs = [q for q in self.procs if q.name != engine_id or q.popen.poll() is None]
         self.procs.append(p)

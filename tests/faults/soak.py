@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -427,24 +428,14 @@ class Soak:
         return doubles
 
 
-def ours_or_orphaned(segment: str) -> bool:
-    """A segment this run leaked: made by this process (the trainer), or by one that is gone
-    and left it behind. Other live processes' segments (another test run) are theirs."""
-    import os
-
+def made_by(segment: str, pids: set[int]) -> bool:
+    """Whether `segment` (named weightsync.KIND.PID.RANDOM) was made by one of `pids`: a run
+    judges only the segments of the processes it started (itself, its daemon and engines),
+    never another test's beside it, live or dead."""
     try:
-        pid = int(segment.split(".")[2])
+        return int(segment.split(".")[2]) in pids
     except (IndexError, ValueError):
-        return True  # not a name we make: nobody else should have put it there
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
         return False
-    return False
 
 
 def leaked_processes(workdir: Path) -> int:
@@ -483,7 +474,8 @@ def run(
         doubles = soak.double_finalizes()
         time.sleep(0.5)
         leaked = leaked_processes(work)
-    leaked_shm = [n for n in sorted(set(list_segments()) - shm_before) if ours_or_orphaned(n)]
+    ours = {os.getpid(), *soak.cluster.started}
+    leaked_shm = [n for n in sorted(set(list_segments()) - shm_before) if made_by(n, ours)]
     return {
         "syncs": syncs,
         "ok": soak.counts["ok"],
@@ -497,6 +489,7 @@ def run(
         "wrong_digests": soak.wrong,
         "leaked_processes": leaked,
         "leaked_shm_segments": len(leaked_shm),
+        "leaked_shm_names": leaked_shm,
         "seconds": round(time.monotonic() - t0, 1),
         "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
         "transports": {k[10:]: n for k, n in sorted(soak.counts.items()) if k.startswith("transport:")},

@@ -24,7 +24,7 @@ def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights(t
         r["leaked_shm_segments"],
         r["unsettled"],
         r["unexplained_failures"],
-    ) == (0, 0, 0, 0, 0, 0)
+    ) == (0, 0, 0, 0, 0, 0), (r["leaked_shm_names"], r["wrong_digests"], r["failures"])
     assert len(r["failures"]) == r["failed"] and all(
         f["code"] and f["message"] and f["explained"] for f in r["failures"]
     )
