@@ -38,18 +38,17 @@ from engines.base import (
     TakesDigestParts,
     TakesSlices,
 )
-from engines.delta import BaseStore
+from engines.delta import BaseStore, Key, loaded_of
 from engines.postload import Rehash, Rehashed
 from engines.prefetch import Prefetcher, StreamItem
 from engines.session import Begin, Job
 from engines.verify import Verifier, Verifying
 from messages import coverage, schema, stream
 from messages.bounded import LRU
-from messages.buckets import Assembler, has_patches, has_pieces, iter_buckets, unpack
+from messages.buckets import Assembler, has_patches, has_pieces, host_buffer, iter_buckets
 from messages.checksums import bucket_hash
 from messages.distgroup import PEER_FAILED, GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
-from messages.slices import WHOLE
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -347,7 +346,7 @@ class Applier(threading.Thread):
             )
         meta_raw, tag = raw[: h.meta_len], raw[h.meta_len :]
         t0 = time.perf_counter()
-        buf = _numpy(view if view.device.type == "cpu" else view.cpu())
+        buf = host_buffer(view if view.device.type == "cpu" else view.cpu())
         try:
             stream.check_mac(key, h, buf, meta_raw, tag)  # before anything is decoded or applied
             metas = stream.decode_metas(h, meta_raw)
@@ -381,7 +380,7 @@ class Applier(threading.Thread):
             if any(m.box is not None for m in msg.tensors):
                 self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
             elif self.base.keeping:
-                self.base.stage_loaded(list(unpack(msg.tensors, v.buf)), v.parts, set())
+                self.base.stage_loaded(loaded_of(msg.tensors, v.buf), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
 
@@ -422,18 +421,21 @@ class Applier(threading.Thread):
                 self._add("assemble", p.copy_s + p.hash_s, p.hashed)
                 if added.whole is not None:
                     meta, data, part = added.whole
-                    self._apply_metas((meta,), _buffer(data), None if parts is None else {meta.name: part})
+                    self._apply_metas(
+                        (meta,), memoryview(host_buffer(data)), None if parts is None else {meta.name: part}
+                    )
                     del data
             return
         boxes = self._boxes(metas)
-        if self.slices and not has_patches(metas) and not isinstance(self.engine, LoadsBuckets):
+        if self.slices and not isinstance(self.engine, LoadsBuckets):
             self._apply_parts(metas, buf, parts, boxes)
             return
         if has_patches(metas):
             # an engine that digests its whole model (not what it received) may skip loading
             # unchanged tensors its model already holds
-            tensors, rebuilt, skip = self.base.rebuild(metas, buf, skip_same=not self.verifier.parts)
+            loaded, rebuilt, skip = self.base.rebuild(metas, buf, skip_same=not self.verifier.parts)
             parts = None if parts is None else {**parts, **rebuilt}
+            tensors = [(n, t) for n, _, t in loaded]
             if not tensors:
                 pass  # every tensor unchanged and already in the model
             elif isinstance(self.engine, LoadsBuckets):
@@ -441,19 +443,19 @@ class Applier(threading.Thread):
                 self.engine.load_bucket(dense.tensors, dense.frame(), parts=parts)
             else:
                 self.engine.load(tensors)
-            self.base.stage_loaded(tensors, parts, skip)
+            self.base.stage_loaded(loaded, parts, skip)
             return
         if isinstance(self.engine, LoadsBuckets):  # (a vLLM engine's workers take their own boxes)
             self.engine.load_bucket(metas, buf, parts=parts)
             if boxes:
-                self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
+                self.base.invalidate()  # its workers hold the boxes: this thread keeps none
             elif self.base.keeping:
-                self.base.stage_loaded(list(unpack(metas, buf)), parts, set())
+                self.base.stage_loaded(loaded_of(metas, buf), parts, set())
             return
-        tensors = list(unpack(metas, buf))
-        self.engine.load(tensors)
-        self.base.stage_loaded(tensors, parts, set())
-        del tensors  # drop the views before acknowledging (the frame can be freed)
+        loaded = loaded_of(metas, buf)
+        self.engine.load([(n, t) for n, _, t in loaded])
+        self.base.stage_loaded(loaded, parts, set())
+        del loaded  # drop the views before acknowledging (the frame can be freed)
 
     def _boxes(self, metas: Sequence[schema.TensorMeta]) -> bool:
         """Whether a bucket holds a box of a tensor; refused unless this engine takes slices."""
@@ -466,19 +468,22 @@ class Applier(threading.Thread):
     def _apply_parts(
         self, metas: Sequence[schema.TensorMeta], buf: Buffer, parts: Parts, boxes: bool
     ) -> None:
-        """An engine whose ranks take slices: each tensor with its part (a box of it, or whole)."""
+        """An engine whose ranks take slices: each tensor with its part (a box, or whole),
+        patches rebuilt first on what its base holds, all staged by key (engines/delta.py)."""
         if not isinstance(self.engine, TakesSlices):  # `self.slices` says it is
             raise WeightSyncError("an engine that takes slices without load_parts", code=ErrorCode.INTERNAL)
-        items = [(m.name, m.box or WHOLE, t) for m, (_, t) in zip(metas, unpack(metas, buf), strict=True)]
+        skip: set[Key] = set()
+        if has_patches(metas):
+            items, _, skip = self.base.rebuild(metas, buf, skip_same=not self.verifier.parts)
+        else:
+            items = loaded_of(metas, buf)
         self.boxed += boxes
         if boxes and self.failpoints.get("fail_slices_at") == self.boxed:  # fault injection:
             self.engine.load_parts(items[: max(1, len(items) // 2)])  # a rank's load failing mid-bucket
             raise WeightSyncError(f"failpoint fail_slices_at={self.boxed}", code=ErrorCode.ENGINE_FAILED)
-        self.engine.load_parts(items)
-        if boxes:
-            self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
-        elif self.base.keeping:
-            self.base.stage_loaded([(n, t) for n, _, t in items], parts, set())
+        if items:
+            self.engine.load_parts(items)
+        self.base.stage_loaded(items, parts, skip)
         del items  # drop the views before acknowledging (the frame can be freed)
 
     def _group_bytes(self, msg: schema.Load, fut: Received) -> Buffer | None:
@@ -517,7 +522,7 @@ class Applier(threading.Thread):
                 f"bucket seq {msg.seq}: not received within {group.timeout + 5.0}s",
                 code=ErrorCode.TIMEOUT,
             ) from None
-        host = _numpy(buf if buf.device.type == "cpu" else buf.cpu())
+        host = host_buffer(buf if buf.device.type == "cpu" else buf.cpu())
         try:
             stream.check_load_mac(key, msg.source, msg.seq, host, msg.mac)
         except MessageError as exc:
@@ -587,13 +592,3 @@ class Applier(threading.Thread):
             self.engine.abort()
             self.current = None
             log.info("sync_aborted", sync_id=msg.sync_id)
-
-
-def _numpy(t: torch.Tensor) -> Buffer:
-    """A CPU tensor's numpy array: a buffer (numpy's stubs say so for Python >= 3.12 only)."""
-    return cast("Buffer", t.numpy())
-
-
-def _buffer(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes as a buffer."""
-    return memoryview(_numpy(t))

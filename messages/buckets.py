@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from messages.dtypes import DTYPES, dtype_name, tensor_nbytes
 from messages.errors import ErrorCode, MessageError
 from messages.schema import DEFAULT_BUCKET_BYTES, Patch, TensorMeta
 from messages.slices import Box, box_shape
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 ALIGN = 64
 
@@ -80,9 +83,11 @@ class Cast:
 class Patched:
     """A delta entry to pack: `data` (uint8, flat) patches tensor `name` of `dtype` and
     `shape` as `patch` says (messages/delta.py); the bucket's meta keeps the full dtype and
-    shape, so the daemon checks it against the engines' spec like a dense tensor."""
+    shape, so the daemon checks it against the engines' spec like a dense tensor. With
+    `box`, it patches that box of the tensor (an engine rank's slice, held contiguous):
+    `shape` stays the full tensor's, and the patch's parts are the box's."""
 
-    __slots__ = ("patch", "data", "dtype", "shape", "dense")
+    __slots__ = ("patch", "data", "dtype", "shape", "dense", "box")
 
     def __init__(
         self,
@@ -90,10 +95,12 @@ class Patched:
         data: torch.Tensor,
         dtype: torch.dtype,
         shape: Iterable[int],
-        dense: torch.Tensor | None = None,
+        dense: torch.Tensor | Sliced | None = None,
+        box: Box | None = None,
     ) -> None:
         self.patch, self.data, self.dtype, self.shape = patch, data, dtype, tuple(shape)
-        self.dense = dense  # the tensor it rebuilds: sent instead where the patch outgrows a bucket
+        self.dense = dense  # what it rebuilds: sent instead where the patch outgrows a bucket
+        self.box = box
 
     def numel(self) -> int:
         return int(self.data.numel())
@@ -102,9 +109,9 @@ class Patched:
         return 1
 
     def covered(self) -> int:
-        """The bytes of the tensor it patches (what a bucket's size counts: see iter_buckets)."""
+        """The bytes of the tensor (or box) it patches (what a bucket's size counts: see iter_buckets)."""
         n = 1
-        for d in self.shape:
+        for d in self.shape if self.box is None else (length for _, length in self.box):
             n *= d
         return n * self.dtype.itemsize
 
@@ -279,7 +286,7 @@ def _pack(
         nbytes = t.numel() * t.element_size()
         patch = t.patch if isinstance(t, Patched) else None
         start = t.start if isinstance(t, Piece) else None
-        box = t.box if isinstance(t, (Piece, Sliced)) else None
+        box = t.box if isinstance(t, (Piece, Sliced, Patched)) else None
         metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes, patch, start, box))
         offset = _aligned(offset + nbytes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
@@ -317,8 +324,11 @@ def _pack(
         elif isinstance(t, Sliced):
             if digester is not None:
                 digester.add(name, part, t.box)
-        elif digester is not None:  # a patch's digest part is the tensor it rebuilds
-            digester.add(name, t.patch.result if isinstance(t, Patched) else part)
+        elif isinstance(t, Patched):  # a patch's digest part is the tensor (or box) it rebuilds
+            if digester is not None:
+                digester.add(name, t.patch.result, t.box)
+        elif digester is not None:
+            digester.add(name, part)
         pos = meta.offset + meta.nbytes
     return PackedBucket(seq, tuple(metas), data, checksum_of(parts), copying, hashing, copied, hashed)
 
@@ -369,6 +379,11 @@ def iter_buckets(
         size = _aligned(size) + nbytes
     if pending:
         yield _pack(seq, pending, alloc, digester)
+
+
+def host_buffer(t: torch.Tensor) -> Buffer:
+    """A CPU tensor's numpy array: a buffer (numpy's stubs say so for Python >= 3.12 only)."""
+    return cast("Buffer", t.numpy())
 
 
 def flat_bytes(buf: Bytes) -> torch.Tensor:

@@ -126,11 +126,9 @@ def _check_tensors(tensors: Sequence[schema.TensorMeta], frame_len: int) -> None
 
 
 def _check_box(where: str, t: schema.TensorMeta, itemsize: int) -> int:
-    """A box of the tensor (an engine rank's slice): one in-bounds range per dimension,
-    never a patch; returns the box's bytes."""
+    """A box of the tensor (an engine rank's slice): one in-bounds range per dimension;
+    returns the box's bytes (a patch of a box is checked against them)."""
     box = t.box or ()
-    if t.patch is not None:
-        raise _bad(f"{where}: a box cannot be a patch")
     refused = box_refusal(box, t.shape)
     if refused is not None:
         raise _bad(f"{where}: {refused}")

@@ -54,20 +54,28 @@ class Cuts:
     def _parts(self, name: str) -> list[Part]:
         return [r[name] for layout in self.layouts.values() for r in layout if name in r]
 
+    def boxes(self, name: str) -> list[Box]:
+        """The distinct boxes `name` travels as; empty where it travels whole (no rank
+        loads a box of it, or some rank loads the whole)."""
+        parts = self._parts(name)
+        if WHOLE in parts:
+            return []
+        return sorted({p for p in parts if isinstance(p, tuple)})
+
     def items(self, named: Iterable[tuple[str, Item]], digester: Digester) -> Iterator[tuple[str, Item]]:
         """`named` as the items to pack: each tensor whole, or as its distinct boxes."""
         for name, t in named:
             if not isinstance(t, (torch.Tensor, Cast)):  # a patch, a piece: as it is
                 yield name, t
                 continue
-            parts = self._parts(name)
-            boxes = sorted({p for p in parts if p != WHOLE})
-            if not boxes or WHOLE in parts:
+            boxes = self.boxes(name)
+            if not boxes:
                 yield name, t
                 # ranks that cut their box from the whole on arrival: their parts, hashed here
-                if boxes:
+                cut_here = sorted({p for p in self._parts(name) if isinstance(p, tuple)})
+                if cut_here:
                     whole = _tensor(t)
-                    for box in boxes:
+                    for box in cut_here:
                         digester.add(name, part_digest(name, whole.shape, box, cut(whole, box)), box)
                 continue
             src = _tensor(t)
@@ -90,6 +98,18 @@ class Cuts:
                 ranks.append(combine(parts))
             out[key] = tuple(ranks)
         return out
+
+
+class Planned:
+    """What a push learns at its begin, for an encoder that runs as the push streams (a
+    delta push patches each rank's box, not the whole): the cuts (None: every tensor
+    travels whole) and the push's digester. The push fills it before reading a tensor."""
+
+    __slots__ = ("cuts", "digester")
+
+    def __init__(self) -> None:
+        self.cuts: Cuts | None = None
+        self.digester: Digester | None = None
 
 
 def _tensor(t: torch.Tensor | Cast) -> torch.Tensor:

@@ -19,9 +19,11 @@ import torch
 import zstandard
 
 from messages.buckets import Digester, as_bytes, tensor_view
+from messages.cuts import part_digest
 from messages.dtypes import DTYPES
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import INDEX32_MAX, Patch, TensorMeta
+from messages.slices import box_shape
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 Mode = Literal["auto", "sparse", "xor"]
@@ -66,6 +68,17 @@ def part(name: str, t: torch.Tensor) -> bytes:
     return bytes(h.digest())
 
 
+def held_part(meta: TensorMeta, t: torch.Tensor) -> bytes:
+    """The digest part of what an engine holds for `meta`: the whole tensor, or the box
+    `meta.box` of it (`t` is then the box's contents, `meta.shape` the full tensor's)."""
+    return part(meta.name, t) if meta.box is None else part_digest(meta.name, meta.shape, meta.box, t)
+
+
+def held_shape(meta: TensorMeta) -> tuple[int, ...]:
+    """The shape of what `meta`'s patch applies to: the tensor, or its box."""
+    return tuple(meta.shape) if meta.box is None else box_shape(meta.box)
+
+
 @dataclass(frozen=True, slots=True)
 class Encoded:
     """One tensor's entry of a delta push: `patch` None means dense (`data` is the tensor)."""
@@ -76,11 +89,17 @@ class Encoded:
 
 
 def encode(
-    name: str, new: torch.Tensor, base: torch.Tensor, base_part: Callable[[], bytes], mode: Mode = "auto"
+    name: str,
+    new: torch.Tensor,
+    base: torch.Tensor,
+    base_part: Callable[[], bytes],
+    mode: Mode = "auto",
+    part_of: Callable[[torch.Tensor], bytes] | None = None,
 ) -> tuple[Encoded, bytes | None]:
     """`new` against `base` (same dtype and shape, contiguous CPU): the smallest entry and
     `new`'s digest part (None for a dense entry: the bucket's packing hashes it anyway).
-    `base_part` gives the base's part (computed only when a patch needs it). mode:
+    `base_part` gives the base's part (computed only when a patch needs it); `part_of`
+    hashes a tensor's part (default: the whole tensor `name`'s; a box's for a slice). mode:
     "sparse" or "xor" force that encoding where it is smaller than dense (benchmarks)."""
     numel, item = new.numel(), new.element_size()
     dense = Encoded(None, new, numel)
@@ -100,7 +119,7 @@ def encode(
     try_xor = mode == "xor" or (mode == "auto" and sparse_size > numel * item // 16)
     if not (try_sparse or try_xor):
         return dense, None
-    bp, new_part = base_part(), part(name, new)
+    bp, new_part = base_part(), (part(name, new) if part_of is None else part_of(new))
     best, size = dense, numel * item
     if try_sparse:
         data = torch.empty(sparse_size, dtype=torch.uint8)
@@ -128,7 +147,7 @@ def check_base(meta: TensorMeta, base: torch.Tensor | None, base_part: bytes | N
             f"{meta.name}: the patch applies to a version this engine does not hold ({have}); push dense",
             code=ErrorCode.STALE_BASE,
         )
-    if tuple(base.shape) != tuple(meta.shape) or base.dtype != DTYPES[meta.dtype]:
+    if tuple(base.shape) != held_shape(meta) or base.dtype != DTYPES[meta.dtype]:
         raise WeightSyncError(
             f"{meta.name}: the base copy has another dtype or shape", code=ErrorCode.STALE_BASE
         )
@@ -138,7 +157,7 @@ def check_base(meta: TensorMeta, base: torch.Tensor | None, base_part: bytes | N
 def rebuild(
     meta: TensorMeta, raw: torch.Tensor, base: torch.Tensor | None, base_part: bytes | None
 ) -> torch.Tensor:
-    """The full tensor `meta.patch` makes of `base` (raw: the patch's bytes, uint8 flat).
+    """The tensor (or box) `meta.patch` makes of `base` (raw: the patch's bytes, uint8 flat).
     Returns a new tensor (`base` is left as it is); `same` returns `base` itself."""
     p = meta.patch
     b = check_base(meta, base, base_part)
@@ -164,7 +183,7 @@ def rebuild(
             )
         o = ints(out)
         o.bitwise_xor_(torch.frombuffer(bytearray(xored), dtype=torch.uint8).view(o.dtype))
-    if part(meta.name, out) != p.result:
+    if held_part(meta, out) != p.result:
         raise wrong_rebuild(meta)
     return out
 

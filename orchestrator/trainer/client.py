@@ -24,7 +24,7 @@ import zmq
 
 from messages import schema, transports
 from messages.buckets import Cast, Digester, Item, PackedBucket
-from messages.cuts import Cuts
+from messages.cuts import Cuts, Planned
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError, make_error
 from messages.keys import ClientKeys
@@ -361,6 +361,7 @@ class TrainerClient:
         base: int | None = None,
         source: tuple[int, int] | None = None,
         plan: int | None = None,
+        planned: Planned | None = None,
     ) -> SyncResult:
         if window is not None and window < 1:
             raise ValueError("window must be >= 1 (or None: sized from measurements)")
@@ -408,8 +409,11 @@ class TrainerClient:
                 log.info("bucket_size_capped", asked=bucket_bytes, bucket_bytes=started.bucket_bytes)
                 bucket_bytes = started.bucket_bytes  # what the daemon's fan-out queue holds
             digester = Digester()
-            # engines that take slices: each rank is sent only what it loads (a delta is whole)
-            cuts = Cuts.of(started.layouts) if base is None else None
+            # engines that take slices: each rank is sent only what it loads (a delta's
+            # encoder, told the cuts here, patches each box; its dense tensors are cut below)
+            cuts = Cuts.of(started.layouts)
+            if planned is not None:
+                planned.cuts, planned.digester = cuts, digester
             named_tensors = named_tensors if cuts is None else cuts.items(named_tensors, digester)
             t_stream = time.perf_counter()
             try:

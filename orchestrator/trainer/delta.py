@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from messages import delta
-from messages.buckets import Cast, Item, Patched, as_bytes, copy_bytes
+from messages.buckets import Cast, Digester, Item, Patched, Sliced, as_bytes, copy_bytes
+from messages.cuts import Planned, cut, part_digest
 from messages.replies import JsonObject
 from messages.schema import INDEX32_MAX
+from messages.slices import Box
 
 _LOST = ("lost",)  # an undo marker: the old value was overwritten in place, drop the name
 RETRY_DELTA = 8  # a transport whose delta pushes were slower tries delta again every this many
@@ -155,10 +157,15 @@ class DeltaBase:
         return sum(t.numel() * t.element_size() for t, _ in self._t.values())
 
     def encode(
-        self, named: Iterable[tuple[str, torch.Tensor | Cast]], mode: delta.Mode = "auto"
+        self,
+        named: Iterable[tuple[str, torch.Tensor | Cast]],
+        mode: delta.Mode = "auto",
+        planned: Planned | None = None,
     ) -> Iterator[tuple[str, Item]]:
         """Each tensor as its smallest entry against the copy (a `Patched`, or the tensor
-        itself where dense is smaller), the copy updated as it goes."""
+        itself where dense is smaller), the copy updated as it goes. With `planned` (filled
+        by the push at its begin), a tensor the engines' ranks take as boxes is encoded box
+        by box: each box a patch of that box, or the box itself where dense is smaller."""
         self.stats = DeltaStats()
         for name, t in named:
             new, owned = _host(t)
@@ -168,6 +175,13 @@ class DeltaBase:
                 self._overwrite(name, new, owned, None)
                 self.stats.add("dense", full, full, new.numel(), new.numel())
                 yield name, new
+                continue
+            boxes = planned.cuts.boxes(name) if planned is not None and planned.cuts is not None else []
+            if boxes:
+                yield from self._encode_boxes(
+                    name, new, old[0], boxes, mode, planned.digester if planned else None
+                )
+                self._overwrite(name, new, owned, None)
                 continue
             enc, part = delta.encode(name, new, old[0], functools.partial(self._part, name), mode)
             if enc.patch is None:
@@ -181,6 +195,33 @@ class DeltaBase:
                 self._overwrite(name, new, owned, part)
             self.stats.add(enc.patch.kind, int(enc.data.numel()), full, enc.changed, new.numel())
             yield name, Patched(enc.patch, enc.data, new.dtype, new.shape, dense=new)
+
+    def _encode_boxes(
+        self,
+        name: str,
+        new: torch.Tensor,
+        old: torch.Tensor,
+        boxes: list[Box],
+        mode: delta.Mode,
+        digester: Digester | None,
+    ) -> Iterator[tuple[str, Item]]:
+        """`name`'s boxes, each against the same box of the copy (messages/cuts.py): the
+        parts are the boxes' (what a rank holds), the version's digest the whole tensor's."""
+        shape = tuple(new.shape)
+        if digester is not None:
+            digester.update(name, new)
+        for box in boxes:
+            nb, ob = cut(new, box), cut(old, box)
+            part_of = functools.partial(part_digest, name, shape, box)
+            enc, _ = delta.encode(name, nb, ob, functools.partial(part_of, ob), mode, part_of)
+            size = nb.numel() * nb.element_size()
+            sliced = Sliced(nb, box, shape)
+            if enc.patch is None:
+                self.stats.add("dense", size, size, enc.changed, nb.numel())
+                yield name, sliced
+            else:
+                self.stats.add(enc.patch.kind, int(enc.data.numel()), size, enc.changed, nb.numel())
+                yield name, Patched(enc.patch, enc.data, new.dtype, shape, dense=sliced, box=box)
 
     def record(self, named: Iterable[tuple[str, torch.Tensor | Cast]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A dense push that also becomes the copy: each tensor passes through unchanged."""

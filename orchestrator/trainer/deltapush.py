@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from messages.cuts import Planned
 from messages.delta import Mode
 from messages.errors import ErrorCode, WeightSyncError
 from messages.liblog import get_logger
@@ -49,9 +50,15 @@ def push_delta(
     refused: JsonObject = {}
     if against is not None and go:
         base.stats = DeltaStats()
+        planned = Planned()  # engines whose ranks take boxes get each box patched
         try:
             result = push(
-                base.encode(named_tensors, delta_mode), version, sync_id=sync_id, base=against, **kw
+                base.encode(named_tensors, delta_mode, planned),
+                version,
+                sync_id=sync_id,
+                base=against,
+                planned=planned,
+                **kw,
             )
         except WeightSyncError as err:
             base.rollback()

@@ -11,11 +11,12 @@ import pytest
 from engines.torch_engine import greedy, load_model
 from examples.tiny import perturbed
 from messages.buckets import digest
+from messages.cuts import cut
 from messages.errors import ErrorCode, WeightSyncError
 from messages.schema import ParamSpec, Probe
-from messages.slices import llama_tp_layout, rank_bytes
+from messages.slices import WHOLE, llama_tp_layout, rank_bytes
 
-from .helpers import running_daemon
+from .helpers import running_daemon, small_step, wait_for
 
 PROMPTS = [(1, 17, 42, 99), (1, 250, 3)]
 
@@ -29,6 +30,19 @@ def _probes(model_dir, weights):
 def _per_rank(weights, tp):
     spec = {n: ParamSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights.items()}
     return rank_bytes(llama_tp_layout({n: p.shape for n, p in spec.items()}, tp), spec)
+
+
+def _cut_bytes(weights, tp):
+    """What a push cut for `tp` ranks sends: each distinct box once, the rest whole."""
+    layout = llama_tp_layout({n: tuple(t.shape) for n, t in weights.items()}, tp)
+    total = 0
+    for n, t in weights.items():
+        parts = {r[n] for r in layout if n in r}
+        if WHOLE in parts:
+            total += t.nbytes
+        else:
+            total += sum(cut(t, box).nbytes for box in parts)
+    return total
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
@@ -158,25 +172,58 @@ def test_a_failed_sliced_sync_rolls_the_fleet_back_by_slices_and_a_new_engine_ca
         assert r3.state == "READY" and len(r3.engines) == 3
 
 
-def test_a_delta_push_after_a_sliced_one_goes_dense_and_cut(tmp_path, tiny_model_dir, tiny_state):
-    """A sliced sync leaves a rank's box, no base for a whole tensor's patch: the next delta
-    push is refused (STALE_BASE) and the client sends it dense, cut again."""
-    want = _per_rank(tiny_state, 2)
+def test_a_delta_push_by_slices_patches_each_ranks_box_and_a_new_engine_replays_it(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """A delta push to engines of two ranks patches each rank's box against the box that
+    rank holds: far fewer bytes than the dense cut, READY with every rank's digest checked
+    and the version's digest the whole model's. A delta whose rank 1 holds other bytes
+    than its sender computed fails and both engines are rolled back to the last delta
+    version (the spool replays its boxes, then the box patches); a third engine of the
+    same layout, started later, catches up the same way, and the next delta reaches all."""
+    daemon = ["--engine-timeout", "10", "--spool", str(tmp_path / "spool"), "--min-engines", "1"]
+    engine = ["--tp", "2", "--delta-base"]
     with (
-        running_daemon(
-            tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2", "--delta-base"]
-        ) as cluster,
+        running_daemon(tmp_path, tiny_model_dir, engine_args=engine, daemon_args=daemon) as cluster,
         cluster.client() as client,
     ):
-        # the first delta push goes dense (no copy of a served version yet), and is cut
-        r1 = client.push(dict(perturbed(tiny_state, 1)).items(), 1, bucket_bytes=64 * 1024, delta=True)
-        assert r1.state == "READY"
-        v2 = dict(perturbed(tiny_state, 2))
+        v1 = dict(perturbed(tiny_state, 1))
+        r1 = client.push(v1.items(), 1, bucket_bytes=64 * 1024, delta=True)  # no copy yet: dense, cut
+        assert r1.state == "READY" and r1.detail["delta"]["chose"] == "dense"
+        v2 = small_step(v1, 2, tensors=6)
         r2 = client.push(v2.items(), 2, bucket_bytes=64 * 1024, delta=True)
-        assert r2.state == "READY" and r2.digest == digest(v2.items())
-        assert "refused" in r2.detail["delta"], r2.detail["delta"]
-        (e,) = client.status()["engines"]
-        assert e["slices"]["received"] == want
+        assert r2.state == "READY" and r2.digest == digest(v2.items()), r2.detail["delta"]
+        d = r2.detail["delta"]
+        assert d["chose"] == "delta" and d["tensors"].get("sparse", 0) > 0, d
+        # each sliced tensor went as its boxes: the dense equivalent is the cut push's bytes
+        assert d["dense_bytes"] == _cut_bytes(tiny_state, 2)
+        assert d["bytes"] < d["dense_bytes"] / 50, d
+        assert {e["digest"] for e in client.status()["engines"]} == {r2.digest}
+
+        with _rank_1_misreported(), pytest.raises(WeightSyncError) as err:
+            client.push(small_step(v2, 3, tensors=6).items(), 3, bucket_bytes=64 * 1024, delta=True)
+        assert err.value.code is ErrorCode.ENGINE_FAILED and "rank 1" in err.value.message
+
+        def at_v2(n):
+            def check():
+                st = client.status()
+                es = st["engines"]
+                ok = st["state"] == "READY" and len(es) == n
+                return (
+                    st if ok and all(e["state"] == "READY" and e["digest"] == r2.digest for e in es) else None
+                )
+
+            return check
+
+        wait_for(at_v2(2), 120, "both engines rolled back to version 2 (boxes, then box patches)")
+        cluster.start_engine("engine-2")
+        wait_for(at_v2(3), 120, "engine-2 caught up to version 2 from the spool")
+        v4 = small_step(v2, 4, tensors=6)
+        r4 = client.push(
+            v4.items(), 4, bucket_bytes=64 * 1024, delta=True, probes=_probes(tiny_model_dir, v4)
+        )
+        assert r4.state == "READY" and len(r4.engines) == 3 and r4.detail["delta"]["chose"] == "delta"
+        assert r4.digest == digest(v4.items())
 
 
 def test_two_sources_into_two_rank_engines_over_the_collective(tmp_path, tiny_model_dir, tiny_state):

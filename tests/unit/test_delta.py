@@ -269,15 +269,15 @@ def test_an_engines_in_place_patches_are_undone_exactly_and_unchanged_tensors_lo
     (p3,) = iter_buckets(db.encode(w3.items()), 1 << 20)
     # two patches on the same base tensor in one sync (a replay), then an abort
     loaded = [store.rebuild(p.tensors, p.frame(), skip_same=True)[0] for p in (p2, p3)]
-    assert [[n for n, _ in ts] for ts in loaded] == [["a"], ["a"]]  # "b" unchanged, in the model
-    assert torch.equal(loaded[1][0][1].view(torch.int16), w3["a"].view(torch.int16))
+    assert [[n for n, _, _ in ts] for ts in loaded] == [["a"], ["a"]]  # "b" unchanged, in the model
+    assert torch.equal(loaded[1][0][2].view(torch.int16), w3["a"].view(torch.int16))
     store.discard()
     got, part = store._get("a")
     assert got is not None and torch.equal(got.view(torch.int16), w1["a"].view(torch.int16))
     assert part == delta.part("a", w1["a"])
     # the aborted sync may have left its tensors in the model: "b" is loaded again now
     tensors, _, _ = store.rebuild(p2.tensors, p2.frame(), skip_same=True)
-    assert [n for n, _ in tensors] == ["a", "b"]
+    assert [n for n, _, _ in tensors] == ["a", "b"]
     store.discard()
     # a dense tensor is staged into the base's own memory; an abort then drops it whole
     tensors, _, skip = store.rebuild(dense.tensors, dense.frame())
@@ -315,7 +315,7 @@ def test_an_engine_without_a_base_rebuilds_a_held_replay_and_keeps_nothing_after
         tensors, _, skip = store.rebuild(b.tensors, b.frame())
         store.stage_loaded(tensors, None, skip)
         out += tensors
-    assert torch.equal(dict(out)["a"], w2["a"]) and not torch.equal(w2["a"], w["a"])
+    assert torch.equal({n: t for n, _, t in out}["a"], w2["a"]) and not torch.equal(w2["a"], w["a"])
     assert store.nbytes > 0
     store.commit()
     assert store.nbytes == 0 and not store.held and not store.holding
@@ -323,7 +323,7 @@ def test_an_engine_without_a_base_rebuilds_a_held_replay_and_keeps_nothing_after
 
 def test_a_base_emptied_by_bytes_the_store_never_saw_is_not_held():
     store = BaseStore(True)
-    store.stage("a", tensor(torch.float32, 100, 1))
+    store.stage(("a", None), tensor(torch.float32, 100, 1))
     store.commit()
     assert store.held
     store.invalidate()  # a collective sync the engine's own workers received
@@ -374,3 +374,55 @@ def test_the_delta_chooser_keys_measurements_by_the_transport_the_daemon_chose()
     c.record("auto", "inline", "dense", 1.8, big)  # the daemon now answers inline (no shm)
     c.record("auto", "inline", "delta", 1.0, big)
     assert set(c.paces) == {"shm", "inline"} and c.choose("auto")[0]  # judged on inline
+
+
+def test_a_delta_to_ranks_that_take_boxes_patches_each_box_against_the_box_that_rank_holds():
+    """The trainer's copy stays whole; with the engines' cuts it encodes each box against
+    the same box of the copy (the parts are the boxes', the version's digest the whole's).
+    The engine keeps each box it loaded under (name, box) and rebuilds the box's patch on
+    it, bit-exact; a box's patch finds no base in a store that holds the whole tensor."""
+    from messages.buckets import Digester, digest
+    from messages.cuts import Cuts, Planned, cut, part_digest
+    from messages.slices import WHOLE
+
+    rows = ((0, 32), (0, 64)), ((32, 32), (0, 64))
+    cuts = Cuts({"k": [{"q": rows[0], "n": WHOLE}, {"q": rows[1], "n": WHOLE}]})
+    w1 = {"q": tensor(torch.bfloat16, 64 * 64, 1).view(64, 64), "n": tensor(torch.bfloat16, 64, 2)}
+    db = DeltaBase()
+    dense = list(iter_buckets(cuts.items(db.record(w1.items()), Digester()), 1 << 20))
+    db.commit(1)
+    assert {m.box for b in dense for m in b.tensors} == {None, *rows}
+    store = BaseStore(True)
+    for b in dense:
+        loaded, _, skip = store.rebuild(b.tensors, b.frame())
+        store.stage_loaded(loaded, None, skip)
+    store.commit()
+
+    w2 = {"q": changed(w1["q"], 0.01, 3), "n": w1["n"]}
+    planned, digester = Planned(), Digester()
+    planned.cuts, planned.digester = cuts, digester
+    (b2,) = iter_buckets(
+        cuts.items(db.encode(w2.items(), planned=planned), digester), 1 << 20, digester=digester
+    )
+    metas = {(m.name, m.box): m for m in b2.tensors}
+    assert set(metas) == {("q", rows[0]), ("q", rows[1]), ("n", None)}
+    assert all(m.patch is not None and m.shape == (64, 64) for k, m in metas.items() if k[0] == "q")
+    assert metas[("n", None)].patch.kind == "same"
+    codec._check_tensors(b2.tensors, int(b2.data.numel()))  # a patch of a box passes the codec
+    assert digester.hexdigest() == digest(w2.items())  # the whole model's, never the boxes'
+    for box in rows:
+        assert digester.slices[("q", box)] == part_digest("q", (64, 64), box, cut(w2["q"], box))
+
+    loaded, _, _ = store.rebuild(b2.tensors, b2.frame(), skip_same=True)
+    got = {(n, p): t for n, p, t in loaded}
+    assert set(got) == {("q", rows[0]), ("q", rows[1])}  # "n" unchanged, already loaded
+    for box in rows:
+        assert torch.equal(got[("q", box)].view(torch.int16), cut(w2["q"], box).view(torch.int16))
+
+    whole = BaseStore(True)
+    (d1,) = iter_buckets(w1.items(), 1 << 20)
+    loaded, _, skip = whole.rebuild(d1.tensors, d1.frame())
+    whole.stage_loaded(loaded, None, skip)
+    with pytest.raises(WeightSyncError) as ei:
+        whole.rebuild(b2.tensors, b2.frame())
+    assert ei.value.code is ErrorCode.STALE_BASE
