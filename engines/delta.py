@@ -26,7 +26,7 @@ import torch
 from messages import delta
 from messages.buckets import as_bytes, copy_bytes, flat_bytes, unpack
 from messages.checksums import Bytes
-from messages.cuts import part_digest
+from messages.cuts import box_view, part_digest
 from messages.schema import TensorMeta
 from messages.slices import WHOLE, Box, Part
 
@@ -42,6 +42,9 @@ class BaseStore:
         # sparse patches this sync applied to base tensors in place: key -> undos, in order
         self._undo: dict[Key, list[delta.Undo]] = {}
         self._lost: set[Key] = set()  # base tensors this sync overwrote whole, in place
+        # base entries a finalize drops: the whole of a tensor this sync staged boxes of, or
+        # the boxes of one it staged whole (another layout's push: no longer what it holds)
+        self._superseded: set[Key] = set()
         # the engine's model holds exactly the base (it finalized the base's version and
         # nothing was loaded since): an unchanged tensor need not be loaded again
         self.clean = False
@@ -75,6 +78,10 @@ class BaseStore:
         key = (name, box)
         for d in (self._staged, self._base):
             hit = d.get(key)
+            if hit is None and box is not None and (name, None) in d:
+                # the whole is held (a push that was not cut): its box is this rank's base
+                hit = (box_view(d[(name, None)][0], box).contiguous().clone(), None)
+                d[key] = hit
             if hit is not None:
                 t, part = hit
                 if part is None:
@@ -99,14 +106,25 @@ class BaseStore:
             own = torch.empty(t.shape, dtype=t.dtype)
         if own.numel():
             copy_bytes(as_bytes(own), as_bytes(t))
-        self._staged[key] = (own, part)
+        self._keep(key, own, part)
+
+    def _keep(self, key: Key, t: torch.Tensor, part: bytes | None) -> None:
+        """`t` is this sync's `key`: the whole of its tensor replaces the boxes held of it at
+        finalize, and a box the whole (`_superseded`)."""
+        self._staged[key] = (t, part)
+        name, box = key
+        self._superseded |= {
+            k for k in self._base if k[0] == name and k != key and (box is None or k[1] is None)
+        }
 
     def commit(self) -> None:
         """The sync finalized: what it loaded is the base, and the model holds it (off:
         a held replay's tensors are dropped)."""
         if self.enabled:
+            for k in self._superseded - self._staged.keys():
+                self._base.pop(k, None)
             self._base.update(self._staged)
-        self._staged, self._undo, self._lost = {}, {}, set()
+        self._staged, self._undo, self._lost, self._superseded = {}, {}, set(), set()
         self.clean, self.holding = self.enabled, False
 
     def discard(self) -> None:
@@ -120,7 +138,7 @@ class BaseStore:
             self._base.pop(name, None)
         if self._staged or self._undo:
             self.clean = False
-        self._staged, self._undo, self._lost = {}, {}, set()
+        self._staged, self._undo, self._lost, self._superseded = {}, {}, set(), set()
         self.holding = False
 
     def invalidate(self) -> None:
@@ -169,7 +187,7 @@ class BaseStore:
             else:
                 t = delta.rebuild(m, raw, base, base_part)
             if self.keeping:
-                self._staged[key] = (t, m.patch.result)
+                self._keep(key, t, m.patch.result)
             out.append((m.name, part, t))
         return out, parts, staged
 

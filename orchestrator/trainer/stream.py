@@ -117,6 +117,7 @@ class _InFlight:
     bucket: PackedBucket
     sent_at: float
     attempts: int = 1
+    broadcast: bool = False  # its bytes went to the group (once: a resend is for the daemon)
 
 
 class Stream:
@@ -126,6 +127,9 @@ class Stream:
         self.conn = conn
         self.source = source
         self.seat = seat  # the client's token: its buckets are taken only from its seat
+        # the connection came back while a collective sync's buckets were in flight (taken
+        # by the ack loop): a broadcast still waiting on its group gives up on it too
+        self.relinked: str | None = None
 
     def bucket_msg(
         self,
@@ -166,8 +170,8 @@ class Stream:
                 failure.append(reply)
                 return f"{reply.code}: {reply.message}"
             self.conn.link.pump()
-            if self.conn.link.reconnected:  # (left set: the stream resends what was in flight)
-                lost.append(True)
+            if self.conn.link.reconnected or self.relinked == sync_id:  # (the flag is left set:
+                lost.append(True)  # the stream resends what was in flight)
                 return "the connection to the daemon was re-established mid-sync"
             return None
 
@@ -318,7 +322,8 @@ class Stream:
                 mac = load_mac(key, self.source, b.seq, b.data.numpy()) if key is not None else None
                 msg = msgspec.structs.replace(self.bucket_msg(sync_id, b, rid, mac=mac), size=b.nbytes)
                 self.conn.send(msg, [b.frame()] if (coll.planned or {}).get("spool_copy") else [])
-                if f.attempts == 1:  # a resend is for the daemon; the engines have the bytes
+                if not f.broadcast:  # a resend (a timeout, a reconnect) is for the daemon:
+                    f.broadcast = True  # the engines have the bytes
                     self.broadcast(sync_id, coll, b)
             elif ring is not None:
                 ref = ring.ref(f.bucket.seq, f.bucket.nbytes)
@@ -341,6 +346,8 @@ class Stream:
             oldest = min(inflight.values(), key=lambda f: f.sent_at)
             reply = self.conn.recv(max(0.0, oldest.sent_at + self.conn.timeout - time.monotonic()))
             if isinstance(reply, Reconnected):  # what was in flight died with the old connection
+                if coll is not None:
+                    self.relinked = sync_id
                 for f in sorted(inflight.values(), key=lambda f: f.bucket.seq):
                     f.sent_at = time.monotonic()
                     send(f)

@@ -2,8 +2,9 @@
 
 A daemon with a spool and two torch engines (`--tp N`: of N ranks each, so every push is
 cut into slices); a trainer pushes version after version over
-a transport drawn each time (inline, shm, collective, or sharded: two sources each
-pushing half of the version into one sync); for some syncs a fault is drawn among those
+a transport drawn each time (inline, shm, collective, sharded: two sources each
+pushing half of the version into one sync, or delta: a small step pushed as patches
+against the copy one trainer keeps across its pushes, cut per rank with `--tp`); for some syncs a fault is drawn among those
 that transport can suffer (trainer abort, corrupted bucket, resent bucket, engine SIGKILL,
 engine SIGSTOP past its deadline, daemon SIGKILL and restart, a source dying mid-push) and
 injected halfway through. After each sync the daemon must settle at READY (IDLE-dirty only
@@ -40,7 +41,9 @@ from typing import Any
 
 # "sharded": two sources (each its own connection and thread) push the two halves of the
 # version into one sync, by shared memory or by the collective (a group per source)
-TRANSPORTS = ("inline", "shm", "collective", "sharded")
+# "delta": a small step from the version the trainer's copy holds, pushed with delta=True
+# (refused and sent dense, in the same call, where the fleet serves another version)
+TRANSPORTS = ("inline", "shm", "collective", "sharded", "delta")
 FAULTS = {  # what each transport can suffer mid-sync
     "inline": (
         "trainer_abort",
@@ -54,6 +57,7 @@ FAULTS = {  # what each transport can suffer mid-sync
     "collective": ("trainer_abort", "corrupt_bucket", "engine_kill", "engine_stop", "daemon_kill"),
     # source_death: one source's process dies mid-push (its connection closes, no abort)
     "sharded": ("trainer_abort", "source_death", "engine_kill", "engine_stop", "daemon_kill"),
+    "delta": ("trainer_abort", "engine_kill", "engine_stop", "daemon_kill"),
 }
 # The codes a sync may fail with, per (transport, fault); () means it must succeed.
 ENGINE_GONE = ("ENGINE_FAILED", "TIMEOUT")
@@ -105,6 +109,7 @@ class Soak:
                 "1",
                 "--heartbeat-interval",
                 "0.5",
+                "--delta-base",  # the delta pushes' patches rebuild on each engine's (rank's) base
                 *(["--tp", str(tp)] if tp > 1 else []),  # ranks that take slices: every push is cut
                 *(["--failpoint", engine_failpoint] if engine_failpoint else []),
             ],
@@ -118,6 +123,12 @@ class Soak:
         self.served: int | None = None  # the version the fleet last settled READY at
         self._failed: tuple[int, str] | None = None  # (version, fault) of a failure to settle
         self.failures: list[dict[str, Any]] = []  # each failed sync: fault, code and cause
+        from orchestrator.trainer.delta import DeltaBase, DeltaChooser
+
+        # one trainer's delta state across the soak's clients (each sync opens its own)
+        self.delta_base, self.delta_chooser = DeltaBase(), DeltaChooser()
+        self.delta_weights: dict[str, Any] | None = None  # the weights of delta_base.version
+        self.recent: dict[int, dict[str, Any]] = {}  # the last versions' weights, any transport
 
     # -- one sync -----------------------------------------------------------------------
     def weights(self, v: int) -> dict:
@@ -125,6 +136,28 @@ class Soak:
         from messages.buckets import digest
 
         w = dict(perturbed(self.state, v))
+        self.digests[v] = digest(w.items())
+        return w
+
+    def small_step(self, v: int) -> dict:
+        """Version `v` as a small step (a few values of a few tensors) from the weights the
+        trainer's delta copy holds: what a delta push is for."""
+        import torch
+
+        from messages.buckets import digest
+
+        served = self.served
+        if served is not None and served != self.delta_base.version and served in self.recent:
+            # the fleet serves a version another push sent: the trainer adopts it as its copy
+            self.delta_weights = self.recent[served]
+            self.delta_base.adopt(self.delta_weights.items(), served)
+        if self.delta_weights is None:
+            return self.weights(v)
+        g = torch.Generator().manual_seed(v)
+        w = {k: t.clone() for k, t in self.delta_weights.items()}
+        for name in sorted(n for n, t in w.items() if t.numel() > 1000)[:4]:
+            flat = w[name].view(-1)
+            flat[torch.randint(0, flat.numel(), (40,), generator=g)] += 0.01
         self.digests[v] = digest(w.items())
         return w
 
@@ -137,14 +170,17 @@ class Soak:
 
         self.version += 1
         v = self.version
-        w = self.weights(v)
         transport = self.rng.choice(TRANSPORTS)
+        w = self.small_step(v) if transport == "delta" else self.weights(v)
+        self.recent = {k: x for k, x in self.recent.items() if k >= v - 3} | {v: w}
         fault = self.rng.choice(FAULTS[transport]) if self.rng.random() < self.fault_rate else "none"
         self.counts[f"fault:{fault}"] += 1
         self.counts[f"transport:{transport}"] += 1
         try:
             with self.cluster.client(timeout=20.0, retries=1) as c:
-                if transport == "inline" and fault != "none":
+                if transport == "delta":
+                    self.delta_with_fault(c, v, w, fault)
+                elif transport == "inline" and fault != "none":
                     self.inline_with_fault(c, v, w, fault)
                 elif transport == "sharded":
                     self.sharded_with_fault(v, w, fault)
@@ -241,6 +277,24 @@ class Soak:
         if r.detail.get("transport") not in (transport, "mixed"):
             self.unexplained(f"asked for {transport}, the daemon chose {r.detail.get('transport')}")
 
+    def delta_with_fault(self, c: Any, v: int, w: dict, fault: str) -> None:
+        """A delta push from the soak's one trainer copy, the fault injected into the sync
+        the client runs (a refused delta's dense push is a new one) once half the dense
+        bytes are acknowledged, or after the first bucket when patches are small."""
+        c.delta_base, c.delta_chooser = self.delta_base, self.delta_chooser
+        done = {"buckets": 0, "injected": False}
+
+        def progress(n: int) -> None:
+            done["buckets"] += 1
+            if fault != "none" and not done["injected"] and c.began is not None:
+                done["injected"] = True
+                self.inject(fault, c.began)
+
+        r = c.push(w.items(), v, bucket_bytes=BUCKET, transport="auto", delta=True, progress=progress)
+        if self.delta_base.version == v:
+            self.delta_weights = w
+        self.counts[f"delta:{r.detail['delta']['chose']}"] += 1
+
     def sharded_with_fault(self, v: int, w: dict, fault: str) -> None:
         """Two sources, each its own client in its own thread, push the two halves of `w`
         into one sync (both propose the same sync_id, so an abort can name it); the fault
@@ -296,8 +350,16 @@ class Soak:
         for t in threads:
             t.join(120)
         if any(t.is_alive() for t in threads):
+            import traceback
+
             stuck = [k for k, t in enumerate(threads) if t.is_alive()]
-            self.unexplained(f"sharded ({how}, {fault}): source(s) {stuck} still pushing after 120 s")
+            frames = sys._current_frames()
+            stacks = "".join(
+                f"\nsource {k}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                for k, t in enumerate(threads)
+                if t.is_alive() and t.ident in frames
+            )
+            self.unexplained(f"sharded ({how}, {fault}): source(s) {stuck} still pushing after 120 s{stacks}")
         told = [e for e in errors if isinstance(e, WeightSyncError)]
         other = [e for e in errors if e is not None and not isinstance(e, (WeightSyncError, Died))]
         if other:
@@ -493,6 +555,7 @@ def run(
         "seconds": round(time.monotonic() - t0, 1),
         "faults": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("fault:")},
         "transports": {k[10:]: n for k, n in sorted(soak.counts.items()) if k.startswith("transport:")},
+        "delta_chose": {k[6:]: n for k, n in sorted(soak.counts.items()) if k.startswith("delta:")},
         "codes": {k[5:]: n for k, n in sorted(soak.counts.items()) if k.startswith("code:")},
         "unexplained_failures": soak.counts["unexplained"],
         "failures": soak.failures,

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.slow
 def test_short_soak_with_faults_never_double_finalizes_or_serves_wrong_weights(tp):
     r = run(24, seed=3, fault_rate=0.5, progress=False, tp=tp)
     assert sum(r["faults"].values()) == 24 and r["faults"].get("none", 0) < 24
-    assert set(r["transports"]) == {"inline", "shm", "collective", "sharded"}  # faults drawn on each
+    assert set(r["transports"]) == {"inline", "shm", "collective", "sharded", "delta"}  # faults drawn on each
     assert r["ok"] > 0 and r["failed"] > 0 and r["failed_touching"] > 0
+    assert r["delta_chose"].get("delta", 0) > 0  # some delta push went as patches (cut per rank at tp 2)
+    assert any(f.get("transport") == "delta" for f in r["failures"])  # and some failed by a fault
     # every failure that touched engines was rolled back, and nothing else was
     assert r["rolled_back"] == r["failed_touching"], r["failures"]
     assert (

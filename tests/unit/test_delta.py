@@ -419,10 +419,27 @@ def test_a_delta_to_ranks_that_take_boxes_patches_each_box_against_the_box_that_
     for box in rows:
         assert torch.equal(got[("q", box)].view(torch.int16), cut(w2["q"], box).view(torch.int16))
 
+    # a store that holds the whole (a push that was not cut) patches the box cut from it;
+    # once that sync finalizes, it holds the boxes, not the whole
     whole = BaseStore(True)
     (d1,) = iter_buckets(w1.items(), 1 << 20)
     loaded, _, skip = whole.rebuild(d1.tensors, d1.frame())
     whole.stage_loaded(loaded, None, skip)
+    whole.commit()
+    loaded, _, skip = whole.rebuild(b2.tensors, b2.frame())
+    whole.stage_loaded(loaded, None, skip)
+    whole.commit()
+    assert whole._get("q") == (None, None)
+    for box in rows:
+        got_box, part = whole._get("q", box, (64, 64))
+        assert torch.equal(got_box.view(torch.int16), cut(w2["q"], box).view(torch.int16))
+        assert part == part_digest("q", (64, 64), box, cut(w2["q"], box))
+    # the whole of another version is no base for those patches
+    other = BaseStore(True)
+    (d2,) = iter_buckets({"q": changed(w1["q"], 0.5, 9), "n": w1["n"]}.items(), 1 << 20)
+    loaded, _, skip = other.rebuild(d2.tensors, d2.frame())
+    other.stage_loaded(loaded, None, skip)
+    other.commit()
     with pytest.raises(WeightSyncError) as ei:
-        whole.rebuild(b2.tensors, b2.frame())
+        other.rebuild(b2.tensors, b2.frame())
     assert ei.value.code is ErrorCode.STALE_BASE
