@@ -53,6 +53,26 @@ def commit() -> str:
         return "unknown"
 
 
+SOAKS = ROOT / "docs" / "bench"  # soaks run by hand (`--json`), each rendered from its JSON
+
+
+def soak_paragraph(r: dict, path: Path) -> str:
+    """One hand-run soak (its `--json` output, which records its command), in a paragraph."""
+    delta = r.get("delta_chose") or {}
+    return (
+        f"`{r.get('command', 'python -m tests.faults.soak')}` (at {r.get('commit', 'an unrecorded commit')}, "
+        f"{path.relative_to(ROOT)}): "
+        f"{r['syncs']} syncs, {r['seconds']} s: {r['ok']} ok, {r['failed']} failed, "
+        f"{r['failed_touching']} after touching engines, {r['rolled_back']} rolled back; "
+        f"{r['unsettled']} unsettled, {r['unexplained_failures']} unexplained, "
+        f"{r['double_finalizes']} double finalizes, {r['ready_with_wrong_digest']} READY with a "
+        f"wrong digest, {r['leaked_processes']} leaked processes, {r['leaked_shm_segments']} "
+        f"leaked segments. Transports: {cell(r['transports'])}; faults: {cell(r['faults'])}"
+        + (f"; delta pushes sent as: {cell(delta)}" if delta else "")
+        + ".\n"
+    )
+
+
 def render(
     rows: list[dict], matrix_line: str, fuzz_line: str, fuzz_cases: int, soak: dict, extra: dict[str, str]
 ) -> str:
@@ -166,6 +186,11 @@ def render(
         f"| faults injected | {cell(soak['faults'])} |",
         f"| error codes seen by the trainer | {cell(soak['codes'])} |",
         "",
+        "Soaks run by hand with `--tp 2` (two torch engines of two ranks each: every push cut "
+        "into slices, every rank's digest checked; the suite runs a short one at tp 1 and 2, "
+        "`tests/faults/test_soak.py`):",
+        "",
+        *[soak_paragraph(json.loads(p.read_text()), p) for p in sorted(SOAKS.glob("soak-*.json"))],
         "Every failed sync, by injected fault and code, with one cause as the trainer read it:",
         "",
         "| transport | fault | code | syncs | explained | a cause |",

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -571,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="each engine's tensor-parallel ranks (pushes are cut)")
     args = ap.parse_args(argv)
     r = run(args.syncs, args.seed, args.fault_rate, tp=args.tp)
+    r["commit"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    r["command"] = (
+        f"python -m tests.faults.soak --syncs {args.syncs} --seed {args.seed} "
+        f"--fault-rate {args.fault_rate} --tp {args.tp}"
+    )
     print(
         f"syncs {r['syncs']}: ok {r['ok']}, failed {r['failed']} ({r['failed_touching']} after "
         f"touching engines), rolled back {r['rolled_back']}, unsettled {r['unsettled']} "
