@@ -42,6 +42,7 @@ from engines.delta import BaseStore, Key, loaded_of
 from engines.postload import Rehash, Rehashed
 from engines.prefetch import Prefetcher, StreamItem
 from engines.session import Begin, Job
+from engines.tiles import Tiles, assembled
 from engines.verify import Verifier, Verifying
 from messages import coverage, schema, stream
 from messages.bounded import LRU
@@ -106,6 +107,11 @@ class Applier(threading.Thread):
         self.boxed = 0  # buckets holding a box it has loaded (the fail_slices_at failpoint counts them)
         self.base = BaseStore(delta_base)  # the base copy delta patches apply to
         self.pieces = Assembler()  # tensors larger than a bucket, until their last piece
+        # a replay cut for other layouts than this engine's (`Load.cut_for`): whole tensors
+        # are assembled from its boxes (engines/tiles.py)
+        self.key = info.slices.key if info.slices is not None else None
+        self.assembling = False
+        self.tiles = Tiles()
         # sync_id -> set when that sync's group stream must stop (the main thread's abort);
         # read and written by the main and the applier thread, under the lock
         self._cancels: LRU[str, threading.Event] = LRU(CANCELS_KEPT)
@@ -209,6 +215,7 @@ class Applier(threading.Thread):
         self.engine.begin(msg.sync_id, msg.version)
         self.base.discard()
         self.pieces.clear()
+        self.tiles.clear()
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
         self.pass_bytes = {}
@@ -224,6 +231,7 @@ class Applier(threading.Thread):
             return  # already reported; the orchestrator is aborting this sync
         if msg.hold:  # a replay of base + deltas: keep what it loads until it ends
             self.base.hold()
+        self.assembling = bool(msg.cut_for) and self.key not in msg.cut_for
         t0 = time.perf_counter()
         try:
             self._boxes(msg.tensors)  # before any path hands them on (workers, refs, groups)
@@ -403,28 +411,12 @@ class Applier(threading.Thread):
         Delta patches are rebuilt on the base first (engines/delta.py); every loaded
         tensor is staged as the next base when the engine keeps one. A piece of a tensor
         larger than a bucket is assembled first; the tensor loads once its last piece is in."""
-        if has_pieces(metas):
-            whole = tuple(m for m in metas if m.start is None)
-            if whole:
-                self._apply_metas(
-                    whole, buf, None if parts is None else {m.name: parts[m.name] for m in whole}
-                )
-            for m in metas:
-                if m.start is None:
-                    continue
-                try:
-                    added = self.pieces.add(m, buf)
-                except MessageError as exc:
-                    raise WeightSyncError(exc.reason, code=exc.code) from None
-                # its second pass: copied into the whole tensor, hashed for its digest part
-                p = added.passed
-                self._add("assemble", p.copy_s + p.hash_s, p.hashed)
-                if added.whole is not None:
-                    meta, data, part = added.whole
-                    self._apply_metas(
-                        (meta,), memoryview(host_buffer(data)), None if parts is None else {meta.name: part}
-                    )
-                    del data
+        tiled = self.assembling and any(m.box is not None for m in metas)
+        if has_pieces(metas) or tiled:  # pieces, and boxes of another layout: assembled first
+            for group, data, group_parts in assembled(
+                metas, buf, parts, self.pieces, self.tiles if tiled else None, self._add
+            ):
+                self._apply_metas(group, data, group_parts)
             return
         boxes = self._boxes(metas)
         if self.slices and not isinstance(self.engine, LoadsBuckets):
@@ -460,7 +452,7 @@ class Applier(threading.Thread):
     def _boxes(self, metas: Sequence[schema.TensorMeta]) -> bool:
         """Whether a bucket holds a box of a tensor; refused unless this engine takes slices."""
         boxes = any(m.box is not None for m in metas)
-        if boxes and not self.slices:  # its sender cut for a layout it did not declare
+        if boxes and not self.slices and not self.assembling:  # cut for a layout it did not declare
             why = "a bucket holds a box of a tensor, and this engine takes whole tensors only"
             raise WeightSyncError(why, code=ErrorCode.BAD_MESSAGE)
         return boxes
@@ -588,6 +580,7 @@ class Applier(threading.Thread):
         self._close_group()  # the daemon plans a new group after a failed sync
         self.base.discard()
         self.pieces.clear()
+        self.tiles.clear()
         if self.current == msg.sync_id:
             self.engine.abort()
             self.current = None

@@ -430,6 +430,9 @@ class Load(Message, frozen=True, tag="load"):
     # a replay (rollback, catch-up) of a version kept as base + deltas: later buckets of
     # this sync patch what this one loads, so an engine without a base keeps it meanwhile
     hold: bool = False
+    # a replay of a version cut into slices: the layout keys its boxes were cut for (an
+    # engine of another layout assembles whole tensors from them)
+    cut_for: Annotated[tuple[LayoutKey, ...], Meta(max_length=MAX_GROUP)] = ()
 
 
 class OpenStream(Message, frozen=True, tag="stream"):

@@ -322,6 +322,7 @@ class Effects:
             source=m.source,
             mac=m.mac,
             hold=self.recovery is not None and self.recovery.holds(m.sync_id),
+            cut_for=self.recovery.cut_for(m.sync_id) if self.recovery is not None else (),
         )
         if m.size is not None and c.group is not None:
             self._forward_collective(c, msgspec.structs.replace(load, size=m.size))

@@ -124,6 +124,7 @@ class Recovery:
                 checksum=e.checksum,
                 source=0,
                 hold=self.spool.layered,
+                cut_for=self.spool.cut_for,
             )
         )
         self.engines.send_engine(c.engine_id, [header, frame])
@@ -140,6 +141,10 @@ class Recovery:
     def holds(self, sync_id: str) -> bool:
         """`sync_id` is a rollback whose engines must hold what it loads (`Feed.hold`)."""
         return self.rollback is not None and self.rollback.sync_id == sync_id and self.rollback.hold
+
+    def cut_for(self, sync_id: str) -> tuple[str, ...]:
+        """`sync_id` is the rollback: the layout keys its spooled boxes were cut for."""
+        return self.spool.cut_for if self.rollback is not None and self.rollback.sync_id == sync_id else ()
 
     def sync_closed(self, sync_id: str) -> None:
         if self.rollback is not None and self.rollback.sync_id == sync_id:

@@ -154,6 +154,11 @@ class Spool:
         what it loads until it ends (`Load.hold`), so one without a base rebuilds it too."""
         return self.info is not None and self.info.chain > 0
 
+    @property
+    def cut_for(self) -> tuple[str, ...]:
+        """The layout keys the version's boxes were cut for (`Load.cut_for`; empty: whole)."""
+        return tuple(sorted(self.info.slice_digests)) if self.info is not None else ()
+
     def read(self, entry: SpoolEntry) -> bytes:
         if self._dir is None:
             raise OSError("the spool holds no version")

@@ -306,3 +306,61 @@ def test_a_rank_failing_mid_sync_rolls_the_whole_fleet_back(tmp_path, tiny_model
         assert all(e["slices"]["received"] == want for e in st["engines"])
         r3 = client.push(dict(perturbed(tiny_state, 3)).items(), 3, bucket_bytes=64 * 1024)
         assert r3.state == "READY" and sorted(e["engine_id"] for e in r3.engines) == ["engine-0", "engine-1"]
+
+
+def test_engines_of_other_layouts_catch_up_from_a_spool_of_boxes_and_take_part_after(
+    tmp_path, tiny_model_dir, tiny_state
+):
+    """The spool keeps the boxes a push to engines of two ranks was cut into. A later
+    engine that takes whole tensors, and one of four ranks (another partition), catch up
+    from it: the daemon says which layouts the boxes were cut for (`Load.cut_for`), and
+    each assembles whole tensors from them (engines/tiles.py), so both serve the version's
+    digest. A push that breaks half-way is rolled back from the same spool, each engine
+    assembling or taking its boxes again; the next push goes whole (an engine of the fleet
+    declared no ranks now) and commits on all three."""
+    daemon = ["--spool", str(tmp_path / "spool"), "--min-engines", "1"]
+    with (
+        running_daemon(
+            tmp_path, tiny_model_dir, engines=1, engine_args=["--tp", "2"], daemon_args=daemon
+        ) as cluster,
+        cluster.client() as client,
+    ):
+        v1 = dict(perturbed(tiny_state, 1))
+        r1 = client.push(v1.items(), 1, bucket_bytes=64 * 1024)
+        assert r1.state == "READY" and r1.digest == digest(v1.items())
+        cluster.start_engine("whole", ["--tp", "1"])
+        cluster.start_engine("four", ["--tp", "4"])
+
+        def caught_up():
+            es = {e["engine_id"]: e for e in client.status()["engines"]}
+            ok = {"whole", "four"} <= set(es) and all(
+                es[k]["state"] == "READY" and es[k]["version"] == 1 for k in ("whole", "four")
+            )
+            return es if ok else None
+
+        es = wait_for(
+            caught_up, 120, "the whole engine and the tp-4 engine caught up from the spool of boxes"
+        )
+        assert es["whole"]["digest"] == es["four"]["digest"] == r1.digest
+
+        def broken():
+            items = list(perturbed(tiny_state, 2))
+            yield from items[: len(items) // 2]
+            raise RuntimeError("trainer step crashed")
+
+        with pytest.raises(RuntimeError):
+            client.push(broken(), 2, bucket_bytes=16 * 1024)
+
+        def rolled_back():
+            st = client.status()
+            es = st["engines"]
+            ok = st["state"] == "READY" and len(es) == 3 and st["last_sync"]["kind"] == "rollback"
+            return st if ok and all(e["state"] == "READY" and e["digest"] == r1.digest for e in es) else None
+
+        st = wait_for(rolled_back, 120, "the three engines rolled back to version 1 from the spool of boxes")
+        # the rollback itself brought all three back (no engine failed it to catch up later)
+        assert st["last_sync"]["status"] == "ROLLED_BACK", st["last_sync"]
+        assert sorted(st["last_sync"]["engine_ids"]) == ["engine-0", "four", "whole"]
+        v2 = dict(perturbed(tiny_state, 2))
+        r2 = client.push(v2.items(), 2, bucket_bytes=64 * 1024, probes=_probes(tiny_model_dir, v2))
+        assert r2.state == "READY" and len(r2.engines) == 3 and r2.digest == digest(v2.items())
