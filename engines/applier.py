@@ -46,10 +46,11 @@ from engines.tiles import Tiles, assembled
 from engines.verify import Verifier, Verifying
 from messages import coverage, schema, stream
 from messages.bounded import LRU
-from messages.buckets import Assembler, has_patches, has_pieces, host_buffer, iter_buckets
+from messages.buckets import Assembler, Sliced, has_patches, has_pieces, host_buffer, iter_buckets
 from messages.checksums import bucket_hash
 from messages.distgroup import PEER_FAILED, GroupError
 from messages.errors import ErrorCode, MessageError, WeightSyncError
+from messages.slices import WHOLE
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -385,9 +386,7 @@ class Applier(threading.Thread):
         ):
             # its workers read the slot (a delta's patches are rebuilt here first, below)
             self.engine.load_ref(msg.tensors, msg.ref, msg.checksum, parts=v.parts)
-            if any(m.box is not None for m in msg.tensors):
-                self.base.invalidate()  # a rank's box is no base for a whole tensor's patch
-            elif self.base.keeping:
+            if self.base.keeping:  # its workers' boxes too: a delta patches them here
                 self.base.stage_loaded(loaded_of(msg.tensors, v.buf), v.parts, set())
             return
         self._apply(msg, v.buf, v.parts)
@@ -430,8 +429,10 @@ class Applier(threading.Thread):
             tensors = [(n, t) for n, _, t in loaded]
             if not tensors:
                 pass  # every tensor unchanged and already in the model
-            elif isinstance(self.engine, LoadsBuckets):
-                (dense,) = iter_buckets(tensors, 2**62)  # all in one dense bucket
+            elif isinstance(self.engine, LoadsBuckets):  # all in one dense bucket, boxes as boxes
+                full = {m.name: tuple(m.shape) for m in metas}
+                items = [(n, t if p == WHOLE else Sliced(t, p, full[n])) for n, p, t in loaded]
+                (dense,) = iter_buckets(items, 2**62)
                 self.engine.load_bucket(dense.tensors, dense.frame(), parts=parts)
             else:
                 self.engine.load(tensors)
@@ -439,9 +440,7 @@ class Applier(threading.Thread):
             return
         if isinstance(self.engine, LoadsBuckets):  # (a vLLM engine's workers take their own boxes)
             self.engine.load_bucket(metas, buf, parts=parts)
-            if boxes:
-                self.base.invalidate()  # its workers hold the boxes: this thread keeps none
-            elif self.base.keeping:
+            if self.base.keeping:  # its workers' boxes too: a delta patches them here
                 self.base.stage_loaded(loaded_of(metas, buf), parts, set())
             return
         loaded = loaded_of(metas, buf)

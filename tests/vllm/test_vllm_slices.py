@@ -163,7 +163,9 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
     part (status: slices.received equals the declared rank_bytes, each <= 0.6 of the
     model), the daemon checks each rank's digest, and the canaries (greedy outputs of the
     trainer's model) pass, over frames, over shared memory and over the collective (each
-    worker receives every bucket in the group and keeps its boxes)."""
+    worker receives every bucket in the group and keeps its boxes). Then a delta push: the
+    engine's applier kept the boxes it handed its workers (`--delta-base`), rebuilds each
+    box's patch on them, and the workers take the rebuilt boxes."""
     from pathlib import Path
 
     from engines.torch_engine import load_model
@@ -181,6 +183,7 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
         "tensor_parallel_size=2",
         "--vllm-arg",
         "distributed_executor_backend=mp",
+        "--delta-base",
     ]
     whole = sum(t.numel() * t.element_size() for t in tiny_state.values())
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -200,3 +203,19 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
             assert e["digest"] == r.digest and e["version"] == v
             assert e["slices"]["received"] == e["slices"]["rank_bytes"], e["slices"]
             assert len(e["slices"]["received"]) == 2 and max(e["slices"]["received"]) <= 0.6 * whole
+        v4 = dict(perturbed(tiny_state, 4))
+        client.push(v4.items(), 4, bucket_bytes=256 * 1024, delta=True)  # the trainer's copy: dense
+        v5 = {k: t.clone() for k, t in v4.items()}
+        for k in sorted(k for k, t in v5.items() if t.numel() > 1000)[:6]:  # a small step
+            v5[k].view(-1)[:: max(1, v5[k].numel() // 40)] += 0.01
+        m = load_model(tiny_model_dir)
+        m.load_state_dict(v5)
+        probes = make_probes(m, [(1, 17, 42, 99, 7), (1, 250, 3, 64)], 6)
+        r = client.push(v5.items(), 5, bucket_bytes=256 * 1024, probes=probes, delta=True)
+        d = r.detail["delta"]
+        assert r.state == "READY" and r.digest == digest(v5.items()), r
+        assert (
+            d["chose"] == "delta" and d["tensors"].get("sparse", 0) > 0 and d["bytes"] < d["dense_bytes"] / 20
+        ), d
+        (e,) = client.status()["engines"]
+        assert e["digest"] == r.digest and e["version"] == 5
