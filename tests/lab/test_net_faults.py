@@ -39,11 +39,14 @@ def _syncing(f: LabFleet) -> bool:
     return st["state"] == "LOADING_BUCKETS" and st.get("sync") is not None
 
 
-def _cut_e1_mid_push(f: LabFleet, version: int, transport: str) -> tuple[dict[str, Any], float, float]:
-    """Push `version`, and cut e1's link once the sync is loading: the push must fail
-    (ENGINE_FAILED or TIMEOUT) within the engine timeout + 10 s. Returns its answer, the
-    instant of the cut and how long the failure took after it."""
-    rid = f.send({"op": "push", "version": version, "transport": transport, "timeout": 60})
+def _cut_e1_mid_push(
+    f: LabFleet, version: int, transport: str, **push: Any
+) -> tuple[dict[str, Any], float, float]:
+    """Push `version` (`push`: more of the agent's push fields), and cut e1's link once the
+    sync is loading: the push must fail (ENGINE_FAILED or TIMEOUT) within the engine
+    timeout + 10 s. Returns its answer, the instant of the cut and how long the failure
+    took after it."""
+    rid = f.send({"op": "push", "version": version, "transport": transport, "timeout": 60, **push})
     wait_for(lambda: _syncing(f), 60, f"the sync of version {version} to be loading")
     cut = time.monotonic()
     f.host_of(1).cut()
@@ -293,3 +296,37 @@ def test_sliced_pushes_to_two_rank_engines_over_a_slow_link_and_a_cut_one(
             f"tp 2, {transport}: failed {noticed:.1f}s after the cut, e0 at v1 {settled:.1f}s after it; "
             f"e1 at v3 {caught_up:.1f}s after the heal"
         )
+
+
+def test_delta_pushes_by_slices_over_a_slow_link_and_a_cut_one(tmp_path, tiny_model_dir):
+    """Two engines of two ranks each keeping a base (`--tp 2 --delta-base`), e1's link five
+    times slower. Small steps pushed as deltas are patches of each rank's box and commit on
+    both. A delta push whose sync loses e1's link fails naming e1; e0 is rolled back to the
+    served version (the spool replays the boxes, then the box patches); healed, e1 catches
+    up the same way, and the next delta, against the served version, commits on both."""
+    engine_args = ["--tp", "2", "--delta-base"]
+    with Lab(rate_mbit=40) as lab, _fleet(lab, tmp_path, tiny_model_dir, engine_args=engine_args) as f:
+        f.host_of(1).rate(8)
+        delta = {"client": "delta", "delta": True}
+        v1 = f.push(1, transport="inline", **delta)  # the first: dense (cut), the trainer's copy
+        assert v1["ok"] and v1["result"]["detail"]["delta"]["chose"] == "dense", v1
+        v2 = f.push(2, transport="inline", change="sparse", **delta)
+        assert v2["ok"], v2
+        sent = v2["result"]["detail"]["delta"]
+        assert sent["chose"] == "delta" and sent["bytes"] < sent["dense_bytes"] / 50, sent
+        assert _served_by(f) == {e: (2, v2["result"]["digest"]) for e in ("e0", "e1")}
+        # a step that changes every element (its delta entries go dense: long enough to cut)
+        failed, cut, noticed = _cut_e1_mid_push(f, 3, "inline", **delta)
+        assert "e1" in failed["message"], failed
+        wait_for(
+            lambda: f.status()["state"] == "READY" and _served_by(f).get("e0") == (2, v2["result"]["digest"]),
+            60,
+            "e0 back at v2 (boxes, then box patches)",
+        )
+        f.host_of(1).heal()
+        want = (2, v2["result"]["digest"])
+        wait_for(lambda: _served_by(f) == {"e0": want, "e1": want}, 120, "e1 caught up to v2")
+        v4 = f.push(4, transport="inline", change="sparse", **delta)
+        assert v4["ok"] and v4["result"]["detail"]["delta"]["chose"] == "delta", v4
+        assert _served_by(f) == {e: (4, v4["result"]["digest"]) for e in ("e0", "e1")}
+        print(f"delta by slices, tp 2: failed {noticed:.1f}s after the cut")
