@@ -217,6 +217,7 @@ class Applier(threading.Thread):
         self.base.discard()
         self.pieces.clear()
         self.tiles.clear()
+        self.assembling = False  # set by this sync's loads (a replay's `cut_for`), not a past one's
         self.current = msg.sync_id
         self.phases = {"begin": time.perf_counter() - t0}
         self.pass_bytes = {}

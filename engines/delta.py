@@ -80,7 +80,7 @@ class BaseStore:
             hit = d.get(key)
             if hit is None and box is not None and (name, None) in d:
                 # the whole is held (a push that was not cut): its box is this rank's base
-                hit = (box_view(d[(name, None)][0], box).contiguous().clone(), None)
+                hit = (box_view(d[(name, None)][0], box).clone(memory_format=torch.contiguous_format), None)
                 d[key] = hit
             if hit is not None:
                 t, part = hit

@@ -77,11 +77,15 @@ def assembled(
     """A bucket holding pieces (or, with `tiles`, boxes to assemble) as what to apply: its
     other tensors first, then each tensor its piece or box completed. A box whose pieces
     completed goes on to `tiles`. `on_pass` counts each piece's second pass (copy, hash)."""
-    whole = tuple(m for m in metas if m.start is None and not (tiles is not None and m.box is not None))
+
+    def ready(m: TensorMeta) -> bool:  # applied as it is: neither a piece nor a box to assemble
+        return m.start is None and (tiles is None or m.box is None)
+
+    whole = tuple(m for m in metas if ready(m))
     if whole:
         yield whole, buf, None if parts is None else {m.name: parts[m.name] for m in whole}
     for m in metas:
-        if m in whole:
+        if ready(m):
             continue
         if m.start is None:  # a box: whole once its tensor's boxes cover it
             done = tiles.add(m, buf) if tiles is not None else None

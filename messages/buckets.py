@@ -111,7 +111,7 @@ class Patched:
     def covered(self) -> int:
         """The bytes of the tensor (or box) it patches (what a bucket's size counts: see iter_buckets)."""
         n = 1
-        for d in self.shape if self.box is None else (length for _, length in self.box):
+        for d in self.shape if self.box is None else box_shape(self.box):
             n *= d
         return n * self.dtype.itemsize
 

@@ -58,9 +58,7 @@ class Cuts:
         """The distinct boxes `name` travels as; empty where it travels whole (no rank
         loads a box of it, or some rank loads the whole)."""
         parts = self._parts(name)
-        if WHOLE in parts:
-            return []
-        return sorted({p for p in parts if isinstance(p, tuple)})
+        return [] if WHOLE in parts else _distinct_boxes(parts)
 
     def items(self, named: Iterable[tuple[str, Item]], digester: Digester) -> Iterator[tuple[str, Item]]:
         """`named` as the items to pack: each tensor whole, or as its distinct boxes."""
@@ -68,14 +66,14 @@ class Cuts:
             if not isinstance(t, (torch.Tensor, Cast)):  # a patch, a piece: as it is
                 yield name, t
                 continue
-            boxes = self.boxes(name)
-            if not boxes:
+            parts = self._parts(name)
+            boxes = _distinct_boxes(parts)
+            if not boxes or WHOLE in parts:
                 yield name, t
                 # ranks that cut their box from the whole on arrival: their parts, hashed here
-                cut_here = sorted({p for p in self._parts(name) if isinstance(p, tuple)})
-                if cut_here:
+                if boxes:
                     whole = _tensor(t)
-                    for box in cut_here:
+                    for box in boxes:
                         digester.add(name, part_digest(name, whole.shape, box, cut(whole, box)), box)
                 continue
             src = _tensor(t)
@@ -110,6 +108,10 @@ class Planned:
     def __init__(self) -> None:
         self.cuts: Cuts | None = None
         self.digester: Digester | None = None
+
+
+def _distinct_boxes(parts: Iterable[Part]) -> list[Box]:
+    return sorted({p for p in parts if isinstance(p, tuple)})
 
 
 def _tensor(t: torch.Tensor | Cast) -> torch.Tensor:

@@ -143,9 +143,8 @@ class Soak:
     def small_step(self, v: int) -> dict:
         """Version `v` as a small step (a few values of a few tensors) from the weights the
         trainer's delta copy holds: what a delta push is for."""
-        import torch
-
         from messages.buckets import digest
+        from tests.integration.helpers import small_step
 
         served = self.served
         if served is not None and served != self.delta_base.version and served in self.recent:
@@ -154,11 +153,7 @@ class Soak:
             self.delta_base.adopt(self.delta_weights.items(), served)
         if self.delta_weights is None:
             return self.weights(v)
-        g = torch.Generator().manual_seed(v)
-        w = {k: t.clone() for k, t in self.delta_weights.items()}
-        for name in sorted(n for n, t in w.items() if t.numel() > 1000)[:4]:
-            flat = w[name].view(-1)
-            flat[torch.randint(0, flat.numel(), (40,), generator=g)] += 0.01
+        w = small_step(self.delta_weights, v, tensors=4, elements=40)
         self.digests[v] = digest(w.items())
         return w
 

@@ -172,6 +172,7 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
     from examples.tiny import perturbed
     from messages.buckets import digest
     from messages.canary import make_probes
+    from tests.integration.helpers import small_step
     from tests.vllm.conftest import vllm_fleet
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -205,9 +206,7 @@ def test_a_tp2_vllm_engine_process_taking_slices_serves_pushes_through_the_daemo
             assert len(e["slices"]["received"]) == 2 and max(e["slices"]["received"]) <= 0.6 * whole
         v4 = dict(perturbed(tiny_state, 4))
         client.push(v4.items(), 4, bucket_bytes=256 * 1024, delta=True)  # the trainer's copy: dense
-        v5 = {k: t.clone() for k, t in v4.items()}
-        for k in sorted(k for k, t in v5.items() if t.numel() > 1000)[:6]:  # a small step
-            v5[k].view(-1)[:: max(1, v5[k].numel() // 40)] += 0.01
+        v5 = small_step(v4, 5, tensors=6)
         m = load_model(tiny_model_dir)
         m.load_state_dict(v5)
         probes = make_probes(m, [(1, 17, 42, 99, 7), (1, 250, 3, 64)], 6)
